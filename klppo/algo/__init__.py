@@ -1,0 +1,56 @@
+"""Pure tensor math for KL-regularised PPO: masked stats, KL, advantages, losses.
+
+Imports only torch and the standard library; takes tensors and plain numbers, returns
+tensors (stats as 0-dim tensors). Names follow verl's `trainer/ppo/core_algos.py`.
+"""
+
+from klppo.algo.advantages import (
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_rloo_outcome_advantage,
+)
+from klppo.algo.kl import (
+    KL_PENALTY_NAMES,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_penalty,
+)
+from klppo.algo.losses import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    compute_policy_loss,
+    compute_value_loss,
+    entropy_from_logits,
+    explained_variance,
+    kl_loss,
+    logprobs_from_logits,
+)
+from klppo.algo.stats import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "KL_PENALTY_NAMES",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "explained_variance",
+    "kl_loss",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+]

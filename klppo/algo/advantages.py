@@ -1,0 +1,193 @@
+"""Advantage estimators: GAE (with a critic) and group / outcome estimators (without one).
+
+Shapes:
+    B  batch size (sequences)
+    T  response length (padded)
+    G  number of distinct groups (prompts) in `index`
+
+Masks are bool, True = real token. `index` gives each sequence's group id (the prompt it
+answers): a length-B sequence of hashable ids (str, int, ...) or a 1-D integer tensor.
+Every estimator returns (advantages, returns), both (B, T) and zero at padded tokens, and
+runs under torch.no_grad. Names and conventions follow verl's
+`verl/trainer/ppo/core_algos.py`; group statistics are vectorised with index_add
+instead of verl's per-sequence Python loop (tests check both give the same numbers).
+"""
+
+from typing import Hashable, Sequence, Tuple, Union
+
+import torch
+
+from klppo.algo.stats import masked_whiten
+
+GroupIndex = Union[Sequence[Hashable], torch.Tensor]
+
+
+def _zero_padding(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, torch.zeros_like(x))
+
+
+def _gae_raw(
+    token_level_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """Unwhitened GAE advantages (B, T), not yet zeroed at padding.
+
+    Schulman et al. 2016 (arXiv:1506.02438) eq. 16: A_t = sum_l (gamma lam)^l delta_{t+l},
+    delta_t = r_t + gamma V_{t+1} - V_t, computed backwards. A padded position is skipped:
+    it neither updates V_{t+1} nor the running A, so padding (or observation tokens) in the
+    middle of a row does not leak into earlier tokens (verl's nextvalues/lastgaelam carry).
+    """
+    next_values = torch.zeros_like(values[:, 0])  # (B,) V_{t+1} of the next real token
+    last_gae = torch.zeros_like(values[:, 0])  # (B,) A_{t+1} of the next real token
+    reversed_adv = []
+    for t in reversed(range(values.shape[1])):
+        delta = token_level_rewards[:, t] + gamma * next_values - values[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        next_values = torch.where(mask[:, t], values[:, t], next_values)
+        last_gae = torch.where(mask[:, t], gae_t, last_gae)
+        reversed_adv.append(last_gae)
+    return torch.stack(reversed_adv[::-1], dim=1)
+
+
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages and value targets (verl's compute_gae_advantage_return).
+
+    token_level_rewards, values, response_mask: (B, T). Returns (advantages, returns),
+    both (B, T): returns = raw GAE + values (the critic's target, not whitened);
+    advantages = raw GAE whitened over the real tokens of the batch. Both are 0 at padding.
+    """
+    mask = response_mask.bool()
+    advantages = _gae_raw(token_level_rewards, values, mask, gamma, lam)
+    returns = advantages + values
+    advantages = masked_whiten(advantages, mask)
+    return _zero_padding(advantages, mask), _zero_padding(returns, mask)
+
+
+def _group_ids(index: GroupIndex, batch_size: int, device: torch.device) -> Tuple[torch.Tensor, int]:
+    """Dense group ids (B,) in [0, G) and G, from hashable ids or an integer tensor."""
+    if len(index) != batch_size:
+        raise ValueError(f"index has {len(index)} group ids but the batch has {batch_size} sequences")
+    if isinstance(index, torch.Tensor):
+        uniques, ids = torch.unique(index.reshape(-1), return_inverse=True)
+        return ids.to(device), uniques.numel()
+    dense = {}
+    ids = [dense.setdefault(g, len(dense)) for g in index]
+    return torch.tensor(ids, dtype=torch.long, device=device), len(dense)
+
+
+def _group_stats(
+    scores: torch.Tensor, ids: torch.Tensor, num_groups: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence (mean, std, size) of its group's scores, each (B,).
+
+    scores: (B,), ids: (B,) in [0, G). std is unbiased (as torch.std). Groups of one
+    sequence get mean 0 and std 1, as verl, so a lone answer keeps its raw score.
+    """
+    zeros = scores.new_zeros(num_groups)  # (G,)
+    size = zeros.index_add(0, ids, torch.ones_like(scores))  # (G,)
+    mean = zeros.index_add(0, ids, scores) / size
+    sq_dev = zeros.index_add(0, ids, (scores - mean[ids]) ** 2)
+    std = torch.sqrt(sq_dev / (size - 1).clamp(min=1))
+    single = size < 2
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return mean[ids], std[ids], size[ids]
+
+
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: each answer's score relative to its group (Shao et al. 2024, arXiv:2402.03300).
+
+    token_level_rewards, response_mask: (B, T); index: B group ids. score = sum over T;
+    adv = (score - group mean) / (group std + epsilon), or score - group mean when
+    `norm_adv_by_std_in_grpo` is False (Dr. GRPO, arXiv:2503.20783). Broadcast over real
+    tokens. Returns (advantages, returns), identical, (B, T).
+    """
+    mask = response_mask.bool()
+    scores = token_level_rewards.sum(dim=-1)  # (B,)
+    ids, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    mean, std, _ = _group_stats(scores, ids, num_groups)
+    adv = scores - mean
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (std + epsilon)
+    advantages = _zero_padding(adv.unsqueeze(-1).expand_as(token_level_rewards), mask)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: score minus the mean of the other answers to the same prompt (arXiv:2402.14740).
+
+    token_level_rewards, response_mask: (B, T); index: B group ids. For a group of n > 1,
+    score - mean(others) = (score - mean) * n / (n - 1); a group of one keeps its score
+    (verl). `epsilon` is unused, kept for verl's signature. Returns (advantages, returns).
+    """
+    mask = response_mask.bool()
+    scores = token_level_rewards.sum(dim=-1)  # (B,)
+    ids, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    mean, _, size = _group_stats(scores, ids, num_groups)
+    loo = (scores - mean) * size / (size - 1).clamp(min=1)
+    adv = torch.where(size > 1, loo, scores)
+    advantages = _zero_padding(adv.unsqueeze(-1).expand_as(token_level_rewards), mask)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted return-to-go, whitened over the batch.
+
+    token_level_rewards, response_mask: (B, T). returns_t = r_t + gamma * returns_{t+1},
+    where the running return restarts after each padded position (verl). Returns
+    (advantages, returns), (B, T); both 0 at padding.
+    """
+    mask = response_mask.bool()
+    returns = torch.zeros_like(token_level_rewards)
+    running = torch.zeros_like(token_level_rewards[:, 0])  # (B,)
+    for t in reversed(range(token_level_rewards.shape[1])):
+        running = token_level_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = _zero_padding(running, mask[:, t])  # nothing flows back across padding
+    advantages = _zero_padding(masked_whiten(returns, mask), mask)
+    return advantages, _zero_padding(returns, mask)
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group-mean baseline (arXiv:2501.03262, verl's rf++ baseline).
+
+    token_level_rewards, response_mask: (B, T); index: B group ids. adv = score - group
+    mean (0 for a group of one), broadcast over real tokens, then whitened over all real
+    tokens of the batch. `epsilon` is unused, kept for verl's signature.
+    Returns (advantages, returns), identical, (B, T).
+    """
+    mask = response_mask.bool()
+    scores = token_level_rewards.sum(dim=-1)  # (B,)
+    ids, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    mean, _, _ = _group_stats(scores, ids, num_groups)
+    adv = _zero_padding((scores - mean).unsqueeze(-1).expand_as(token_level_rewards), mask)
+    advantages = _zero_padding(masked_whiten(adv, mask), mask)
+    return advantages, advantages

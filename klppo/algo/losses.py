@@ -1,0 +1,209 @@
+"""Policy, value and KL losses, their aggregation, and per-token log-prob / entropy.
+
+Shapes:
+    B  batch size (sequences) of this micro-batch
+    T  response length (padded)
+    V  vocabulary size
+
+Masks are bool, True = real token. Losses follow verl's `core_algos.py` (names, clamps,
+metric keys). Aggregation is split-invariant: give `agg_loss` the token / sequence counts
+of the whole (global) batch and the losses of its micro-batches, on every rank, add up to
+the loss of the whole batch. The caller must therefore SUM gradients over micro-batches
+and ranks (not average them), or scale by the number of parts it averages over.
+"""
+
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from klppo.algo.kl import kl_penalty
+from klppo.algo.stats import masked_mean, masked_sum, masked_var
+
+Count = Optional[Union[int, float, torch.Tensor]]
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _denominator(count: Count, local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`count` (or the local count) as a float tensor >= 1, on `like`'s device.
+
+    Clamping at 1 makes an all-padding batch give a loss of 0 rather than NaN.
+    """
+    dtype = torch.promote_types(like.dtype, torch.float32)  # never count in bf16
+    value = local if count is None else count
+    return torch.as_tensor(value, device=like.device).to(dtype).clamp(min=1)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    global_token_count: Count = None,
+    global_seq_count: Count = None,
+    loss_scale_factor: Optional[float] = None,
+) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to a 0-dim loss (verl's agg_loss).
+
+    loss_mat, loss_mask: (B, T). Modes (N_tok = real tokens, N_seq = sequences with at
+    least one real token; both default to this call's counts, or pass the global batch's):
+      "token-mean":              sum(loss * mask) / N_tok
+      "seq-mean-token-sum":      sum_i (sum_t loss_it) / N_seq
+      "seq-mean-token-mean":     sum_i (mean_t loss_it) / N_seq
+      "seq-mean-token-sum-norm": sum_i (sum_t loss_it) / loss_scale_factor (default T), as
+          verl now defines it (Dr. GRPO's constant normaliser); it does not divide by N_seq
+          and ignores the global counts. Pass a fixed loss_scale_factor when micro-batches
+          are padded to different T.
+    """
+    mask = loss_mask.bool()
+    if loss_agg_mode == "token-mean":
+        n_tok = _denominator(global_token_count, mask.sum(), loss_mat)
+        return masked_sum(loss_mat, mask) / n_tok
+    seq_sums = masked_sum(loss_mat, mask, dim=-1)  # (B,)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        scale = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        return seq_sums.sum() / scale
+    seq_real = mask.any(dim=-1)  # (B,) rows with no real token do not count
+    if loss_agg_mode == "seq-mean-token-sum":
+        seq_losses = seq_sums
+    elif loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = seq_sums / mask.sum(dim=-1).clamp(min=1)
+    else:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes are {', '.join(LOSS_AGG_MODES)}")
+    n_seq = _denominator(global_seq_count, seq_real.sum(), loss_mat)
+    return masked_sum(seq_losses, seq_real) / n_seq
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: Count = None,
+    global_seq_count: Count = None,
+    loss_scale_factor: Optional[float] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with dual clip (verl's compute_policy_loss_vanilla).
+
+    old_log_prob, log_prob, advantages, response_mask: (B, T). Per token, with
+    ratio = exp(log_prob - old_log_prob): loss = max(-A ratio, -A clip(ratio, 1 - low,
+    1 + high)) (Schulman et al. 2017, arXiv:1707.06347, eq. 7); for A < 0 it is further
+    capped at -A * clip_ratio_c (dual clip, Ye et al. 2020, arXiv:1912.09729, eq. 5).
+    Returns the aggregated loss (0-dim) and detached stats "actor/pg_loss",
+    "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower".
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1.0, got {clip_ratio_c}")
+    mask = response_mask.bool()
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # verl
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, global_token_count, global_seq_count, loss_scale_factor)
+    with torch.no_grad():
+        lower = (clip_pg_losses1 > pg_losses3) & (advantages < 0)
+        stats = {
+            "actor/pg_loss": loss.detach(),
+            "actor/pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), mask),
+            "actor/ppo_kl": masked_mean(-negative_approx_kl, mask),
+            "actor/pg_clipfrac_lower": masked_mean(lower.float(), mask),
+        }
+    return loss, stats
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: Count = None,
+    global_seq_count: Count = None,
+    loss_scale_factor: Optional[float] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2) (verl's compute_value_loss).
+
+    vpreds (new values), returns (targets), values (values at rollout), response_mask:
+    (B, T). V_clip = values + clip(vpreds - values, -c, c). Returns the aggregated loss
+    (0-dim) and detached stats "critic/vf_loss", "critic/vf_clipfrac" (share of tokens
+    where the clipped loss is the larger), "critic/vpred_mean".
+    """
+    mask = response_mask.bool()
+    vpredclipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
+    vf_losses1 = (vpreds - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    vf_losses = torch.maximum(vf_losses1, vf_losses2)
+    agg = agg_loss(vf_losses, mask, loss_agg_mode, global_token_count, global_seq_count, loss_scale_factor)
+    loss = 0.5 * agg
+    with torch.no_grad():
+        stats = {
+            "critic/vf_loss": loss.detach(),
+            "critic/vf_clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), mask),
+            "critic/vpred_mean": masked_mean(vpreds.detach(), mask),
+        }
+    return loss, stats
+
+
+def kl_loss(
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_loss_type: str,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: Count = None,
+    global_seq_count: Count = None,
+    loss_scale_factor: Optional[float] = None,
+) -> torch.Tensor:
+    """KL(pi || pi_ref) as an actor loss term (verl's actor.use_kl_loss); 0-dim.
+
+    log_prob, ref_log_prob, response_mask: (B, T). The per-token estimator is
+    kl_penalty(log_prob, ref_log_prob, kl_loss_type) (e.g. "low_var_kl", "k3+"),
+    aggregated with agg_loss. The caller multiplies by kl_loss_coef.
+    """
+    kld = kl_penalty(log_prob, ref_log_prob, kl_loss_type)
+    return agg_loss(kld, response_mask, loss_agg_mode, global_token_count, global_seq_count, loss_scale_factor)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: (..., V) -> (...), float32 or wider.
+
+    H = logsumexp(z) - sum softmax(z) * z (verl), computed in at least float32 because
+    bf16 loses the small differences that make up the entropy.
+    """
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] for each position: logits (..., V), labels (...) -> (...).
+
+    Computed as z_label - logsumexp(z) in at least float32, which never materialises the
+    full (..., V) log-softmax (verl's logprobs_from_logits_v2 identity).
+    """
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    label_logits = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+    return label_logits - torch.logsumexp(logits, dim=-1)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over real tokens; 0-dim (critic/vf_explained_var).
+
+    values, returns, mask: (B, T). 1 is a perfect critic, 0 no better than a constant,
+    negative worse. When Var(returns) is 0 the ratio is undefined and this returns 0.0 (a
+    NaN would poison averaged logs); verl instead adds 1e-5 to the denominator.
+    """
+    with torch.no_grad():
+        mask = mask.bool()
+        var_returns = masked_var(returns, mask)
+        var_diff = masked_var(returns - values, mask)
+        safe = torch.where(var_returns > 0, var_returns, torch.ones_like(var_returns))
+        return torch.where(var_returns > 0, 1.0 - var_diff / safe, torch.zeros_like(var_returns))

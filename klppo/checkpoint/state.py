@@ -1,0 +1,111 @@
+"""Save and resume the complete state of a run; export the actor as a Hugging Face folder.
+
+Layout of a run directory (verl's names where verl has one)::
+
+    <default_local_dir>/
+        latest_checkpointed_iteration.txt     the newest complete step, e.g. "20"
+        global_step_20/trainer_state.pt       models, optimisers, schedulers, KL controller,
+                                              data position, RNG states, step
+        metrics.jsonl
+        actor_hf/                             exported at the end of the run
+
+A checkpoint is written to ``global_step_N.tmp`` and renamed into place, and only then is the
+pointer file replaced (also by rename), so a crash mid-save leaves the previous checkpoint and
+pointer intact.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from klppo.errors import UserError
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.pt"
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / f"global_step_{step}"
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a step draws from: torch (CPU and CUDA), Python, NumPy."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep: int | None = None) -> Path:
+    """Write ``state`` as checkpoint ``step`` atomically; keep only the newest ``keep`` if set."""
+    run_dir = Path(run_dir)
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save(state, tmp / STATE_FILE)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _write_atomically(run_dir / LATEST_FILE, str(step))
+    if keep is not None:
+        _prune(run_dir, keep)
+    return final
+
+
+def _prune(run_dir: Path, keep: int) -> None:
+    steps = sorted(int(p.name.rsplit("_", 1)[1]) for p in run_dir.glob("global_step_*") if p.name[-1].isdigit())
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint the pointer file names, or None if the run has none."""
+    pointer = Path(run_dir) / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    folder = step_dir(run_dir, int(pointer.read_text().strip()))
+    return folder if (folder / STATE_FILE).is_file() else None
+
+
+def load_checkpoint(folder: str | Path) -> dict[str, Any]:
+    """The state saved in checkpoint ``folder`` (a ``global_step_N`` directory)."""
+    path = Path(folder) / STATE_FILE
+    if not path.is_file():
+        raise UserError(
+            f"trainer.resume_from_path: '{folder}' holds no {STATE_FILE}; "
+            "point it at a global_step_N folder of an earlier run"
+        )
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def export_hf(model, tokenizer, out_dir: str | Path) -> Path:
+    """Write ``model`` and ``tokenizer`` as a folder that ``from_pretrained`` loads."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out

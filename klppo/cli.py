@@ -1,0 +1,55 @@
+"""The ``klppo`` command: ``ppo``, ``sft``, ``demo`` and ``validate-config``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from klppo.cli_support import run_cli
+
+# Sub-commands that own their argument parsing (so `klppo ppo --config x.yaml a.b=1` reaches
+# main_ppo exactly as `python -m klppo.trainer.main_ppo --config x.yaml a.b=1` would).
+DELEGATED = {
+    "ppo": ("klppo.trainer.main_ppo", "train with KL-regularised PPO (--config x.yaml key=value ...)"),
+    "sft": ("klppo.trainer.main_sft", "supervised warm start (--config x.yaml key=value ...)"),
+    "demo": ("klppo.trainer.demo", "build a task and a tiny model, warm-start it, train it with PPO"),
+}
+
+
+def _validate_config(argv: list[str]) -> int:
+    from klppo.config import format_config, load_ppo_config, load_sft_config
+
+    parser = argparse.ArgumentParser(prog="klppo validate-config", description="Print the resolved config, or its errors.")
+    parser.add_argument("config", help="YAML file")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    parser.add_argument("--sft", action="store_true", help="validate against the SFT schema")
+    args = parser.parse_args(argv)
+    load = load_sft_config if args.sft else load_ppo_config
+    return run_cli(lambda: print(format_config(load(args.config, args.overrides)), end=""))
+
+
+def _usage() -> str:
+    lines = ["usage: klppo {ppo,sft,demo,validate-config} ...", "", "commands:"]
+    lines += [f"  {name:16s}{help_text}" for name, (_, help_text) in DELEGATED.items()]
+    lines.append(f"  {'validate-config':16s}print the resolved config of a YAML file, or its errors")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command in DELEGATED:
+        import importlib
+
+        return importlib.import_module(DELEGATED[command][0]).main(rest)
+    if command == "validate-config":
+        return _validate_config(rest)
+    print(f"klppo: unknown command '{command}'\n{_usage()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""What every entry point shares: user errors as one line, quiet third-party logging."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from klppo.errors import UserError
+
+
+def quiet_libraries() -> None:
+    """Silence transformers' progress bars and advisory warnings; klppo prints its own progress."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def run_cli(action: Callable[[], object]) -> int:
+    """Run ``action``; a ``UserError`` becomes ``error: <message>`` on stderr and exit status 2."""
+    try:
+        action()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

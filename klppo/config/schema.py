@@ -1,0 +1,397 @@
+"""The typed config tree.
+
+Every field uses verl's key name for the same knob (``actor_rollout_ref.actor.clip_ratio``,
+``algorithm.kl_ctrl.target_kl``, ...), so a verl YAML file runs with at most a path changed.
+Each field carries a one-line docstring (the comment above it). ``None`` means "derive from
+another field" (documented on the field) and is resolved by ``klppo.config.load``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+"]
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+
+
+@dataclass
+class DataConfig:
+    # Parquet file(s) of RL prompts (verl's RLHFDataset columns, optionally with `responses`).
+    train_files: Union[str, list[str]] = ""
+    # Parquet file(s) for validation; None disables validation.
+    val_files: Optional[Union[str, list[str]]] = None
+    # Column holding the chat messages of the prompt.
+    prompt_key: str = "prompt"
+    # Longest prompt in tokens (after the chat template); longer ones are truncated or filtered.
+    max_prompt_length: int = 512
+    # Longest response in tokens (generated, or recorded responses truncated to it).
+    max_response_length: int = 512
+    # Prompts per PPO step (before rollout.n responses each).
+    train_batch_size: int = 1024
+    # Prompts per validation batch; None = the whole validation set at once.
+    val_batch_size: Optional[int] = None
+    # What to do with an over-long prompt: error, keep its left part, or keep its right part.
+    truncation: Literal["error", "left", "right"] = "error"
+    # Drop prompts longer than max_prompt_length instead of truncating them.
+    filter_overlong_prompts: bool = False
+    # Shuffle prompts each epoch (deterministically from `seed`).
+    shuffle: bool = True
+    # Seed of the data order; also seeds sampling and initialisation of new heads.
+    seed: int = 1
+
+
+@dataclass
+class FSDPConfig:
+    # Keep parameters on CPU between phases (FSDP2; multi-process runs).
+    param_offload: bool = False
+    # Keep optimiser state on CPU between phases (FSDP2; multi-process runs).
+    optimizer_offload: bool = False
+    # Use FSDP2's CPUOffloadPolicy.
+    offload_policy: bool = False
+    # Free gathered parameters after each forward (FSDP2).
+    reshard_after_forward: bool = True
+    # Ranks per FSDP shard group; -1 = all ranks (HSDP when it divides the world).
+    fsdp_size: int = -1
+    # Mixed-precision parameter dtype; gradients are reduced in fp32.
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
+class ModelConfig:
+    # Local Hugging Face folder of the model (no hub downloads).
+    path: str = ""
+    # Recompute activations in the backward pass to save memory.
+    enable_gradient_checkpointing: bool = False
+    # Pack sequences without padding (sequence packing).
+    use_remove_padding: bool = False
+
+
+@dataclass
+class OptimConfig:
+    # Peak learning rate of AdamW.
+    lr: float = 1e-6
+    # AdamW weight decay.
+    weight_decay: float = 0.01
+    # AdamW betas.
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    # Warm-up steps; -1 = use lr_warmup_steps_ratio.
+    lr_warmup_steps: int = -1
+    # Warm-up as a fraction of the total training steps.
+    lr_warmup_steps_ratio: float = 0.0
+    # Schedule after warm-up.
+    warmup_style: Literal["constant", "cosine"] = "constant"
+    # Floor of the cosine schedule as a fraction of lr.
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class ActorConfig:
+    # Training engine: FSDP2 (`fsdp` is accepted as verl's spelling of the same).
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    # Prompts per mini-batch (each optimiser step sees ppo_mini_batch_size * rollout.n samples).
+    ppo_mini_batch_size: int = 256
+    # Samples per forward/backward on one device; None = the whole mini-batch.
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    # Size micro-batches by a token budget instead of a sample count.
+    use_dynamic_bsz: bool = False
+    # Token budget of one micro-batch when use_dynamic_bsz is on.
+    ppo_max_token_len_per_gpu: int = 16384
+    # PPO clip range (used for both sides unless clip_ratio_low/high are set).
+    clip_ratio: float = 0.2
+    # Lower clip range; None = clip_ratio.
+    clip_ratio_low: Optional[float] = None
+    # Upper clip range; None = clip_ratio.
+    clip_ratio_high: Optional[float] = None
+    # Dual-clip constant c > 1 bounding the loss for negative advantages (Ye et al. 2020).
+    clip_ratio_c: float = 3.0
+    # How token losses are reduced to one number.
+    loss_agg_mode: LossAggMode = "token-mean"
+    # Weight of the entropy bonus (subtracted from the loss).
+    entropy_coeff: float = 0.0
+    # Add a KL(pi || ref) loss term to the actor loss (GRPO style).
+    use_kl_loss: bool = False
+    # Weight of the KL loss.
+    kl_loss_coef: float = 0.001
+    # KL estimator of the KL loss.
+    kl_loss_type: KLPenalty = "low_var_kl"
+    # Passes over each batch.
+    ppo_epochs: int = 1
+    # Max global gradient norm.
+    grad_clip: float = 1.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class ValKwargsConfig:
+    # Sampling temperature for validation.
+    temperature: float = 0.0
+    # Nucleus sampling for validation.
+    top_p: float = 1.0
+    # Top-k sampling for validation; -1 disables it.
+    top_k: int = -1
+    # Responses per validation prompt.
+    n: int = 1
+    # Sample (True) or decode greedily (False).
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    # Where responses come from: recorded in the data, HF generate, or vLLM (GPU).
+    name: Literal["offline", "hf", "vllm"] = "offline"
+    # Responses per prompt (offline: the first n recorded responses of each row; a row with
+    # fewer is an error).
+    n: int = 1
+    # Sampling temperature.
+    temperature: float = 1.0
+    # Nucleus sampling.
+    top_p: float = 1.0
+    # Top-k sampling; -1 disables it.
+    top_k: int = -1
+    # Sample (True) or decode greedily (False).
+    do_sample: bool = True
+    # Longest generated response; None = data.max_response_length.
+    response_length: Optional[int] = None
+    # Samples per no-grad forward when computing old log-probs; None = all at once.
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    # Size log-prob micro-batches by tokens.
+    log_prob_use_dynamic_bsz: bool = False
+    # Token budget of one log-prob micro-batch.
+    log_prob_max_token_len_per_gpu: int = 16384
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+
+
+@dataclass
+class RefConfig:
+    # Engine of the reference model.
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    # Samples per no-grad reference forward; None = all at once.
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    # Size reference micro-batches by tokens.
+    log_prob_use_dynamic_bsz: bool = False
+    # Token budget of one reference micro-batch.
+    log_prob_max_token_len_per_gpu: int = 16384
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    # Backbone of the critic; None = the actor's model.path.
+    path: Optional[str] = None
+    # Recompute activations in the backward pass.
+    enable_gradient_checkpointing: bool = False
+    # Pack sequences without padding.
+    use_remove_padding: bool = False
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+def _critic_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-5)
+
+
+@dataclass
+class CriticConfig:
+    # Engine of the critic.
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=_critic_optim)
+    # Prompts per critic mini-batch; None = the actor's.
+    ppo_mini_batch_size: Optional[int] = None
+    # Samples per critic forward/backward; None = the whole mini-batch.
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    # Size critic micro-batches by tokens.
+    use_dynamic_bsz: bool = False
+    # Token budget of one critic micro-batch.
+    ppo_max_token_len_per_gpu: int = 32768
+    # Critic passes over each batch; None = the actor's ppo_epochs.
+    ppo_epochs: Optional[int] = None
+    # Max global gradient norm of the critic.
+    grad_clip: float = 1.0
+    # Value clip range around the old values.
+    cliprange_value: float = 0.5
+    # How token value losses are reduced.
+    loss_agg_mode: LossAggMode = "token-mean"
+
+
+@dataclass
+class RewardModelInnerConfig:
+    # Local folder of a sequence-classification reward model.
+    path: Optional[str] = None
+
+
+@dataclass
+class RewardModelConfig:
+    # Score responses with a reward model (in addition to / instead of rule functions).
+    enable: bool = False
+    model: RewardModelInnerConfig = field(default_factory=RewardModelInnerConfig)
+    # Samples per reward-model forward.
+    micro_batch_size_per_gpu: Optional[int] = None
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    # Python file defining the reward function; None = built-in rules chosen by data_source.
+    path: Optional[str] = None
+    # Name of the function in that file: f(data_source, solution_str, ground_truth, extra_info).
+    name: str = "compute_score"
+
+
+@dataclass
+class KLControlConfig:
+    # Fixed coefficient, or adaptive (Ziegler et al. 2019) towards target_kl.
+    type: Literal["fixed", "adaptive"] = "fixed"
+    # The (initial) KL coefficient beta.
+    kl_coef: float = 0.001
+    # Steps over which the adaptive controller closes its error.
+    horizon: int = 10000
+    # KL per token the adaptive controller aims at.
+    target_kl: float = 0.1
+
+
+@dataclass
+class AlgorithmConfig:
+    # Discount factor of GAE.
+    gamma: float = 1.0
+    # GAE lambda.
+    lam: float = 1.0
+    # Advantage estimator; gae needs a critic, the others do not.
+    adv_estimator: AdvEstimator = "gae"
+    # Divide GRPO advantages by the group's std.
+    norm_adv_by_std_in_grpo: bool = True
+    # Subtract beta * KL(old || ref) from the token rewards.
+    use_kl_in_reward: bool = False
+    # KL estimator used in the reward.
+    kl_penalty: KLPenalty = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class TrainerConfig:
+    # Passes over the training data.
+    total_epochs: int = 30
+    # Stop after this many PPO steps; None = total_epochs worth of steps.
+    total_training_steps: Optional[int] = None
+    # Project name (used in the default output folder and by loggers).
+    project_name: str = "klppo"
+    # Experiment name (used in the default output folder and by loggers).
+    experiment_name: str = "run"
+    # Where metrics go besides <default_local_dir>/metrics.jsonl.
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    # Devices per node (checked against the actual world).
+    n_gpus_per_node: int = 1
+    # Nodes (checked against the actual world).
+    nnodes: int = 1
+    # Save a checkpoint every this many steps (and at the end); -1 = only at the end.
+    save_freq: int = -1
+    # Validate every this many steps (and at the end); -1 = never.
+    test_freq: int = -1
+    # Validate once before training.
+    val_before_train: bool = True
+    # Output folder for checkpoints, metrics and exports; None = checkpoints/<project>/<experiment>.
+    default_local_dir: Optional[str] = None
+    # auto: continue from the latest checkpoint if there is one; disable: start fresh;
+    # resume_path: continue from resume_from_path.
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    # Checkpoint folder to resume from when resume_mode is resume_path.
+    resume_from_path: Optional[str] = None
+    # Keep only the newest N checkpoints; None keeps all.
+    max_actor_ckpt_to_keep: Optional[int] = None
+    # cpu, cuda, or auto (cuda when available).
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class PPOConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ---- SFT (verl's fsdp_sft_trainer names) ----
+
+
+@dataclass
+class SFTDataConfig:
+    # Parquet file(s) with a prompt and a response column.
+    train_files: Union[str, list[str]] = ""
+    # Parquet file(s) for validation loss; None disables it.
+    val_files: Optional[Union[str, list[str]]] = None
+    # Column of the prompt: chat messages or a plain string.
+    prompt_key: str = "prompt"
+    # Column of the response string.
+    response_key: str = "response"
+    # Longest prompt + response in tokens.
+    max_length: int = 1024
+    # What to do with an over-long example.
+    truncation: Literal["error", "left", "right"] = "error"
+    # Examples per optimiser step.
+    train_batch_size: int = 256
+    # Examples per forward/backward; None = the whole batch.
+    micro_batch_size_per_gpu: Optional[int] = None
+    # Shuffle each epoch.
+    shuffle: bool = True
+    # Seed of the data order.
+    seed: int = 1
+
+
+@dataclass
+class SFTModelConfig:
+    # Local Hugging Face folder to start from.
+    partial_pretrain: str = ""
+    # Recompute activations in the backward pass.
+    enable_gradient_checkpointing: bool = False
+
+
+@dataclass
+class SFTOptimConfig(OptimConfig):
+    # Max global gradient norm.
+    clip_grad: float = 1.0
+
+
+def _sft_optim() -> SFTOptimConfig:
+    return SFTOptimConfig(lr=1e-5)
+
+
+@dataclass
+class SFTTrainerConfig:
+    # Passes over the data.
+    total_epochs: int = 1
+    # Stop after this many optimiser steps; None = total_epochs worth.
+    total_training_steps: Optional[int] = None
+    # Project name.
+    project_name: str = "klppo-sft"
+    # Experiment name.
+    experiment_name: str = "run"
+    # Where metrics go besides <default_local_dir>/metrics.jsonl.
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    # Output folder; the final Hugging Face folder is written to <default_local_dir>/hf.
+    default_local_dir: Optional[str] = None
+    # cpu, cuda, or auto.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Devices per node.
+    n_gpus_per_node: int = 1
+    # Nodes.
+    nnodes: int = 1
+
+
+@dataclass
+class SFTConfig:
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
+    optim: SFTOptimConfig = field(default_factory=_sft_optim)
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)

@@ -1,0 +1,398 @@
+"""Derived defaults and value checks of a typed config tree.
+
+``load.py`` builds the tree (unknown keys and wrong types are its problems); this module fills
+the fields whose ``None`` means "derive from another field" and then checks sizes, ranges and
+the knobs that later work will enable. Every check appends a ``Problem`` instead of raising,
+so a user sees all problems of a config at once. Each message names the full dotted key, what
+is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from klppo.config.schema import (
+    ActorConfig,
+    CriticConfig,
+    FSDPConfig,
+    OptimConfig,
+    PPOConfig,
+    RolloutConfig,
+    SFTConfig,
+    SFTTrainerConfig,
+    TrainerConfig,
+    ValKwargsConfig,
+)
+
+ARF = "actor_rollout_ref"
+ACTOR = "actor_rollout_ref.actor"
+ROLLOUT = "actor_rollout_ref.rollout"
+
+# Estimators that use the other responses to the same prompt as the baseline.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+SUPPORTED_LOGGERS = ("console", "jsonl")
+LATER_LOGGERS = ("tensorboard", "wandb")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a config: the dotted keys it concerns and a message naming the fix."""
+
+    keys: tuple[str, ...]
+    message: str
+
+
+# ---- derived defaults ----
+
+
+def resolve_ppo(cfg: PPOConfig) -> None:
+    """Fill, in place, every PPO field whose ``None`` means "derive from another field"."""
+    arf = cfg.actor_rollout_ref
+    actor, critic = arf.actor, cfg.critic
+    if actor.clip_ratio_low is None:
+        actor.clip_ratio_low = actor.clip_ratio
+    if actor.clip_ratio_high is None:
+        actor.clip_ratio_high = actor.clip_ratio
+    if arf.rollout.response_length is None:
+        arf.rollout.response_length = cfg.data.max_response_length
+    if critic.ppo_mini_batch_size is None:
+        critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
+    if critic.ppo_epochs is None:
+        critic.ppo_epochs = actor.ppo_epochs
+    if critic.model.path is None:
+        critic.model.path = arf.model.path
+    _resolve_output_dir(cfg.trainer)
+
+
+def resolve_sft(cfg: SFTConfig) -> None:
+    """Fill, in place, every SFT field whose ``None`` means "derive from another field"."""
+    _resolve_output_dir(cfg.trainer)
+
+
+def _resolve_output_dir(trainer) -> None:
+    if trainer.default_local_dir is None:
+        trainer.default_local_dir = f"checkpoints/{trainer.project_name}/{trainer.experiment_name}"
+
+
+# ---- small check helpers (each appends at most one Problem) ----
+
+
+def _positive(out: list[Problem], key: str, value: Optional[float], what: str = "value") -> None:
+    """``value`` must be > 0 (``None`` means unset and passes)."""
+    if value is not None and value <= 0:
+        out.append(Problem((key,), f"{key} = {value!r} must be > 0; set it to a positive {what}"))
+
+
+def _at_least(out: list[Problem], key: str, value: Optional[int], low: int) -> None:
+    if value is not None and value < low:
+        out.append(Problem((key,), f"{key} = {value!r} must be >= {low}; set it to {low} or more"))
+
+
+def _between(out: list[Problem], key: str, value: float, low: float, high: float, high_open: bool = False) -> None:
+    """``low <= value <= high`` (``< high`` when ``high_open``)."""
+    too_high = value >= high if high_open else value > high
+    if value < low or too_high or math.isnan(value):
+        interval = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
+        out.append(Problem((key,), f"{key} = {value!r} must lie in {interval}; set it inside that range"))
+
+
+def _freq(out: list[Problem], key: str, value: int) -> None:
+    if value != -1 and value < 1:
+        out.append(Problem((key,), f"{key} = {value!r} must be -1 (off) or >= 1 (every that many steps)"))
+
+
+def _divisor_below(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is <= ``limit`` (1 at worst)."""
+    best = 1
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            best = max([best] + [c for c in (d, n // d) if c <= limit])
+    return best
+
+
+def _divides(
+    out: list[Problem], key: str, part: Optional[int], whole: int, whole_text: str, whole_keys: tuple[str, ...]
+) -> None:
+    """``part`` (when set and positive) must divide ``whole``, which comes from ``whole_keys``."""
+    if part is None or part <= 0 or whole <= 0 or whole % part == 0:
+        return
+    hint = _divisor_below(whole, part)
+    out.append(Problem((key, *whole_keys), f"{key} = {part} must divide {whole_text}; set it to a divisor such as {hint}"))
+
+
+# ---- PPO ----
+
+
+def check_ppo(cfg: PPOConfig) -> list[Problem]:
+    """All value problems of a resolved PPO config (``resolve_ppo`` has run)."""
+    out: list[Problem] = []
+    _check_ppo_paths(cfg, out)
+    _check_data_lengths(cfg, out)
+    _check_ppo_batches(cfg, out)
+    _check_actor(cfg.actor_rollout_ref.actor, out)
+    _check_sampling(cfg.actor_rollout_ref.rollout, ROLLOUT, out)
+    _check_sampling(cfg.actor_rollout_ref.rollout.val_kwargs, f"{ROLLOUT}.val_kwargs", out)
+    _check_optim(cfg.actor_rollout_ref.actor.optim, f"{ACTOR}.optim", out)
+    if cfg.algorithm.adv_estimator == "gae":  # the other estimators train no critic
+        _check_critic(cfg.critic, cfg.actor_rollout_ref.actor, out)
+        _check_optim(cfg.critic.optim, "critic.optim", out)
+    _check_algorithm(cfg, out)
+    _check_trainer(cfg.trainer, out)
+    out += not_yet_supported_ppo(cfg)
+    return out
+
+
+def _check_files(out: list[Problem], key: str, files: str | list[str] | None, required: bool) -> None:
+    """A Parquet file or a non-empty list of them; ``None`` (when not required) switches the use off."""
+    if files is None and not required:
+        return
+    names = [files] if isinstance(files, str) else files
+    if names and all(names):
+        return
+    if required:
+        out.append(Problem((key,), f"{key} is required: set it to a Parquet file or a list of them, e.g. {key}=data/train.parquet"))
+    else:
+        out.append(Problem((key,), f"{key} = {files!r} names no file: set it to a Parquet file or a list of them, or to null to turn validation off"))
+
+
+def _check_ppo_paths(cfg: PPOConfig, out: list[Problem]) -> None:
+    _check_files(out, "data.train_files", cfg.data.train_files, required=True)
+    _check_files(out, "data.val_files", cfg.data.val_files, required=False)
+    if not cfg.actor_rollout_ref.model.path:
+        key = f"{ARF}.model.path"
+        out.append(Problem((key,), f"{key} is required: set it to a local Hugging Face model folder, e.g. {key}=models/Qwen2.5-0.5B-Instruct"))
+
+
+def _check_data_lengths(cfg: PPOConfig, out: list[Problem]) -> None:
+    _positive(out, "data.max_prompt_length", cfg.data.max_prompt_length, "number of tokens")
+    _positive(out, "data.max_response_length", cfg.data.max_response_length, "number of tokens")
+    _positive(out, f"{ROLLOUT}.response_length", cfg.actor_rollout_ref.rollout.response_length, "number of tokens")
+    rollout, ref = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref
+    _positive(out, f"{ACTOR}.ppo_max_token_len_per_gpu", cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu, "number of tokens")
+    _positive(out, f"{ROLLOUT}.log_prob_max_token_len_per_gpu", rollout.log_prob_max_token_len_per_gpu, "number of tokens")
+    _positive(out, f"{ARF}.ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu, "number of tokens")
+    _positive(out, "critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu, "number of tokens")
+
+
+def _check_ppo_batches(cfg: PPOConfig, out: list[Problem]) -> None:
+    """Batch sizes: verl counts mini-batches in prompts and micro-batches in samples."""
+    data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    _positive(out, "data.train_batch_size", data.train_batch_size, "number of prompts")
+    _positive(out, "data.val_batch_size", data.val_batch_size, "number of prompts")
+    _check_update_batches(out, ACTOR, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, cfg, True)
+    _positive(out, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu, "number of samples")
+    ref_micro = cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+    _positive(out, f"{ARF}.ref.log_prob_micro_batch_size_per_gpu", ref_micro, "number of samples")
+    _positive(out, "reward_model.micro_batch_size_per_gpu", cfg.reward_model.micro_batch_size_per_gpu, "number of samples")
+
+
+def _check_update_batches(
+    out: list[Problem], prefix: str, mini: int, micro: Optional[int], cfg: PPOConfig, check_mini: bool
+) -> None:
+    """Mini-batch (prompts) divides the step's prompts; micro-batch (samples) divides the mini-batch's samples."""
+    n, batch = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
+    if check_mini:
+        _positive(out, f"{prefix}.ppo_mini_batch_size", mini, "number of prompts")
+        batch_text = f"data.train_batch_size = {batch} (prompts per step)"
+        _divides(out, f"{prefix}.ppo_mini_batch_size", mini, batch, batch_text, ("data.train_batch_size",))
+    _positive(out, f"{prefix}.ppo_micro_batch_size_per_gpu", micro, "number of samples")
+    if mini > 0 and n >= 1:
+        whole_text = f"the {mini * n} samples of a mini-batch ({prefix}.ppo_mini_batch_size {mini} x {ROLLOUT}.n {n})"
+        whole_keys = (f"{prefix}.ppo_mini_batch_size", f"{ROLLOUT}.n")
+        _divides(out, f"{prefix}.ppo_micro_batch_size_per_gpu", micro, mini * n, whole_text, whole_keys)
+
+
+def _check_actor(actor: ActorConfig, out: list[Problem]) -> None:
+    _between(out, f"{ACTOR}.clip_ratio", actor.clip_ratio, 0.0, 1.0, high_open=True)
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        if getattr(actor, name) != actor.clip_ratio:  # a copy of clip_ratio has been checked with it
+            _between(out, f"{ACTOR}.{name}", getattr(actor, name), 0.0, 1.0, high_open=True)
+    if actor.clip_ratio_c <= 1:
+        key = f"{ACTOR}.clip_ratio_c"
+        out.append(Problem((key,), f"{key} = {actor.clip_ratio_c!r} must be > 1 (dual-clip bound, Ye et al. 2020); the usual value is 3.0"))
+    if actor.kl_loss_coef < 0:
+        out.append(Problem((f"{ACTOR}.kl_loss_coef",), f"{ACTOR}.kl_loss_coef = {actor.kl_loss_coef!r} must be >= 0"))
+    _at_least(out, f"{ACTOR}.ppo_epochs", actor.ppo_epochs, 1)
+    _positive(out, f"{ACTOR}.grad_clip", actor.grad_clip, "max gradient norm")
+
+
+def _check_sampling(sampling: RolloutConfig | ValKwargsConfig, prefix: str, out: list[Problem]) -> None:
+    """Sampling knobs shared by the rollout and its validation settings."""
+    _at_least(out, f"{prefix}.n", sampling.n, 1)
+    if sampling.do_sample and not sampling.temperature > 0:
+        key = f"{prefix}.temperature"
+        out.append(Problem((key, f"{prefix}.do_sample"), f"{key} = {sampling.temperature!r} must be > 0 when {prefix}.do_sample is true; raise it, or set {prefix}.do_sample=false for greedy decoding"))
+    if not 0 < sampling.top_p <= 1:
+        out.append(Problem((f"{prefix}.top_p",), f"{prefix}.top_p = {sampling.top_p!r} must lie in (0, 1]; 1.0 disables nucleus sampling"))
+    if sampling.top_k != -1 and sampling.top_k < 1:
+        out.append(Problem((f"{prefix}.top_k",), f"{prefix}.top_k = {sampling.top_k!r} must be -1 (off) or >= 1"))
+
+
+def _check_optim(optim: OptimConfig, prefix: str, out: list[Problem]) -> None:
+    _positive(out, f"{prefix}.lr", optim.lr, "learning rate such as 1e-6")
+    if optim.weight_decay < 0:
+        out.append(Problem((f"{prefix}.weight_decay",), f"{prefix}.weight_decay = {optim.weight_decay!r} must be >= 0"))
+    if len(optim.betas) != 2 or any(not 0 <= b < 1 for b in optim.betas):
+        out.append(Problem((f"{prefix}.betas",), f"{prefix}.betas = {optim.betas!r} must be two numbers in [0, 1), e.g. [0.9, 0.999]"))
+    if optim.lr_warmup_steps < -1:
+        out.append(Problem((f"{prefix}.lr_warmup_steps",), f"{prefix}.lr_warmup_steps = {optim.lr_warmup_steps} must be -1 (use lr_warmup_steps_ratio) or >= 0"))
+    _between(out, f"{prefix}.lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, 0.0, 1.0)
+    _between(out, f"{prefix}.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0)
+
+
+def _check_critic(critic: CriticConfig, actor: ActorConfig, out: list[Problem]) -> None:
+    """Only when the critic trains (adv_estimator == gae); its None sizes are resolved by now."""
+    assert critic.ppo_mini_batch_size is not None and critic.ppo_epochs is not None
+    if critic.ppo_epochs != actor.ppo_epochs:  # a copy of the actor's has been checked there
+        _at_least(out, "critic.ppo_epochs", critic.ppo_epochs, 1)
+    _positive(out, "critic.grad_clip", critic.grad_clip, "max gradient norm")
+    _positive(out, "critic.cliprange_value", critic.cliprange_value, "clip range such as 0.5")
+
+
+def _check_algorithm(cfg: PPOConfig, out: list[Problem]) -> None:
+    algo, n = cfg.algorithm, cfg.actor_rollout_ref.rollout.n
+    _between(out, "algorithm.gamma", algo.gamma, 0.0, 1.0)
+    _between(out, "algorithm.lam", algo.lam, 0.0, 1.0)
+    if algo.kl_ctrl.kl_coef < 0:
+        out.append(Problem(("algorithm.kl_ctrl.kl_coef",), f"algorithm.kl_ctrl.kl_coef = {algo.kl_ctrl.kl_coef!r} must be >= 0"))
+    if algo.kl_ctrl.type == "adaptive":
+        _positive(out, "algorithm.kl_ctrl.horizon", algo.kl_ctrl.horizon, "number of steps (adaptive KL control)")
+        _positive(out, "algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, "KL per token (adaptive KL control)")
+    if algo.adv_estimator in GROUP_ESTIMATORS and n == 1:
+        out.append(Problem(
+            ("algorithm.adv_estimator", f"{ROLLOUT}.n"),
+            f"algorithm.adv_estimator = '{algo.adv_estimator}' needs {ROLLOUT}.n >= 2 (got {n}): it uses the other "
+            f"responses to the same prompt as the baseline, and a group of one has no baseline; set {ROLLOUT}.n=4 "
+            "or more, or use algorithm.adv_estimator=gae",
+        ))
+    if algo.adv_estimator == "gae":
+        critic = cfg.critic
+        # A mini-batch size copied from the actor's has had its problems reported there.
+        own_mini = critic.ppo_mini_batch_size != cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        _check_update_batches(out, "critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, cfg, own_mini)
+
+
+def _check_trainer_common(trainer: TrainerConfig | SFTTrainerConfig, out: list[Problem]) -> None:
+    """Checks of the trainer fields PPO and SFT share."""
+    _at_least(out, "trainer.total_epochs", trainer.total_epochs, 1)
+    _at_least(out, "trainer.total_training_steps", trainer.total_training_steps, 1)
+    _at_least(out, "trainer.n_gpus_per_node", trainer.n_gpus_per_node, 1)
+    _at_least(out, "trainer.nnodes", trainer.nnodes, 1)
+    if not trainer.default_local_dir:
+        out.append(Problem(("trainer.default_local_dir",), "trainer.default_local_dir is empty; set an output folder, or leave it unset for checkpoints/<project_name>/<experiment_name>"))
+
+
+def _check_trainer(trainer: TrainerConfig, out: list[Problem]) -> None:
+    _check_trainer_common(trainer, out)
+    _freq(out, "trainer.save_freq", trainer.save_freq)
+    _freq(out, "trainer.test_freq", trainer.test_freq)
+    _at_least(out, "trainer.max_actor_ckpt_to_keep", trainer.max_actor_ckpt_to_keep, 1)
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        out.append(Problem(
+            ("trainer.resume_mode", "trainer.resume_from_path"),
+            "trainer.resume_mode = 'resume_path' needs trainer.resume_from_path: set it to a checkpoint folder "
+            "(e.g. checkpoints/<project>/<experiment>/global_step_100), or use trainer.resume_mode=auto",
+        ))
+
+
+# ---- SFT ----
+
+
+def check_sft(cfg: SFTConfig) -> list[Problem]:
+    """All value problems of a resolved SFT config (``resolve_sft`` has run)."""
+    out: list[Problem] = []
+    data = cfg.data
+    _check_files(out, "data.train_files", data.train_files, required=True)
+    _check_files(out, "data.val_files", data.val_files, required=False)
+    if not cfg.model.partial_pretrain:
+        key = "model.partial_pretrain"
+        out.append(Problem((key,), f"{key} is required: set it to a local Hugging Face model folder, e.g. {key}=models/Qwen2.5-0.5B"))
+    _positive(out, "data.max_length", data.max_length, "number of tokens")
+    _positive(out, "data.train_batch_size", data.train_batch_size, "number of examples")
+    _positive(out, "data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu, "number of examples")
+    whole_text = f"data.train_batch_size = {data.train_batch_size}"
+    _divides(out, "data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu, data.train_batch_size, whole_text, ("data.train_batch_size",))
+    _check_optim(cfg.optim, "optim", out)
+    _positive(out, "optim.clip_grad", cfg.optim.clip_grad, "max gradient norm")
+    _check_trainer_common(cfg.trainer, out)
+    out += not_yet_supported_sft(cfg)
+    return out
+
+
+# ---- not supported yet: delete a line here when its feature lands ----
+
+_PACKING = "sequence packing is not implemented yet; set it to false"
+_FSDP = "FSDP2 options take effect on multi-process runs, which klppo does not support yet"
+
+
+def not_yet_supported_ppo(cfg: PPOConfig) -> list[Problem]:
+    """Knobs of later work, refused when set: left alone they would silently do nothing."""
+    out: list[Problem] = []
+    arf = cfg.actor_rollout_ref
+    _refuse_true(out, f"{ACTOR}.use_dynamic_bsz", arf.actor.use_dynamic_bsz, _PACKING)
+    _refuse_true(out, f"{ROLLOUT}.log_prob_use_dynamic_bsz", arf.rollout.log_prob_use_dynamic_bsz, _PACKING)
+    _refuse_true(out, f"{ARF}.ref.log_prob_use_dynamic_bsz", arf.ref.log_prob_use_dynamic_bsz, _PACKING)
+    _refuse_true(out, f"{ARF}.model.use_remove_padding", arf.model.use_remove_padding, _PACKING)
+    _refuse_true(out, "critic.use_dynamic_bsz", cfg.critic.use_dynamic_bsz, _PACKING)
+    _refuse_true(out, "critic.model.use_remove_padding", cfg.critic.model.use_remove_padding, _PACKING)
+    _refuse_fsdp_options(out, f"{ACTOR}.fsdp_config", arf.actor.fsdp_config)
+    _refuse_fsdp_options(out, f"{ARF}.ref.fsdp_config", arf.ref.fsdp_config)
+    _refuse_fsdp_options(out, "critic.model.fsdp_config", cfg.critic.model.fsdp_config)
+    _refuse_multi_process(out, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
+    if arf.rollout.name == "vllm":
+        out.append(Problem((f"{ROLLOUT}.name",), f"{ROLLOUT}.name = 'vllm' needs CUDA and the vllm package and is not supported yet; use 'hf' (generate with the model) or 'offline' (responses from the data)"))
+    if cfg.reward_model.enable:
+        out.append(Problem(("reward_model.enable",), "reward_model.enable = true: reward-model scoring is not supported yet; set it to false and score with a reward function (custom_reward_function.path or the built-in rules)"))
+    _refuse_loggers(out, cfg.trainer.logger)
+    return out
+
+
+def not_yet_supported_sft(cfg: SFTConfig) -> list[Problem]:
+    """SFT knobs of later work, refused when set."""
+    out: list[Problem] = []
+    _refuse_multi_process(out, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
+    _refuse_loggers(out, cfg.trainer.logger)
+    return out
+
+
+def _refuse_true(out: list[Problem], key: str, value: bool, why: str) -> None:
+    if value:
+        out.append(Problem((key,), f"{key} = true: {why}"))
+
+
+def _refuse_fsdp_options(out: list[Problem], prefix: str, fsdp: FSDPConfig) -> None:
+    default = FSDPConfig()
+    for f in fields(FSDPConfig):
+        value = getattr(fsdp, f.name)
+        if value != getattr(default, f.name):
+            key = f"{prefix}.{f.name}"
+            out.append(Problem((key,), f"{key} = {_yaml(value)}: {_FSDP}; remove it or set it to {_yaml(getattr(default, f.name))}"))
+
+
+def _yaml(value: object) -> str:
+    """A scalar as the user would write it in YAML (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _refuse_multi_process(out: list[Problem], n_gpus_per_node: int, nnodes: int) -> None:
+    if n_gpus_per_node >= 1 and nnodes >= 1 and n_gpus_per_node * nnodes != 1:
+        out.append(Problem(
+            ("trainer.n_gpus_per_node", "trainer.nnodes"),
+            f"trainer.n_gpus_per_node x trainer.nnodes = {n_gpus_per_node} x {nnodes}: multi-process runs are not "
+            "supported yet (single process only for now); set trainer.n_gpus_per_node=1 trainer.nnodes=1",
+        ))
+
+
+def _refuse_loggers(out: list[Problem], loggers: list[str]) -> None:
+    for name in loggers:
+        if name in SUPPORTED_LOGGERS:
+            continue
+        if name in LATER_LOGGERS:
+            why = f"the {name} logger is not supported yet (metrics always go to <default_local_dir>/metrics.jsonl)"
+        else:
+            near = difflib.get_close_matches(name, SUPPORTED_LOGGERS + LATER_LOGGERS, n=1, cutoff=0.0)
+            why = f"unknown logger{f' (did you mean {near[0]!r}?)' if near else ''}"
+        out.append(Problem(("trainer.logger",), f"trainer.logger entry {name!r}: {why}; use a list of {', '.join(SUPPORTED_LOGGERS)}"))

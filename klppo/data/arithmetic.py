@@ -1,0 +1,132 @@
+"""The built-in demo task: one-step arithmetic word problems in GSM8K's format.
+
+Problems are short ("Tom has 7 apples and gets 5 more. How many apples does Tom have?")
+with operands in [0, 20) and non-negative results, so a tiny model can learn them on a CPU.
+Solutions are written as GSM8K's are, ending in ``#### <answer>``, and the RL Parquet uses
+``data_source="openai/gsm8k"`` so the GSM8K rule reward scores it, exactly as verl's
+``examples/data_preprocess/gsm8k.py`` lays GSM8K out.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from klppo.errors import UserError
+
+# verl's gsm8k preprocessing appends this; the demo leaves it out by default (shorter prompts).
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+NAMES = ("Tom", "Ann", "Sam", "Mia", "Ben", "Lily", "Max", "Zoe")
+OBJECTS = (("apple", "apples"), ("book", "books"), ("coin", "coins"), ("pen", "pens"),
+           ("cat", "cats"), ("ball", "balls"), ("cup", "cups"), ("card", "cards"))
+
+# (op, template); {a} and {b} are the operands, {a_obj}/{b_obj}/{objs} the object noun.
+TEMPLATES = (
+    ("+", "{name} has {a} {a_obj} and gets {b} more. How many {objs} does {name} have?"),
+    ("+", "{name} has {a} {a_obj} and buys {b} more. How many {objs} does {name} have now?"),
+    ("+", "There are {a} {a_obj} in a box. {name} puts in {b} more. How many {objs} are in the box?"),
+    ("-", "{name} has {a} {a_obj} and loses {b}. How many {objs} does {name} have left?"),
+    ("-", "{name} has {a} {a_obj} and gives away {b}. How many {objs} does {name} have now?"),
+    ("-", "There are {a} {a_obj} in a box. {name} takes out {b}. How many {objs} are in the box?"),
+)
+MAX_OPERAND = 20  # operands are drawn from [0, MAX_OPERAND)
+
+
+@dataclass(frozen=True)
+class ArithmeticProblem:
+    """One word problem: ``a op b`` with op "+" or "-"."""
+
+    question: str
+    a: int
+    op: str
+    b: int
+
+    @property
+    def answer(self) -> int:
+        return self.a + self.b if self.op == "+" else self.a - self.b
+
+    def solution(self, answer: int | None = None) -> str:
+        """GSM8K-style solution "7 + 5 = 12 #### 12"; ``answer`` overrides the (correct) result."""
+        result = self.answer if answer is None else answer
+        return f"{self.a} {self.op} {self.b} = {result} #### {result}"
+
+
+def make_arithmetic_problem(rng: random.Random) -> ArithmeticProblem:
+    """Draw one problem from ``rng``; subtraction never goes below zero."""
+    op, template = rng.choice(TEMPLATES)
+    name = rng.choice(NAMES)
+    singular, plural = rng.choice(OBJECTS)
+    a = rng.randrange(MAX_OPERAND)
+    b = rng.randrange(MAX_OPERAND) if op == "+" else rng.randrange(a + 1)
+    question = template.format(name=name, a=a, b=b, a_obj=singular if a == 1 else plural, objs=plural)
+    return ArithmeticProblem(question, a, op, b)
+
+
+def make_problems(n: int, seed: int) -> list[ArithmeticProblem]:
+    """``n`` problems drawn from ``random.Random(seed)``; the same seed gives the same list."""
+    if n <= 0:
+        raise UserError(f"number of arithmetic problems is {n}; ask for at least 1")
+    rng = random.Random(seed)
+    return [make_arithmetic_problem(rng) for _ in range(n)]
+
+
+def _prompt(problem: ArithmeticProblem, instruction: str) -> list[dict]:
+    content = f"{problem.question} {instruction}" if instruction else problem.question
+    return [{"role": "user", "content": content}]
+
+
+def write_arithmetic_parquet(
+    path: str | Path, n: int, seed: int, *, instruction: str = "", split: str = "train"
+) -> Path:
+    """Write ``n`` RL prompts in verl's RLHFDataset format (as verl's gsm8k preprocessing does)."""
+    rows = []
+    for i, p in enumerate(make_problems(n, seed)):
+        rows.append({
+            "data_source": "openai/gsm8k",
+            "prompt": _prompt(p, instruction),
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
+            "extra_info": {"split": split, "index": i, "answer": p.solution(), "question": p.question},
+        })
+    return _write(path, rows)
+
+
+def write_arithmetic_sft_parquet(
+    path: str | Path, n: int, seed: int, *, wrong_fraction: float, instruction: str = ""
+) -> Path:
+    """Write ``n`` prompt/response rows; ``round(n * wrong_fraction)`` of them answer one too many.
+
+    The wrong responses carry a systematic error ("7 + 5 = 13 #### 13"), which a warm-started
+    policy learns and PPO with the GSM8K reward then has to unlearn.
+    """
+    if not 0.0 <= wrong_fraction <= 1.0:
+        raise UserError(f"wrong_fraction is {wrong_fraction}; set it between 0 and 1")
+    problems = make_problems(n, seed)
+    wrong = set(random.Random(seed + 1).sample(range(n), round(n * wrong_fraction)))
+    rows = [{"prompt": _prompt(p, instruction),
+             "response": p.solution(p.answer + 1 if i in wrong else None)} for i, p in enumerate(problems)]
+    return _write(path, rows)
+
+
+def arithmetic_corpus(n: int, seed: int, *, instruction: str = "") -> list[str]:
+    """Texts for training the demo tokenizer: questions, solutions and the ChatML role lines.
+
+    The ChatML special tokens themselves are left out (the tokenizer adds them as specials).
+    """
+    texts = [GSM8K_INSTRUCTION, instruction, "system\n", "user\n", "assistant\n"]
+    for p in make_problems(n, seed):
+        texts.append(f"user\n{p.question}\nassistant\n{p.solution()}\n")
+        texts.append(p.solution(p.answer + 1))
+    return [t for t in texts if t]
+
+
+def _write(path: str | Path, rows: list[dict]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return out

@@ -1,0 +1,103 @@
+"""Reading Parquet files into rows, with errors that name the file, row and column.
+
+This is the one place klppo opens data files. Every reader checks up front that each file
+exists, is Parquet, has rows and has the columns it needs, so a typo in
+``data.train_files`` or a missing column fails before any model loads.
+
+Rows are plain Python dicts (``pyarrow.Table.to_pylist``); each carries two extra keys,
+``"_file"`` (the path as given) and ``"_row"`` (0-based row index within that file, as
+pandas and pyarrow count), so that later validation can say exactly where a bad value is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from klppo.errors import UserError
+
+
+def as_file_list(files: str | Sequence[str]) -> list[str]:
+    """``"a.parquet"`` or ``["a.parquet", "b.parquet"]`` -> a non-empty list of paths."""
+    paths = [files] if isinstance(files, (str, Path)) else list(files)
+    paths = [str(p) for p in paths]
+    if not paths or any(not p for p in paths):
+        raise UserError(
+            f"no data file given (got {files!r}); set data.train_files to a Parquet file or a list of them"
+        )
+    return paths
+
+
+def _read_table(path: str, required: Sequence[str]) -> pa.Table:
+    """Open one file and check it exists, is Parquet, has rows and has ``required`` columns."""
+    if not Path(path).is_file():
+        raise UserError(f"data file '{path}' not found; check data.train_files (and data.val_files)")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"data file '{path}' is not a readable Parquet file ({first_line}); "
+            "write it with pyarrow.parquet.write_table or pandas.DataFrame.to_parquet"
+        ) from e
+    if table.num_rows == 0:
+        raise UserError(f"data file '{path}' has no rows; point data.train_files at a file with data")
+    missing = [c for c in required if c not in table.column_names]
+    if missing:
+        raise UserError(
+            f"data file '{path}' has no column '{missing[0]}' (its columns: {', '.join(table.column_names)}); "
+            "add that column, or point the key option (data.prompt_key, data.response_key) at one of these"
+        )
+    return table
+
+
+def _plain(value: Any) -> Any:
+    """Turn Arrow map columns (read back as lists of (key, value) pairs) into dicts, recursively."""
+    if isinstance(value, list) and value and all(isinstance(v, tuple) and len(v) == 2 for v in value):
+        return {k: _plain(v) for k, v in value}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def read_parquet_rows(files: str | Sequence[str], required: Sequence[str]) -> list[dict]:
+    """Read one or several Parquet files into a list of row dicts.
+
+    Every file is checked (exists, Parquet, non-empty, has ``required``) before any rows are
+    converted. Each row gets ``"_file"`` (path) and ``"_row"`` (0-based index in its file).
+    """
+    paths = as_file_list(files)
+    tables = [(path, _read_table(path, required)) for path in paths]
+    rows: list[dict] = []
+    for path, table in tables:
+        for i, row in enumerate(table.to_pylist()):
+            row = {k: _plain(v) for k, v in row.items()}
+            row["_file"], row["_row"] = path, i
+            rows.append(row)
+    return rows
+
+
+def describe_files(files: str | Sequence[str]) -> str:
+    """``"x.parquet"`` for one file, ``"2 files (a.parquet, b.parquet)"`` for several (log lines)."""
+    paths = as_file_list(files)
+    if len(paths) == 1:
+        return paths[0]
+    return f"{len(paths)} files ({', '.join(paths)})"
+
+
+def row_error(row: dict, column: str, problem: str, fix: str) -> UserError:
+    """``"x.parquet row 3, column 'prompt': <problem>; <fix>"`` for a row from ``read_parquet_rows``."""
+    where = f"{row.get('_file', '<data>')} row {row.get('_row', '?')}"
+    return UserError(f"{where}, column '{column}': {problem}; {fix}")
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr`` cut to ``limit`` characters, for quoting a bad value in a one-line error."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

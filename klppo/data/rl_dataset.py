@@ -1,0 +1,251 @@
+"""RL prompt datasets in verl's RLHFDataset format, tokenised and validated up front.
+
+Columns (one row per prompt):
+  data_source   str, picks the reward function (``klppo.rewards.score``)
+  prompt        list of chat messages ``{"role", "content"}`` (name set by ``data.prompt_key``)
+  ability       str, optional, unused
+  reward_model  ``{"style", "ground_truth"}``, optional; ``ground_truth`` is passed to the reward
+  extra_info    dict, optional; passed to the reward function
+  responses     list of str, optional: recorded responses for offline PPO
+  scores        list of float, optional: one score per recorded response
+
+Shapes: ``B`` prompts in a batch, ``P`` longest prompt of the batch in tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from klppo.data.parquet import describe_files, read_parquet_rows, row_error, short_repr
+from klppo.errors import UserError
+
+ROLES = ("system", "user", "assistant")
+TRUNCATIONS = ("error", "left", "right")
+MESSAGES_FIX = "write the prompt as a list of messages like [{'role': 'user', 'content': '...'}]"
+
+
+@dataclass
+class PromptRecord:
+    """One validated, tokenised RL prompt (and its recorded responses, offline)."""
+
+    # Position in the dataset after filtering; the sampler hands these out.
+    index: int
+    # Picks the reward function.
+    data_source: str
+    # The chat messages, each reduced to {"role", "content"}.
+    raw_prompt: list[dict]
+    # Chat template with add_generation_prompt=True, after truncation; at most max_prompt_length.
+    prompt_ids: list[int]
+    # reward_model["ground_truth"], or None when the row has none.
+    ground_truth: Any
+    # The row's extra_info ({} when absent).
+    extra_info: dict
+    # Recorded responses (offline PPO), or None.
+    responses: list[str] | None = None
+    # One score per recorded response, or None.
+    scores: list[float] | None = None
+
+
+def check_truncation(truncation: str, key: str = "data.truncation") -> None:
+    """Raise a UserError unless ``truncation`` is one of "error", "left", "right"."""
+    if truncation not in TRUNCATIONS:
+        raise UserError(f"{key} is {truncation!r}; set it to one of {', '.join(TRUNCATIONS)}")
+
+
+def check_messages(row: dict, column: str) -> list[dict]:
+    """Validate ``row[column]`` as chat messages; return them reduced to {"role", "content"}."""
+    value = row.get(column)
+    if isinstance(value, str):
+        raise row_error(row, column, f"expected a list of chat messages, got a plain string {short_repr(value)}",
+                        MESSAGES_FIX)
+    if not isinstance(value, list) or not value:
+        raise row_error(row, column, f"expected a non-empty list of chat messages, got {short_repr(value)}",
+                        MESSAGES_FIX)
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise row_error(row, column, f"message {i} is {short_repr(message)}, not a dict", MESSAGES_FIX)
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise row_error(row, column, f"message {i} has no string '{key}' (got {short_repr(message)})",
+                                MESSAGES_FIX)
+        if message["role"] not in ROLES:
+            raise row_error(row, column, f"message {i} has role {message['role']!r}",
+                            f"use one of {', '.join(ROLES)}")
+        messages.append({"role": message["role"], "content": message["content"]})
+    return messages
+
+
+def encode_chats(tokenizer, conversations: Sequence[list[dict]], add_generation_prompt: bool = True) -> list[list[int]]:
+    """Render each conversation with the tokenizer's chat template and encode it (no extra specials)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(
+            "the tokenizer has no chat template, so chat-message prompts cannot be rendered; "
+            "use an instruct model's tokenizer (its tokenizer_config.json has 'chat_template')"
+        )
+    # transformers 5 returns a dict for tokenize=True; render to text, then encode in one batch.
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=False)
+             for c in conversations]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def _check_data_source(row: dict) -> str:
+    value = row.get("data_source")
+    if not isinstance(value, str) or not value:
+        raise row_error(row, "data_source", f"expected a non-empty string, got {short_repr(value)}",
+                        "set it to the dataset name that picks the reward, e.g. 'openai/gsm8k'")
+    return value
+
+
+def _check_ground_truth(row: dict) -> Any:
+    value = row.get("reward_model")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise row_error(row, "reward_model", f"expected a dict like {{'style': 'rule', 'ground_truth': ...}}, "
+                        f"got {short_repr(value)}", "write reward_model as a struct/dict column")
+    return value.get("ground_truth")
+
+
+def _check_extra_info(row: dict) -> dict:
+    value = row.get("extra_info")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise row_error(row, "extra_info", f"expected a dict, got {short_repr(value)}",
+                        "write extra_info as a struct/dict column or drop it")
+    return value
+
+
+def check_responses(row: dict, required: bool) -> tuple[list[str] | None, list[float] | None]:
+    """Validate the ``responses`` and ``scores`` columns of one row; None where absent."""
+    responses = row.get("responses")
+    if responses is None and not required:
+        if row.get("scores") is not None:
+            raise row_error(row, "scores", "scores given without responses", "add a 'responses' column")
+        return None, None
+    fix = "write responses as a non-empty list of strings, one per recorded response"
+    if not isinstance(responses, list) or not responses:
+        raise row_error(row, "responses", f"expected a non-empty list of strings, got {short_repr(responses)}", fix)
+    for i, text in enumerate(responses):
+        if not isinstance(text, str):
+            raise row_error(row, "responses", f"response {i} is {short_repr(text)}, not a string", fix)
+    scores = row.get("scores")
+    if scores is None:
+        return responses, None
+    fix = "give one finite number per response in 'scores', or drop the column"
+    if not isinstance(scores, list) or len(scores) != len(responses):
+        raise row_error(row, "scores", f"expected a list of {len(responses)} numbers (one per response), "
+                        f"got {short_repr(scores)}", fix)
+    for i, s in enumerate(scores):
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+            raise row_error(row, "scores", f"score {i} is {short_repr(s)}, not a finite number", fix)
+    return responses, [float(s) for s in scores]
+
+
+def _fit_prompt(ids: list[int], row: dict, prompt_key: str, max_len: int, truncation: str) -> list[int]:
+    """Cut an over-long prompt to ``max_len`` tokens: "left" drops the start, "right" the end."""
+    if truncation == "left":
+        return ids[-max_len:]
+    if truncation == "right":
+        return ids[:max_len]
+    raise row_error(row, prompt_key, f"prompt is {len(ids)} tokens, longer than data.max_prompt_length={max_len}",
+                    "raise data.max_prompt_length, set data.filter_overlong_prompts=true to drop such prompts, "
+                    "or set data.truncation=left|right to cut them")
+
+
+def load_rl_dataset(
+    files: str | Sequence[str],
+    tokenizer,
+    *,
+    prompt_key: str = "prompt",
+    max_prompt_length: int,
+    truncation: str = "error",
+    filter_overlong_prompts: bool = False,
+    require_responses: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[PromptRecord]:
+    """Read, validate and tokenise RL prompts; returns one ``PromptRecord`` per kept row.
+
+    Over-long prompts (more than ``max_prompt_length`` tokens after the chat template) are
+    dropped when ``filter_overlong_prompts`` (as verl does), else cut per ``truncation``
+    ("left" keeps the end, "right" keeps the start) or rejected ("error").
+    """
+    check_truncation(truncation)
+    if max_prompt_length <= 0:
+        raise UserError(f"data.max_prompt_length is {max_prompt_length}; set it to a positive number of tokens")
+    required = ["data_source", prompt_key] + (["responses"] if require_responses else [])
+    rows = read_parquet_rows(files, required)
+    checked = []
+    for row in rows:
+        messages = check_messages(row, prompt_key)
+        responses, scores = check_responses(row, require_responses)
+        checked.append((row, messages, _check_data_source(row), _check_ground_truth(row),
+                        _check_extra_info(row), responses, scores))
+    all_ids = encode_chats(tokenizer, [c[1] for c in checked])
+    records, n_filtered, n_truncated = [], 0, 0
+    for (row, messages, source, truth, extra, responses, scores), ids in zip(checked, all_ids):
+        if len(ids) > max_prompt_length:
+            if filter_overlong_prompts:
+                n_filtered += 1
+                continue
+            ids = _fit_prompt(ids, row, prompt_key, max_prompt_length, truncation)
+            n_truncated += 1
+        records.append(PromptRecord(len(records), source, messages, ids, truth, extra, responses, scores))
+    where = describe_files(files)
+    if not records:
+        raise UserError(f"all {len(rows)} prompts in {where} are longer than data.max_prompt_length="
+                        f"{max_prompt_length} tokens and were filtered; raise data.max_prompt_length "
+                        "or set data.filter_overlong_prompts=false and data.truncation=left|right")
+    notes = []
+    if n_filtered:
+        notes.append(f"{n_filtered} filtered as over {max_prompt_length} tokens")
+    if n_truncated:
+        notes.append(f"{n_truncated} truncated ({truncation}) to {max_prompt_length} tokens")
+    log(f"loaded {len(records)} prompts from {where}" + (f" ({', '.join(notes)})" if notes else ""))
+    return records
+
+
+def collate_prompts(records: Sequence[PromptRecord], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad the prompts of a batch to the longest one (generation continues at the right edge).
+
+    Returns ``input_ids`` LongTensor (B, P) and ``attention_mask`` BoolTensor (B, P), True on
+    real tokens.
+    """
+    assert records, "collate_prompts needs at least one record"
+    width = max(len(r.prompt_ids) for r in records)  # P
+    input_ids = torch.full((len(records), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(records), width), dtype=torch.bool)
+    for i, r in enumerate(records):
+        n = len(r.prompt_ids)
+        if n:
+            input_ids[i, width - n:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            attention_mask[i, width - n:] = True
+    return input_ids, attention_mask
+
+
+def tokenize_responses(texts: Sequence[str], tokenizer, max_response_length: int) -> tuple[list[list[int]], int]:
+    """Encode recorded responses (no special tokens) and close each with EOS, as generation would.
+
+    A response whose tokens plus EOS exceed ``max_response_length`` is cut to its first
+    ``max_response_length`` tokens without the EOS (it did not end within the budget).
+    Returns ``(ids_list, n_truncated)``.
+    """
+    if tokenizer.eos_token_id is None:
+        raise UserError("the tokenizer has no eos_token; set eos_token in the model's tokenizer_config.json")
+    if max_response_length <= 0:
+        raise UserError(f"data.max_response_length is {max_response_length}; set it to a positive number")
+    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+    out, n_truncated = [], 0
+    for ids in encoded:
+        ids = list(ids) + [tokenizer.eos_token_id]
+        if len(ids) > max_response_length:
+            ids = ids[:max_response_length]
+            n_truncated += 1
+        out.append(ids)
+    return out, n_truncated

@@ -1,0 +1,117 @@
+"""SFT datasets (verl's fsdp_sft_trainer format): a prompt column and a response column.
+
+The prompt is chat messages or a plain string (wrapped as one user message); it is rendered
+with the chat template and ``add_generation_prompt=True``, then the response tokens and EOS
+follow. The loss is taken on the response tokens and the EOS only.
+
+Shapes: ``B`` examples in a batch, ``L`` longest example of the batch in tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from klppo.data.parquet import describe_files, read_parquet_rows, row_error, short_repr
+from klppo.data.rl_dataset import check_messages, check_truncation, encode_chats
+from klppo.errors import UserError
+
+
+@dataclass
+class SFTExample:
+    """One tokenised prompt + response."""
+
+    # Prompt tokens, then response tokens, then EOS (unless cut by right truncation).
+    input_ids: list[int]
+    # True on response tokens including the final EOS; same length as input_ids.
+    loss_mask: list[bool]
+
+
+def _prompt_messages(row: dict, prompt_key: str) -> list[dict]:
+    """A plain-string prompt becomes one user message; a message list is validated."""
+    value = row.get(prompt_key)
+    if isinstance(value, str):
+        if not value:
+            raise row_error(row, prompt_key, "prompt is an empty string", "give every row a prompt")
+        return [{"role": "user", "content": value}]
+    return check_messages(row, prompt_key)
+
+
+def _response_text(row: dict, response_key: str) -> str:
+    value = row.get(response_key)
+    if not isinstance(value, str):
+        raise row_error(row, response_key, f"expected a response string, got {short_repr(value)}",
+                        "give every row a string response")
+    return value
+
+
+def _fit(ids: list[int], mask: list[bool], row: dict, key: str, max_length: int, truncation: str):
+    """Cut an over-long example to ``max_length``: "right" drops the end, "left" the start."""
+    if truncation == "right":
+        return ids[:max_length], mask[:max_length]
+    if truncation == "left":
+        return ids[-max_length:], mask[-max_length:]
+    raise row_error(row, key, f"prompt + response is {len(ids)} tokens, longer than data.max_length={max_length}",
+                    "raise data.max_length or set data.truncation=left|right")
+
+
+def load_sft_dataset(
+    files: str | Sequence[str],
+    tokenizer,
+    *,
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    max_length: int,
+    truncation: str = "error",
+    log: Callable[[str], None] = print,
+) -> list[SFTExample]:
+    """Read, validate and tokenise SFT examples; one ``SFTExample`` per row.
+
+    Examples longer than ``max_length`` tokens are rejected ("error") or cut: "right" drops
+    the end (the response loses its EOS), "left" drops the start of the prompt.
+    """
+    check_truncation(truncation)
+    if max_length <= 0:
+        raise UserError(f"data.max_length is {max_length}; set it to a positive number of tokens")
+    if tokenizer.eos_token_id is None:
+        raise UserError("the tokenizer has no eos_token; set eos_token in the model's tokenizer_config.json")
+    rows = read_parquet_rows(files, [prompt_key, response_key])
+    prompts = [_prompt_messages(row, prompt_key) for row in rows]
+    responses = [_response_text(row, response_key) for row in rows]
+    prompt_ids = encode_chats(tokenizer, prompts)
+    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    examples, n_truncated = [], 0
+    for row, p_ids, r_ids in zip(rows, prompt_ids, response_ids):
+        r_ids = list(r_ids) + [tokenizer.eos_token_id]
+        ids = list(p_ids) + r_ids
+        mask = [False] * len(p_ids) + [True] * len(r_ids)
+        if len(ids) > max_length:
+            ids, mask = _fit(ids, mask, row, prompt_key, max_length, truncation)
+            n_truncated += 1
+        examples.append(SFTExample(ids, mask))
+    note = f" ({n_truncated} truncated ({truncation}) to {max_length} tokens)" if n_truncated else ""
+    log(f"loaded {len(examples)} SFT examples from {describe_files(files)}{note}")
+    return examples
+
+
+def collate_sft(
+    examples: Sequence[SFTExample], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad a batch to its longest example.
+
+    Returns ``input_ids`` LongTensor (B, L), ``attention_mask`` BoolTensor (B, L) and
+    ``loss_mask`` BoolTensor (B, L); both masks are False on padding.
+    """
+    assert examples, "collate_sft needs at least one example"
+    width = max(len(e.input_ids) for e in examples)  # L
+    input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.bool)
+    loss_mask = torch.zeros((len(examples), width), dtype=torch.bool)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[i, :n] = torch.tensor(e.input_ids, dtype=torch.long)
+        attention_mask[i, :n] = True
+        loss_mask[i, :n] = torch.tensor(e.loss_mask, dtype=torch.bool)
+    return input_ids, attention_mask, loss_mask

@@ -1,0 +1,138 @@
+"""Rule rewards: the built-in ones chosen by ``data_source``, or the user's own function.
+
+A reward function has verl's signature
+``f(data_source, solution_str, ground_truth, extra_info) -> float`` and is called with
+keyword arguments, as verl calls it, so verl users' files work unchanged. It may return a
+number or (as verl allows) a dict with a ``"score"`` key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from klppo.errors import UserError
+from klppo.rewards import gsm8k
+
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
+KNOWN_DATA_SOURCES = GSM8K_SOURCES
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
+    """The built-in rule reward for ``data_source`` (verl's default_compute_score, GSM8K part)."""
+    if data_source in GSM8K_SOURCES:
+        if ground_truth is None:
+            raise UserError(
+                f"data_source '{data_source}' is scored against reward_model.ground_truth, but a row has none; "
+                "add reward_model={'style': 'rule', 'ground_truth': ...} to every row"
+            )
+        return gsm8k.compute_score(solution_str, ground_truth)
+    raise UserError(
+        f"no built-in reward for data_source '{data_source}' (known: {', '.join(KNOWN_DATA_SOURCES)}); "
+        "set custom_reward_function.path to a Python file defining "
+        "compute_score(data_source, solution_str, ground_truth, extra_info)"
+    )
+
+
+def _import_file(path: str, module_name: str):
+    """Execute the file as module ``module_name``, registered in sys.modules so its functions pickle."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise UserError(f"custom_reward_function.path '{path}' cannot be imported; point it at a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's code: report it as one line, keep the cause chained
+        del sys.modules[module_name]
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise UserError(
+            f"custom_reward_function.path '{path}' failed to import ({type(e).__name__}: {first_line}); fix the file"
+        ) from e
+    return module
+
+
+def load_custom_reward_function(path: str, name: str) -> Callable:
+    """Import the Python file at ``path`` (once per process) and return its function ``name``."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"custom_reward_function.path '{path}' not found; point it at a Python file")
+    module_name = "klppo_custom_reward_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+    module = sys.modules.get(module_name) or _import_file(path, module_name)
+    if not hasattr(module, name):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise UserError(
+            f"custom_reward_function.name '{name}' is not defined in '{path}' (callables there: "
+            f"{', '.join(found) or 'none'}); set custom_reward_function.name to one of them"
+        )
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise UserError(
+            f"custom_reward_function.name '{name}' in '{path}' is a {type(fn).__name__}, not a function; "
+            "set custom_reward_function.name to a function"
+        )
+    return fn
+
+
+def _as_float(value: Any, where: str) -> float:
+    """A number, or a dict with a "score" key (verl allows both), as a float; NaN passes through."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise UserError(
+                f"{where} returned a dict without a 'score' key (keys: {', '.join(map(str, value))}); "
+                "return a number or a dict with 'score'"
+            )
+        value = value["score"]
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise UserError(f"{where} returned {value!r} ({type(value).__name__}); return a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:  # e.g. a tensor of several elements
+        raise UserError(f"{where} returned {value!r} ({type(value).__name__}); return a single number") from e
+
+
+@dataclass
+class RewardFunction:
+    """A reward function plus the name its errors use; calls return a float."""
+
+    fn: Callable
+    # "default_compute_score" or "custom_reward_function compute_score in 'x.py'".
+    name: str
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
+        value = self.fn(
+            data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+            extra_info=extra_info if extra_info is not None else {},
+        )
+        return _as_float(value, f"reward function {self.name} (data_source '{data_source}')")
+
+
+def make_reward_fn(custom_path: str | None, custom_name: str = "compute_score") -> RewardFunction:
+    """The user's function at ``custom_path`` when given, else the built-in rules by data_source."""
+    if custom_path:
+        fn = load_custom_reward_function(custom_path, custom_name)
+        return RewardFunction(fn, f"custom_reward_function {custom_name} in '{custom_path}'")
+    return RewardFunction(default_compute_score, "default_compute_score")
+
+
+def score_responses(
+    reward_fn: Callable[..., float],
+    data_sources: Sequence[str],
+    responses: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[dict | None],
+) -> list[float]:
+    """One score per response: ``reward_fn(data_source, response, ground_truth, extra_info)``."""
+    n = len(responses)
+    assert len(data_sources) == len(ground_truths) == len(extra_infos) == n, "score_responses: length mismatch"
+    return [
+        reward_fn(source, text, truth, info)
+        for source, text, truth, info in zip(data_sources, responses, ground_truths, extra_infos)
+    ]

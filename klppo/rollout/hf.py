@@ -1,0 +1,56 @@
+"""Responses sampled from the actor with Hugging Face ``generate``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from klppo.data.rl_dataset import PromptRecord, collate_prompts
+from klppo.rollout.batch import RolloutBatch, assemble_batch, mask_after_eos
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables top-k, as in verl
+    do_sample: bool = True
+
+
+@torch.no_grad()
+def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingParams) -> RolloutBatch:
+    """Sample ``params.n`` responses per prompt; rows grouped by prompt as in ``offline_rollout``.
+
+    Tokens after a response's first EOS are replaced by padding and masked out. Sampling
+    draws from torch's global RNG, which checkpoints save and restore, so a resumed run
+    samples the same responses as an uninterrupted one.
+    """
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = collate_prompts(records, tokenizer.pad_token_id)
+    prompt_ids = prompt_ids.repeat_interleave(params.n, dim=0).to(device)
+    prompt_mask = prompt_mask.repeat_interleave(params.n, dim=0).to(device)
+    was_training = model.training
+    model.eval()
+    sampling = {}
+    if params.do_sample:
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0)}
+    output = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask.long(),
+        max_new_tokens=params.max_new_tokens,
+        do_sample=params.do_sample,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_cache=True,
+        **sampling,
+    )
+    model.train(was_training)
+    response_ids = output[:, prompt_ids.shape[1] :].cpu()  # (B, T) with T <= max_new_tokens
+    if response_ids.shape[1] == 0:
+        response_ids = torch.full((len(response_ids), 1), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = mask_after_eos(response_ids, tokenizer.eos_token_id)
+    response_ids = response_ids.masked_fill(~response_mask, tokenizer.pad_token_id)
+    return assemble_batch(records, params.n, tokenizer.pad_token_id, response_ids, response_mask)

@@ -1,0 +1,199 @@
+"""Set-up for a PPO run: small builders that turn the config into models, data and settings.
+
+The config reaches the pieces only here, through flat arguments; the loop in
+``ppo_trainer.py`` receives the built ``PPOParts``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from klppo.algo import AdaptiveKLController, FixedKLController
+from klppo.config import PPOConfig
+from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
+from klppo.data.sampler import PromptBatches
+from klppo.errors import UserError
+from klppo.models.load import load_causal_lm, load_critic, load_tokenizer
+from klppo.rewards.score import make_reward_fn
+from klppo.rollout.hf import SamplingParams
+from klppo.trainer.optim import build_lr_scheduler, build_optimizer
+from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings
+
+CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class PPOParts:
+    cfg: PPOConfig
+    run_dir: Path
+    device: torch.device
+    tokenizer: object
+    actor: torch.nn.Module
+    actor_optimizer: torch.optim.Optimizer
+    actor_scheduler: torch.optim.lr_scheduler.LRScheduler
+    ref: Optional[torch.nn.Module]
+    critic: Optional[torch.nn.Module]
+    critic_optimizer: Optional[torch.optim.Optimizer]
+    critic_scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
+    kl_ctrl: FixedKLController | AdaptiveKLController
+    reward_fn: Callable
+    train_records: list[PromptRecord]
+    val_records: Optional[list[PromptRecord]]
+    batches: PromptBatches
+    total_steps: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu or auto")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def uses_critic(cfg: PPOConfig) -> bool:
+    return cfg.algorithm.adv_estimator not in CRITIC_FREE_ESTIMATORS
+
+
+def uses_reference(cfg: PPOConfig) -> bool:
+    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
+def build_kl_controller(kind: str, kl_coef: float, target_kl: float, horizon: int):
+    if kind == "adaptive":
+        return AdaptiveKLController(init_kl_coef=kl_coef, target_kl=target_kl, horizon=horizon)
+    return FixedKLController(kl_coef=kl_coef)
+
+
+def sampling_params(cfg: PPOConfig, *, validation: bool = False) -> SamplingParams:
+    rollout = cfg.actor_rollout_ref.rollout
+    source = rollout.val_kwargs if validation else rollout
+    return SamplingParams(
+        n=source.n,
+        max_new_tokens=rollout.response_length,
+        temperature=source.temperature,
+        top_p=source.top_p,
+        top_k=source.top_k,
+        do_sample=source.do_sample,
+    )
+
+
+def actor_settings(cfg: PPOConfig) -> ActorUpdateSettings:
+    actor, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
+    mini_rows = actor.ppo_mini_batch_size * n
+    return ActorUpdateSettings(
+        mini_batch_rows=mini_rows,
+        micro_batch_rows=actor.ppo_micro_batch_size_per_gpu or mini_rows,
+        ppo_epochs=actor.ppo_epochs,
+        clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+        grad_clip=actor.grad_clip,
+        temperature=cfg.actor_rollout_ref.rollout.temperature,
+    )
+
+
+def critic_settings(cfg: PPOConfig) -> CriticUpdateSettings:
+    critic, n = cfg.critic, cfg.actor_rollout_ref.rollout.n
+    mini_rows = critic.ppo_mini_batch_size * n
+    return CriticUpdateSettings(
+        mini_batch_rows=mini_rows,
+        micro_batch_rows=critic.ppo_micro_batch_size_per_gpu or mini_rows,
+        ppo_epochs=critic.ppo_epochs,
+        cliprange_value=critic.cliprange_value,
+        loss_agg_mode=critic.loss_agg_mode,
+        grad_clip=critic.grad_clip,
+    )
+
+
+def load_datasets(cfg: PPOConfig, tokenizer, log: Callable) -> tuple[list[PromptRecord], Optional[list[PromptRecord]]]:
+    data, offline = cfg.data, cfg.actor_rollout_ref.rollout.name == "offline"
+    common = dict(
+        prompt_key=data.prompt_key,
+        max_prompt_length=data.max_prompt_length,
+        truncation=data.truncation,
+        filter_overlong_prompts=data.filter_overlong_prompts,
+        log=log,
+    )
+    train = load_rl_dataset(data.train_files, tokenizer, require_responses=offline, **common)
+    if offline:
+        check_enough_responses(train, cfg.actor_rollout_ref.rollout.n)
+    val = load_rl_dataset(data.val_files, tokenizer, **common) if data.val_files else None
+    if len(train) < data.train_batch_size:
+        raise UserError(
+            f"data.train_batch_size={data.train_batch_size} is larger than the {len(train)} usable prompts "
+            "in data.train_files; lower it or add data"
+        )
+    return train, val
+
+
+def check_enough_responses(records: list[PromptRecord], n: int) -> None:
+    """Offline runs use the first ``n`` recorded responses of each prompt: all must have them."""
+    for record in records:
+        if len(record.responses) < n:
+            raise UserError(
+                f"prompt {record.index} of data.train_files has {len(record.responses)} recorded responses "
+                f"but actor_rollout_ref.rollout.n={n}; lower rollout.n or record more responses"
+            )
+
+
+def _optimizer_and_schedule(model, optim, total_steps: int):
+    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas)
+    scheduler = build_lr_scheduler(
+        optimizer,
+        total_steps=total_steps,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio,
+        warmup_style=optim.warmup_style,
+        min_lr_ratio=optim.min_lr_ratio,
+    )
+    return optimizer, scheduler
+
+
+def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
+    """Load data and models and build optimisers, schedules, KL controller and reward function."""
+    seed_everything(cfg.data.seed)
+    device = resolve_device(cfg.trainer.device)
+    model_cfg, trainer = cfg.actor_rollout_ref.model, cfg.trainer
+    reward_fn = make_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    tokenizer = load_tokenizer(model_cfg.path)
+    train, val = load_datasets(cfg, tokenizer, log)
+    batches = PromptBatches(len(train), cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
+    key = "actor_rollout_ref.model.path"
+    actor = load_causal_lm(model_cfg.path, key=key, device=device,
+                           gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
+    actor_optimizer, actor_scheduler = _optimizer_and_schedule(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
+    ref = None
+    if uses_reference(cfg):
+        ref = load_causal_lm(model_cfg.path, key=key, device=device).eval().requires_grad_(False)
+    critic = critic_optimizer = critic_scheduler = None
+    if uses_critic(cfg):
+        critic = load_critic(cfg.critic.model.path, key="critic.model.path", device=device, seed=cfg.data.seed,
+                             gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing)
+        critic_optimizer, critic_scheduler = _optimizer_and_schedule(critic, cfg.critic.optim, total_steps)
+    kl = cfg.algorithm.kl_ctrl
+    return PPOParts(
+        cfg=cfg, run_dir=Path(trainer.default_local_dir), device=device, tokenizer=tokenizer,
+        actor=actor, actor_optimizer=actor_optimizer, actor_scheduler=actor_scheduler, ref=ref,
+        critic=critic, critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
+        kl_ctrl=build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon), reward_fn=reward_fn,
+        train_records=train, val_records=val, batches=batches, total_steps=total_steps,
+    )

@@ -1,0 +1,40 @@
+"""``python -m klppo.trainer.main_ppo --config x.yaml [key.path=value ...]``: one PPO run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from klppo.cli_support import quiet_libraries, run_cli
+from klppo.config import format_config, load_ppo_config
+
+
+def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> list[dict]:
+    """Validate the config, build everything, train; returns the logged metrics records."""
+    from klppo.trainer.build import build_ppo
+    from klppo.trainer.ppo_trainer import PPOTrainer
+
+    cfg = load_ppo_config(config_path, overrides)
+    quiet_libraries()
+    run_dir = Path(cfg.trainer.default_local_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(format_config(cfg))
+    parts = build_ppo(cfg, log=print_fn)
+    return PPOTrainer(parts, print_fn=print_fn).fit()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", help="YAML config (verl key names)")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. trainer.total_training_steps=10")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="klppo ppo", description="Train with KL-regularised PPO.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_cli(lambda: run_ppo(args.config, args.overrides))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

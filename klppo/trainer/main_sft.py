@@ -1,0 +1,120 @@
+"""``klppo sft`` / ``python -m klppo.trainer.main_sft``: supervised warm start before PPO.
+
+Trains a causal LM on prompt/response Parquet with the loss on response tokens only (token
+mean over the whole batch, so micro-batching does not change the update) and writes the
+result to ``<trainer.default_local_dir>/hf``, the folder PPO's ``actor_rollout_ref.model.path``
+points at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from klppo.algo import logprobs_from_logits
+from klppo.cli_support import quiet_libraries, run_cli
+from klppo.config import SFTConfig, format_config, load_sft_config
+from klppo.models.forward import position_ids_from_mask
+from klppo.trainer.update import chunks
+
+
+def sft_loss(model, input_ids, attention_mask, loss_mask, total_tokens) -> torch.Tensor:
+    """Summed next-token NLL over ``loss_mask`` tokens, divided by the batch's ``total_tokens``.
+
+    Shapes: input_ids, attention_mask, loss_mask (B, L); the logits at i predict token i + 1.
+    """
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask.long(),
+        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+    ).logits[:, :-1].float()  # (B, L-1, V)
+    log_probs = logprobs_from_logits(logits, input_ids[:, 1:])  # (B, L-1)
+    return -(log_probs * loss_mask[:, 1:]).sum() / total_tokens
+
+
+def _evaluate(model, examples, pad_token_id, batch_rows: int) -> float:
+    from klppo.data.sft_dataset import collate_sft
+
+    model.eval()
+    device = next(model.parameters()).device
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for idx in chunks(len(examples), batch_rows):
+            batch = collate_sft([examples[i] for i in idx.tolist()], pad_token_id)
+            ids, attn, loss_mask = (t.to(device) for t in batch)
+            n = int(loss_mask[:, 1:].sum())
+            total += float(sft_loss(model, ids, attn, loss_mask, 1.0))
+            tokens += n
+    return total / max(tokens, 1)
+
+
+def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
+    """Train and save; returns the Hugging Face folder written."""
+    from klppo.checkpoint.state import export_hf
+    from klppo.data.sampler import PromptBatches
+    from klppo.data.sft_dataset import collate_sft, load_sft_dataset
+    from klppo.models.load import load_causal_lm, load_tokenizer
+    from klppo.monitoring.logger import MetricsLogger
+    from klppo.trainer.build import resolve_device, seed_everything
+    from klppo.trainer.optim import build_lr_scheduler, build_optimizer
+
+    quiet_libraries()
+    seed_everything(cfg.data.seed)
+    data, optim, trainer = cfg.data, cfg.optim, cfg.trainer
+    run_dir = Path(trainer.default_local_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(format_config(cfg))
+    device = resolve_device(trainer.device)
+    tokenizer = load_tokenizer(cfg.model.partial_pretrain, key="model.partial_pretrain")
+    common = dict(prompt_key=data.prompt_key, response_key=data.response_key, max_length=data.max_length,
+                  truncation=data.truncation, log=print_fn)
+    train = load_sft_dataset(data.train_files, tokenizer, **common)
+    val = load_sft_dataset(data.val_files, tokenizer, **common) if data.val_files else None
+    model = load_causal_lm(cfg.model.partial_pretrain, key="model.partial_pretrain", device=device,
+                           gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
+    batches = PromptBatches(len(train), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
+    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas)
+    scheduler = build_lr_scheduler(optimizer, total_steps=total_steps, lr_warmup_steps=optim.lr_warmup_steps,
+                                   lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio,
+                                   warmup_style=optim.warmup_style, min_lr_ratio=optim.min_lr_ratio)
+    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn)
+    micro_rows = data.micro_batch_size_per_gpu or data.train_batch_size
+    log_every = max(1, total_steps // 10)
+    for step in range(1, total_steps + 1):
+        model.train()
+        examples = [train[i] for i in batches.next_batch()]
+        ids, attn, loss_mask = (t.to(device) for t in collate_sft(examples, tokenizer.pad_token_id))
+        total_tokens = loss_mask[:, 1:].sum()
+        loss_sum = torch.zeros((), device=device)
+        for idx in chunks(len(examples), micro_rows):
+            loss = sft_loss(model, ids[idx], attn[idx], loss_mask[idx], total_tokens)
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip_grad)
+        if torch.isfinite(grad_norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        metrics = {"train/loss": loss_sum, "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": grad_norm}
+        scheduler.step()
+        if val is not None and (step % log_every == 0 or step == total_steps):
+            metrics["val/loss"] = _evaluate(model, val, tokenizer.pad_token_id, micro_rows)
+        logger.console = "console" in trainer.logger and (step % log_every == 0 or step == total_steps)
+        logger.log(step, metrics, total=total_steps)
+    out = export_hf(model, tokenizer, run_dir / "hf")
+    print_fn(f"SFT model saved to {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="klppo sft", description="Supervised fine-tuning (warm start).")
+    parser.add_argument("--config", "-c", help="YAML config (verl's SFT key names)")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    args = parser.parse_args(argv)
+    return run_cli(lambda: run_sft(load_sft_config(args.config, args.overrides)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The PPO updates: critic and actor, as ppo_epochs x mini-batches x micro-batches.
+
+Each micro-batch's loss is normalised by the token (or sequence) count of its whole
+mini-batch, so the gradients accumulated over micro-batches equal those of the mini-batch in
+one piece, whatever the micro-batch size. Ratio statistics (clip fractions, KL) are weighted
+the same way, so they too do not depend on how the mini-batch was split.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from klppo.algo import agg_loss, compute_policy_loss, compute_value_loss, kl_loss, masked_mean
+from klppo.models.forward import response_logprobs, response_values
+from klppo.rollout.batch import RolloutBatch
+
+
+@dataclass(frozen=True)
+class ActorUpdateSettings:
+    mini_batch_rows: int  # ppo_mini_batch_size * rollout.n
+    micro_batch_rows: int  # ppo_micro_batch_size_per_gpu, or mini_batch_rows
+    ppo_epochs: int
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    loss_agg_mode: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    grad_clip: float
+    temperature: float
+
+
+@dataclass(frozen=True)
+class CriticUpdateSettings:
+    mini_batch_rows: int
+    micro_batch_rows: int
+    ppo_epochs: int
+    cliprange_value: float
+    loss_agg_mode: str
+    grad_clip: float
+
+
+def chunks(n_rows: int, size: int) -> list[torch.Tensor]:
+    """Consecutive row-index chunks of at most ``size`` rows covering ``range(n_rows)``."""
+    return list(torch.arange(n_rows).split(size))
+
+
+def _counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and sequence counts that normalise a mini-batch's loss."""
+    return mask.sum(), (mask.sum(-1) > 0).sum()
+
+
+def _optimizer_step(model, optimizer, grad_clip: float) -> torch.Tensor:
+    """Clip, then step unless the gradient norm is not finite (the step is skipped then)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.detach()
+
+
+def _run_updates(model, optimizer, batch, *, mini_rows, micro_rows, epochs, grad_clip, micro_loss, prefix):
+    """ppo_epochs x mini-batches x micro-batches of ``micro_loss``, one optimiser step per mini-batch.
+
+    ``micro_loss(micro, tokens, seqs) -> (loss, sums, means)``: ``sums`` are the micro-batch's
+    shares of mini-batch losses (they add up), ``means`` are its own token means (weighted here
+    by its token share). Returns every metric averaged over the optimiser steps.
+    """
+    model.train()
+    per_update: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for _ in range(epochs):
+        for mini_idx in chunks(len(batch), mini_rows):
+            mini = batch.select(mini_idx)
+            tokens, seqs = _counts(mini.response_mask)
+            stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
+            for micro_idx in chunks(len(mini), micro_rows):
+                micro = mini.select(micro_idx)
+                loss, sums, means = micro_loss(micro, tokens, seqs)
+                loss.backward()
+                weight = micro.response_mask.sum() / tokens  # token share of this micro-batch
+                for k, v in sums.items():
+                    stats[k] = stats[k] + v
+                for k, v in means.items():
+                    stats[k] = stats[k] + v * weight
+            stats[f"{prefix}/grad_norm"] = _optimizer_step(model, optimizer, grad_clip)
+            for k, v in stats.items():
+                per_update[k].append(v)
+    return {k: torch.stack(v).mean() for k, v in per_update.items()}
+
+
+def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings) -> dict[str, torch.Tensor]:
+    """One PPO actor update over ``batch``; returns metrics averaged over optimiser steps."""
+    return _run_updates(
+        actor, optimizer, batch, mini_rows=s.mini_batch_rows, micro_rows=s.micro_batch_rows,
+        epochs=s.ppo_epochs, grad_clip=s.grad_clip, prefix="actor",
+        micro_loss=lambda micro, tokens, seqs: _actor_micro_loss(actor, micro, s, tokens, seqs),
+    )
+
+
+def _actor_micro_loss(actor, micro: RolloutBatch, s: ActorUpdateSettings, tokens, seqs):
+    """Clipped surrogate - entropy bonus (+ KL loss) of one micro-batch, mini-batch normalised."""
+    mask = micro.response_mask
+    log_prob, entropy = response_logprobs(
+        actor, micro.input_ids, micro.attention_mask, micro.response_length,
+        temperature=s.temperature, with_entropy=True,
+    )  # (b, T), (b, T)
+    counts = {"global_token_count": tokens, "global_seq_count": seqs}
+    pg_loss, pg_stats = compute_policy_loss(
+        micro.old_log_prob, log_prob, micro.advantages, mask,
+        clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
+        loss_agg_mode=s.loss_agg_mode, **counts,
+    )
+    entropy_loss = agg_loss(entropy, mask, s.loss_agg_mode, **counts)
+    loss = pg_loss - s.entropy_coeff * entropy_loss
+    sums = {"actor/pg_loss": pg_loss.detach()}
+    means = {k: v for k, v in pg_stats.items() if k != "actor/pg_loss"}
+    means["actor/entropy"] = masked_mean(entropy.detach(), mask)
+    if s.use_kl_loss:
+        kl = kl_loss(log_prob, micro.ref_log_prob, mask, s.kl_loss_type, s.loss_agg_mode, **counts)
+        loss = loss + s.kl_loss_coef * kl
+        sums["actor/kl_loss"] = kl.detach()
+    return loss, sums, means
+
+
+def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSettings) -> dict[str, torch.Tensor]:
+    """One clipped value-loss update of the critic over ``batch``."""
+
+    def micro_loss(micro: RolloutBatch, tokens, seqs):
+        vpreds = response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length)
+        loss, stats = compute_value_loss(
+            vpreds, micro.returns, micro.values, micro.response_mask,
+            cliprange_value=s.cliprange_value, loss_agg_mode=s.loss_agg_mode,
+            global_token_count=tokens, global_seq_count=seqs,
+        )
+        means = {k: v for k, v in stats.items() if k != "critic/vf_loss"}
+        return loss, {"critic/vf_loss": loss.detach()}, means
+
+    return _run_updates(
+        critic, optimizer, batch, mini_rows=s.mini_batch_rows, micro_rows=s.micro_batch_rows,
+        epochs=s.ppo_epochs, grad_clip=s.grad_clip, micro_loss=micro_loss, prefix="critic",
+    )

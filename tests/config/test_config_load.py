@@ -1,0 +1,247 @@
+"""Loading: YAML files, overrides, interpolation, types, unknown keys, formatting."""
+
+from pathlib import Path
+
+import pytest
+
+from klppo.config import PPOConfig, SFTConfig, config_to_dict, format_config, load_ppo_config, load_sft_config
+from klppo.errors import UserError
+
+DATA = Path(__file__).parent / "data"
+# The two keys without a usable default.
+REQUIRED = ["data.train_files=train.parquet", "actor_rollout_ref.model.path=models/tiny"]
+
+
+def load(*overrides: str) -> PPOConfig:
+    return load_ppo_config(None, REQUIRED + list(overrides))
+
+
+def errors_of(*overrides: str, path: str | None = None) -> str:
+    with pytest.raises(UserError) as info:
+        load_ppo_config(path, REQUIRED + list(overrides))
+    return str(info.value)
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+# ---- files and overrides ----
+
+
+def test_defaults_load_when_the_required_keys_are_given():
+    cfg = load()
+    assert cfg.data.train_files == "train.parquet"
+    assert cfg.actor_rollout_ref.actor.clip_ratio == 0.2
+    assert cfg.critic.optim.lr == 1e-5
+
+
+def test_user_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        load_ppo_config(None)
+
+
+def test_yaml_file_values_are_read_and_overrides_win_over_them(tmp_path):
+    path = write(tmp_path, "data:\n  train_batch_size: 64\n  max_prompt_length: 128\nactor_rollout_ref:\n  actor:\n    ppo_mini_batch_size: 16\n")
+    cfg = load_ppo_config(path, REQUIRED + ["data.max_prompt_length=256"])
+    assert cfg.data.train_batch_size == 64
+    assert cfg.data.max_prompt_length == 256
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 16
+
+
+def test_override_of_a_list_replaces_the_list():
+    cfg = load("trainer.logger=[console,jsonl]", "data.train_files=[a.parquet, b.parquet]")
+    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+
+
+def test_override_null_sets_none_and_hydra_plus_prefix_is_accepted():
+    cfg = load("data.val_files=val.parquet", "data.val_files=null", "+trainer.val_before_train=False")
+    assert cfg.data.val_files is None
+    assert cfg.trainer.val_before_train is False
+
+
+def test_tilde_override_drops_a_key_so_its_default_applies(tmp_path):
+    path = write(tmp_path, "data:\n  train_batch_size: 64\n")
+    cfg = load_ppo_config(path, REQUIRED + ["~data.train_batch_size"])
+    assert cfg.data.train_batch_size == 1024
+
+
+def test_malformed_override_is_reported():
+    assert "override 'data.train_batch_size' is not of the form key.path=value" in errors_of("data.train_batch_size")
+
+
+def test_missing_file_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_ppo_config(str(tmp_path / "nope.yaml"))
+
+
+def test_invalid_yaml_is_a_user_error_on_one_line(tmp_path):
+    with pytest.raises(UserError, match="not valid YAML") as info:
+        load_ppo_config(write(tmp_path, "data: [unclosed\n"))
+    assert "\n" not in str(info.value)
+
+
+def test_empty_section_in_yaml_means_defaults(tmp_path):
+    cfg = load_ppo_config(write(tmp_path, "critic:\nreward_model:\n"), REQUIRED)
+    assert cfg.critic.cliprange_value == 0.5
+
+
+# ---- types ----
+
+
+def test_float_field_accepts_yaml_string_1e_minus_6(tmp_path):
+    path = write(tmp_path, "actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-6\n")
+    cfg = load_ppo_config(path, REQUIRED + ["critic.optim.lr=2E-5"])
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert isinstance(cfg.actor_rollout_ref.actor.optim.lr, float)
+    assert cfg.critic.optim.lr == 2e-5
+
+
+def test_float_field_accepts_an_int_as_a_float():
+    cfg = load("actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.actor.optim.betas=[0, 1e-1]")
+    assert cfg.actor_rollout_ref.actor.entropy_coeff == 0.0
+    assert isinstance(cfg.actor_rollout_ref.actor.entropy_coeff, float)
+    assert cfg.actor_rollout_ref.actor.optim.betas == [0.0, 0.1]
+
+
+def test_string_for_int_is_an_error_that_names_the_key():
+    message = errors_of("data.train_batch_size='64'")
+    assert "data.train_batch_size: expected an integer, got '64' (a string)" in message
+
+
+def test_bool_for_int_and_for_float_is_an_error():
+    message = errors_of("data.train_batch_size=true", "actor_rollout_ref.actor.clip_ratio=false")
+    assert "data.train_batch_size: expected an integer, got true (a boolean)" in message
+    assert "actor_rollout_ref.actor.clip_ratio: expected a number, got false (a boolean)" in message
+
+
+def test_non_numeric_string_for_float_is_an_error():
+    assert "actor_rollout_ref.actor.optim.lr: expected a number, got 'fast'" in errors_of("actor_rollout_ref.actor.optim.lr=fast")
+
+
+def test_wrong_list_element_names_its_index():
+    message = errors_of("actor_rollout_ref.actor.optim.betas=[0.9, x]")
+    assert "actor_rollout_ref.actor.optim.betas[1]: expected a number" in message
+
+
+def test_scalar_for_a_list_field_is_an_error_that_shows_a_list():
+    assert "trainer.logger: expected a list of strings, got 'console'" in errors_of("trainer.logger=console")
+
+
+def test_literal_violation_lists_the_choices_and_the_nearest_one():
+    message = errors_of("algorithm.adv_estimator=grop")
+    assert "algorithm.adv_estimator = 'grop' is not one of 'gae', 'grpo', 'rloo'" in message
+    assert "did you mean 'grpo'?" in message
+
+
+def test_mapping_for_a_value_and_value_for_a_section_are_errors(tmp_path):
+    path = write(tmp_path, "trainer:\n  project_name:\n    name: x\ncritic: 3\n")
+    message = errors_of(path=path)
+    assert "trainer.project_name: expected a string, got a mapping (keys: name)" in message
+    assert "critic: is a section, not a value" in message
+
+
+# ---- unknown keys ----
+
+
+def test_unknown_key_suggests_the_nearest_key_at_its_level():
+    message = errors_of("actor_rollout_ref.actor.clip_ration=0.3")
+    assert "unknown key 'actor_rollout_ref.actor.clip_ration'; did you mean 'actor_rollout_ref.actor.clip_ratio'?" in message
+
+
+def test_misspelled_nested_key_in_a_file_is_reported(tmp_path):
+    path = write(tmp_path, "algorithm:\n  kl_ctrl:\n    target_kll: 0.05\n")
+    message = errors_of(path=path)
+    assert "unknown key 'algorithm.kl_ctrl.target_kll'; did you mean 'algorithm.kl_ctrl.target_kl'?" in message
+
+
+def test_misspelled_section_is_reported_with_the_section_name():
+    message = errors_of("actor_rollout_ref.actr.ppo_epochs=2")
+    assert "unknown key 'actor_rollout_ref.actr'; did you mean 'actor_rollout_ref.actor'?" in message
+
+
+def test_misplaced_key_suggests_its_full_path():
+    message = errors_of("actor_rollout_ref.clip_ratio=0.1", "actor_rollout_ref.actor.temperature=0.7")
+    assert "unknown key 'actor_rollout_ref.clip_ratio'; did you mean 'actor_rollout_ref.actor.clip_ratio'?" in message
+    assert "did you mean 'actor_rollout_ref.rollout.temperature'?" in message
+
+
+def test_unknown_key_without_a_near_one_lists_the_valid_keys():
+    message = errors_of("reward_model.zzzzzzzz=1")
+    assert "unknown key 'reward_model.zzzzzzzz'; valid keys under 'reward_model' are: enable, model, micro_batch_size_per_gpu" in message
+
+
+# ---- interpolation ----
+
+
+def test_verl_interpolations_take_the_value_and_type_of_their_target(tmp_path):
+    text = (
+        "data:\n  max_response_length: 300\n"
+        "actor_rollout_ref:\n  rollout:\n    response_length: ${data.max_response_length}\n"
+        "trainer:\n  project_name: p\n  default_local_dir: out/${trainer.project_name}/${trainer.experiment_name}\n"
+    )
+    cfg = load_ppo_config(write(tmp_path, text), REQUIRED + ["data.max_response_length=400"])
+    assert cfg.actor_rollout_ref.rollout.response_length == 400
+    assert cfg.trainer.default_local_dir == "out/p/run"
+
+
+def test_interpolation_to_an_unknown_key_or_a_resolver_is_an_error():
+    message = errors_of("critic.model.path=${actor_rollout_ref.model.pth}", "data.val_files=${oc.env:HOME}")
+    assert "critic.model.path: cannot resolve '${actor_rollout_ref.model.pth}'" in message
+    assert "data.val_files: cannot resolve '${oc.env:HOME}'" in message
+
+
+def test_interpolation_cycle_is_an_error():
+    message = errors_of("trainer.project_name=${trainer.experiment_name}", "trainer.experiment_name=${trainer.project_name}")
+    assert "interpolation cycle" in message
+
+
+# ---- whole files and formatting ----
+
+
+def test_verl_style_gsm8k_config_loads():
+    cfg = load_ppo_config(str(DATA / "gsm8k_ppo_verl_style.yaml"))
+    arf = cfg.actor_rollout_ref
+    assert arf.actor.strategy == "fsdp"
+    assert arf.actor.optim.lr == 1e-6
+    assert arf.rollout.response_length == 256
+    assert cfg.critic.model.path == "~/models/Qwen2.5-0.5B-Instruct"
+    assert cfg.critic.ppo_mini_batch_size == 64
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
+
+
+def test_sft_config_loads_and_resolves_its_output_folder():
+    cfg = load_sft_config(str(DATA / "gsm8k_sft.yaml"))
+    assert isinstance(cfg, SFTConfig)
+    assert cfg.optim.lr == 1e-5
+    assert cfg.optim.betas == [0.9, 0.95]
+    assert cfg.trainer.default_local_dir == "checkpoints/gsm8k-sft/qwen-0.5b"
+
+
+def test_sft_config_reports_unknown_keys_against_the_sft_tree():
+    with pytest.raises(UserError, match=r"unknown key 'data.micro_batch_size'; did you mean 'data.micro_batch_size_per_gpu'\?"):
+        load_sft_config(str(DATA / "gsm8k_sft.yaml"), ["data.micro_batch_size=4"])
+
+
+def test_format_config_round_trips_ppo(tmp_path):
+    cfg = load_ppo_config(str(DATA / "gsm8k_ppo_verl_style.yaml"), ["trainer.logger=[console,jsonl]"])
+    assert load_ppo_config(write(tmp_path, format_config(cfg))) == cfg
+
+
+def test_format_config_round_trips_sft(tmp_path):
+    cfg = load_sft_config(str(DATA / "gsm8k_sft.yaml"))
+    assert load_sft_config(write(tmp_path, format_config(cfg))) == cfg
+
+
+def test_config_to_dict_is_plain_nested_dicts():
+    d = config_to_dict(load())
+    assert d["actor_rollout_ref"]["actor"]["optim"]["betas"] == [0.9, 0.999]
+    assert type(d["trainer"]) is dict
+
+
+def test_verl_old_global_micro_batch_key_suggests_the_per_gpu_key():
+    message = errors_of("actor_rollout_ref.actor.ppo_micro_batch_size=4")
+    assert "did you mean 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu'?" in message

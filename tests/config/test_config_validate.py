@@ -1,0 +1,251 @@
+"""Validation: derived defaults, required keys, sizes, ranges and the knobs of later work."""
+
+import pytest
+
+from klppo.config import PPOConfig, load_ppo_config, load_sft_config
+from klppo.errors import UserError
+
+REQUIRED = ["data.train_files=train.parquet", "actor_rollout_ref.model.path=models/tiny"]
+SFT_REQUIRED = ["data.train_files=sft.parquet", "model.partial_pretrain=models/tiny"]
+ACTOR = "actor_rollout_ref.actor"
+
+
+def load(*overrides: str) -> PPOConfig:
+    return load_ppo_config(None, REQUIRED + list(overrides))
+
+
+def problems_of(*overrides: str, required: bool = True) -> list[str]:
+    """The problem lines of the UserError (the summary line dropped)."""
+    with pytest.raises(UserError) as info:
+        load_ppo_config(None, (REQUIRED if required else []) + list(overrides))
+    summary, *lines = str(info.value).splitlines()
+    assert summary.startswith("config (defaults)") and summary.endswith(f"has {len(lines)} error{'s' * (len(lines) > 1)}:")
+    return [line.removeprefix("  - ") for line in lines]
+
+
+def sft_problems_of(*overrides: str) -> list[str]:
+    with pytest.raises(UserError) as info:
+        load_sft_config(None, SFT_REQUIRED + list(overrides))
+    return [line.removeprefix("  - ") for line in str(info.value).splitlines()[1:]]
+
+
+# ---- derived defaults ----
+
+
+def test_derived_defaults_are_resolved_from_their_sources():
+    cfg = load(f"{ACTOR}.clip_ratio=0.1", "data.max_response_length=128", f"{ACTOR}.ppo_mini_batch_size=32",
+               f"{ACTOR}.ppo_epochs=2", "trainer.project_name=p", "trainer.experiment_name=e")
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low == 0.1
+    assert cfg.actor_rollout_ref.actor.clip_ratio_high == 0.1
+    assert cfg.actor_rollout_ref.rollout.response_length == 128
+    assert cfg.critic.ppo_mini_batch_size == 32
+    assert cfg.critic.ppo_epochs == 2
+    assert cfg.critic.model.path == "models/tiny"
+    assert cfg.trainer.default_local_dir == "checkpoints/p/e"
+
+
+def test_explicit_values_are_kept_over_derived_defaults():
+    cfg = load(f"{ACTOR}.clip_ratio_high=0.28", "critic.model.path=models/critic", "trainer.default_local_dir=out",
+               "actor_rollout_ref.rollout.response_length=64")
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low == 0.2
+    assert cfg.actor_rollout_ref.actor.clip_ratio_high == 0.28
+    assert cfg.critic.model.path == "models/critic"
+    assert cfg.trainer.default_local_dir == "out"
+    assert cfg.actor_rollout_ref.rollout.response_length == 64
+
+
+def test_fsdp_strategy_is_kept_as_written():
+    assert load(f"{ACTOR}.strategy=fsdp").actor_rollout_ref.actor.strategy == "fsdp"
+
+
+# ---- required keys ----
+
+
+def test_train_files_and_model_path_are_required():
+    problems = problems_of(required=False)
+    assert problems[0].startswith("data.train_files is required")
+    assert problems[1].startswith("actor_rollout_ref.model.path is required")
+
+
+def test_sft_needs_train_files_and_partial_pretrain():
+    with pytest.raises(UserError) as info:
+        load_sft_config(None)
+    assert "data.train_files is required" in str(info.value)
+    assert "model.partial_pretrain is required" in str(info.value)
+
+
+# ---- batch sizes ----
+
+
+def test_mini_batch_not_dividing_the_batch_is_an_error_with_a_divisor_to_use():
+    problems = problems_of("data.train_batch_size=96", f"{ACTOR}.ppo_mini_batch_size=40")
+    # The critic's mini-batch size is the actor's copy: reported once, on the actor.
+    assert problems == [
+        f"{ACTOR}.ppo_mini_batch_size = 40 must divide data.train_batch_size = 96 (prompts per step); "
+        "set it to a divisor such as 32"
+    ]
+
+
+def test_micro_batch_must_divide_the_mini_batch_times_n():
+    problems = problems_of("data.train_batch_size=64", f"{ACTOR}.ppo_mini_batch_size=16",
+                           "actor_rollout_ref.rollout.n=3", f"{ACTOR}.ppo_micro_batch_size_per_gpu=5",
+                           "critic.ppo_micro_batch_size_per_gpu=12")
+    assert problems == [
+        f"{ACTOR}.ppo_micro_batch_size_per_gpu = 5 must divide the 48 samples of a mini-batch "
+        f"({ACTOR}.ppo_mini_batch_size 16 x actor_rollout_ref.rollout.n 3); set it to a divisor such as 4"
+    ]
+
+
+def test_micro_batch_dividing_mini_batch_times_n_is_accepted():
+    cfg = load("data.train_batch_size=64", f"{ACTOR}.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=3",
+               f"{ACTOR}.ppo_micro_batch_size_per_gpu=6")
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 6
+
+
+def test_critic_batch_sizes_are_checked_with_gae_only():
+    bad = ["critic.ppo_mini_batch_size=100", "critic.ppo_micro_batch_size_per_gpu=0"]
+    problems = problems_of(*bad)
+    assert any(p.startswith("critic.ppo_mini_batch_size = 100 must divide data.train_batch_size = 1024") for p in problems)
+    assert any(p.startswith("critic.ppo_micro_batch_size_per_gpu = 0 must be > 0") for p in problems)
+    load("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", *bad)
+
+
+def test_log_prob_micro_batches_must_be_positive():
+    problems = problems_of("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0",
+                           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=-2")
+    assert [p.split(" =")[0] for p in problems] == [
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    ]
+
+
+def test_sft_micro_batch_must_divide_the_batch():
+    problems = sft_problems_of("data.train_batch_size=10", "data.micro_batch_size_per_gpu=4")
+    assert problems == ["data.micro_batch_size_per_gpu = 4 must divide data.train_batch_size = 10; set it to a divisor such as 2"]
+
+
+# ---- ranges ----
+
+
+@pytest.mark.parametrize("override, key", [
+    (f"{ACTOR}.clip_ratio=1.0", f"{ACTOR}.clip_ratio"),
+    (f"{ACTOR}.clip_ratio_low=-0.1", f"{ACTOR}.clip_ratio_low"),
+    (f"{ACTOR}.clip_ratio_c=0.5", f"{ACTOR}.clip_ratio_c"),
+    ("algorithm.gamma=1.01", "algorithm.gamma"),
+    ("algorithm.lam=-0.5", "algorithm.lam"),
+    ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n"),
+    ("actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.temperature"),
+    ("actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.top_p"),
+    ("actor_rollout_ref.rollout.top_k=0", "actor_rollout_ref.rollout.top_k"),
+    (f"{ACTOR}.optim.lr=0", f"{ACTOR}.optim.lr"),
+    ("critic.optim.lr=-1e-5", "critic.optim.lr"),
+    (f"{ACTOR}.ppo_epochs=0", f"{ACTOR}.ppo_epochs"),
+    (f"{ACTOR}.grad_clip=0", f"{ACTOR}.grad_clip"),
+    ("data.max_prompt_length=0", "data.max_prompt_length"),
+    ("actor_rollout_ref.rollout.response_length=-1", "actor_rollout_ref.rollout.response_length"),
+    ("trainer.save_freq=0", "trainer.save_freq"),
+    ("trainer.test_freq=-2", "trainer.test_freq"),
+])
+def test_out_of_range_value_is_an_error_naming_its_key(override, key):
+    problems = problems_of(override)
+    assert len(problems) == 1 and problems[0].startswith(f"{key} = ")
+
+
+def test_greedy_decoding_allows_zero_temperature():
+    cfg = load("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.temperature=0")
+    assert cfg.actor_rollout_ref.rollout.temperature == 0.0
+
+
+def test_adaptive_kl_needs_positive_horizon_and_target():
+    problems = problems_of("algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0", "algorithm.kl_ctrl.target_kl=0")
+    assert [p.split(" =")[0] for p in problems] == ["algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl"]
+    load("algorithm.kl_ctrl.horizon=0")  # the fixed controller ignores them
+
+
+def test_resume_path_mode_needs_a_path():
+    problems = problems_of("trainer.resume_mode=resume_path")
+    assert problems[0].startswith("trainer.resume_mode = 'resume_path' needs trainer.resume_from_path")
+    load("trainer.resume_mode=resume_path", "trainer.resume_from_path=checkpoints/x/global_step_10")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_group_estimators_need_at_least_two_responses_per_prompt(estimator):
+    problems = problems_of(f"algorithm.adv_estimator={estimator}")
+    assert len(problems) == 1
+    assert "needs actor_rollout_ref.rollout.n >= 2" in problems[0] and "a group of one has no baseline" in problems[0]
+    load(f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=2")
+
+
+# ---- not supported yet ----
+
+
+@pytest.mark.parametrize("key", [
+    f"{ACTOR}.use_dynamic_bsz",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+    "actor_rollout_ref.model.use_remove_padding",
+    "critic.use_dynamic_bsz",
+    "critic.model.use_remove_padding",
+])
+def test_packing_knobs_are_refused_until_packing_exists(key):
+    assert problems_of(f"{key}=true") == [f"{key} = true: sequence packing is not implemented yet; set it to false"]
+
+
+@pytest.mark.parametrize("override", [
+    f"{ACTOR}.fsdp_config.param_offload=true",
+    f"{ACTOR}.fsdp_config.dtype=bfloat16",
+    "actor_rollout_ref.ref.fsdp_config.reshard_after_forward=false",
+    "critic.model.fsdp_config.fsdp_size=2",
+])
+def test_fsdp_options_are_refused_on_single_process_runs(override):
+    problems = problems_of(override)
+    assert len(problems) == 1
+    assert problems[0].startswith(override.replace("=", " = ").replace("= bfloat16", "= 'bfloat16'"))
+    assert "which klppo does not support yet" in problems[0]
+
+
+def test_multi_process_vllm_and_reward_model_are_refused():
+    problems = problems_of("trainer.n_gpus_per_node=8", "actor_rollout_ref.rollout.name=vllm", "reward_model.enable=true")
+    assert "multi-process runs are not supported yet" in problems[0]
+    assert "needs CUDA and the vllm package and is not supported yet" in problems[1]
+    assert "reward-model scoring is not supported yet" in problems[2]
+
+
+def test_loggers_other_than_console_and_jsonl_are_refused():
+    problems = problems_of("trainer.logger=[console,wandb,tensorbord]")
+    assert problems[0].startswith("trainer.logger entry 'wandb': the wandb logger is not supported yet")
+    assert problems[1].startswith("trainer.logger entry 'tensorbord': unknown logger (did you mean 'tensorboard'?)")
+
+
+def test_sft_refuses_multi_process_runs_and_unsupported_loggers():
+    problems = sft_problems_of("trainer.nnodes=2", "trainer.logger=[wandb]")
+    assert len(problems) == 2 and "multi-process" in problems[0] and "'wandb'" in problems[1]
+
+
+# ---- reporting ----
+
+
+def test_several_errors_are_reported_together_with_a_summary():
+    with pytest.raises(UserError) as info:
+        load_ppo_config(None, ["actor_rollout_ref.actor.clip_ration=0.3", "data.train_batch_size=abc",
+                               "actor_rollout_ref.rollout.top_p=2", "trainer.nnodes=2"])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "config (defaults) + 4 overrides has 6 errors:"
+    text = "\n".join(lines)
+    for fragment in ["clip_ration", "data.train_batch_size: expected an integer", "top_p", "trainer.nnodes",
+                     "data.train_files is required", "actor_rollout_ref.model.path is required"]:
+        assert fragment in text
+
+
+def test_checks_reading_a_mistyped_key_stay_quiet():
+    # The mistyped values keep their defaults (256, 1024), which do not divide 100 and 1000;
+    # those checks would only repeat the type errors.
+    problems = problems_of("data.train_batch_size=100", f"{ACTOR}.ppo_mini_batch_size=lots")
+    assert problems == [f"{ACTOR}.ppo_mini_batch_size: expected an integer, got 'lots' (a string); write a whole number without quotes, e.g. 8"]
+    problems = problems_of("data.train_batch_size=many", f"{ACTOR}.ppo_mini_batch_size=1000")
+    assert problems == ["data.train_batch_size: expected an integer, got 'many' (a string); write a whole number without quotes, e.g. 8"]
+
+
+def test_empty_val_files_is_an_error_that_suggests_null():
+    problems = problems_of("data.val_files=[]")
+    assert problems == ["data.val_files = [] names no file: set it to a Parquet file or a list of them, or to null to turn validation off"]

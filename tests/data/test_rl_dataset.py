@@ -1,0 +1,177 @@
+"""load_rl_dataset, collate_prompts and tokenize_responses."""
+
+import pytest
+import torch
+
+from klppo.data.rl_dataset import collate_prompts, load_rl_dataset, tokenize_responses
+from klppo.errors import UserError
+
+
+def chat_ids(tok, content):
+    """Expected prompt ids: ChatML user turn + opened assistant turn, encoded without extras."""
+    text = f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def load(path, tok, **kw):
+    kw.setdefault("max_prompt_length", 256)
+    kw.setdefault("log", lambda s: None)
+    return load_rl_dataset(path, tok, **kw)
+
+
+def test_good_file_loads_with_chat_template_ids_and_fields(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row("Tom has 7 apples."), rl_row("Ann has 3 pens.", reward_model={"style": "rule",
+                                                                                              "ground_truth": "3"})])
+    logs = []
+    records = load(path, tok, log=logs.append)
+    assert [r.index for r in records] == [0, 1]
+    assert records[0].prompt_ids == chat_ids(tok, "Tom has 7 apples.")
+    assert records[0].prompt_ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert records[0].raw_prompt == [{"role": "user", "content": "Tom has 7 apples."}]
+    assert records[1].ground_truth == "3" and records[0].data_source == "openai/gsm8k"
+    assert records[0].extra_info == {"split": "train", "index": 0}
+    assert records[0].responses is None and records[0].scores is None
+    assert logs == [f"loaded 2 prompts from {path}"]
+
+
+def test_optional_columns_may_be_absent(tok, write_parquet):
+    path = write_parquet([{"data_source": "mine", "prompt": [{"role": "user", "content": "hi"}]}])
+    (record,) = load(path, tok)
+    assert record.ground_truth is None and record.extra_info == {}
+
+
+def test_numeric_ground_truth_is_kept_as_given(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row(reward_model={"style": "rule", "ground_truth": 12})])
+    assert load(path, tok)[0].ground_truth == 12
+
+
+def test_custom_prompt_key_is_used(tok, write_parquet, rl_row):
+    row = rl_row()
+    row["messages"] = row.pop("prompt")
+    path = write_parquet([row])
+    assert load(path, tok, prompt_key="messages")[0].raw_prompt == row["messages"]
+
+
+def test_plain_string_prompt_error_names_file_row_and_column(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row(prompt="a string"), rl_row(prompt="another")])
+    with pytest.raises(UserError) as err:
+        load(path, tok)
+    assert str(err.value).startswith(f"{path} row 0, column 'prompt': expected a list of chat messages")
+    assert "'role': 'user'" in str(err.value)
+
+
+def test_message_without_content_is_a_user_error(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row(), rl_row(prompt=[{"role": "user"}])])
+    with pytest.raises(UserError, match=r"row 1, column 'prompt': message 0 has no string 'content'"):
+        load(path, tok)
+
+
+def test_unknown_role_is_a_user_error(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row(prompt=[{"role": "robot", "content": "x"}])])
+    with pytest.raises(UserError, match="role 'robot'; use one of system, user, assistant"):
+        load(path, tok)
+
+
+def test_empty_data_source_is_a_user_error(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row(data_source="")])
+    with pytest.raises(UserError, match="column 'data_source'"):
+        load(path, tok)
+
+
+@pytest.mark.parametrize(
+    "responses, problem",
+    [("one string", "expected a non-empty list of strings"), ([], "expected a non-empty list of strings"),
+     ([1, 2], "response 0 is 1, not a string")],
+)
+def test_responses_of_the_wrong_shape_are_user_errors(tok, write_parquet, rl_row, responses, problem):
+    path = write_parquet([rl_row(responses=responses)])
+    with pytest.raises(UserError, match=rf"row 0, column 'responses': {problem}"):
+        load(path, tok, require_responses=True)
+
+
+def test_missing_responses_column_is_an_error_when_required(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row()])
+    with pytest.raises(UserError, match="no column 'responses'"):
+        load(path, tok, require_responses=True)
+
+
+def test_responses_and_scores_are_loaded(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row(responses=["a", "b"], scores=[1, 0.5])])
+    (record,) = load(path, tok, require_responses=True)
+    assert record.responses == ["a", "b"] and record.scores == [1.0, 0.5]
+
+
+def test_scores_length_mismatch_is_a_user_error(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row(responses=["a", "b"], scores=[1.0])])
+    with pytest.raises(UserError, match=r"column 'scores': expected a list of 2 numbers"):
+        load(path, tok, require_responses=True)
+
+
+def test_non_finite_score_is_a_user_error(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row(responses=["a"], scores=[float("nan")])])
+    with pytest.raises(UserError, match="score 0 is nan, not a finite number"):
+        load(path, tok)
+
+
+def overlong_file(write_parquet, rl_row):
+    return write_parquet([rl_row("1 2 3 4 5 6 7 8 9 " * 4), rl_row("hi"), rl_row("7 + 5 = 12 " * 5)])
+
+
+def test_overlong_prompt_is_an_error_that_suggests_the_fixes(tok, write_parquet, rl_row):
+    path = overlong_file(write_parquet, rl_row)
+    with pytest.raises(UserError) as err:
+        load(path, tok, max_prompt_length=20)
+    msg = str(err.value)
+    assert f"{path} row 0, column 'prompt'" in msg and "data.max_prompt_length=20" in msg
+    assert "data.filter_overlong_prompts" in msg and "data.truncation" in msg
+
+
+def test_overlong_prompts_are_filtered_and_counted(tok, write_parquet, rl_row):
+    path = overlong_file(write_parquet, rl_row)
+    logs = []
+    records = load(path, tok, max_prompt_length=20, filter_overlong_prompts=True, log=logs.append)
+    assert [r.index for r in records] == [0] and records[0].raw_prompt[0]["content"] == "hi"
+    assert logs == [f"loaded 1 prompts from {path} (2 filtered as over 20 tokens)"]
+
+
+def test_left_truncation_keeps_the_end_and_right_keeps_the_start(tok, write_parquet, rl_row):
+    path = overlong_file(write_parquet, rl_row)
+    full = chat_ids(tok, "1 2 3 4 5 6 7 8 9 " * 4)
+    left = load(path, tok, max_prompt_length=20, truncation="left")
+    right = load(path, tok, max_prompt_length=20, truncation="right")
+    assert left[0].prompt_ids == full[-20:] and right[0].prompt_ids == full[:20]
+    assert left[1].prompt_ids == right[1].prompt_ids == chat_ids(tok, "hi")
+
+
+def test_all_prompts_filtered_is_a_user_error(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row("long " * 20)])
+    with pytest.raises(UserError, match="all 1 prompts"):
+        load(path, tok, max_prompt_length=5, filter_overlong_prompts=True)
+
+
+def test_unknown_truncation_is_a_user_error(tok, write_parquet, rl_row):
+    with pytest.raises(UserError, match="data.truncation is 'middle'"):
+        load(write_parquet([rl_row()]), tok, truncation="middle")
+
+
+def test_collate_left_pads_to_the_longest_prompt(tok, write_parquet, rl_row):
+    records = load(write_parquet([rl_row("hi"), rl_row("Tom has 7 apples and gets 5 more.")]), tok)
+    input_ids, mask = collate_prompts(records, pad_token_id=tok.pad_token_id)
+    short, long = len(records[0].prompt_ids), len(records[1].prompt_ids)
+    assert input_ids.shape == mask.shape == (2, long) and mask.dtype == torch.bool
+    assert input_ids.dtype == torch.long
+    assert input_ids[0, long - short:].tolist() == records[0].prompt_ids
+    assert input_ids[0, : long - short].eq(tok.pad_token_id).all()
+    assert mask[0].tolist() == [False] * (long - short) + [True] * short
+    assert mask[1].all() and input_ids[1].tolist() == records[1].prompt_ids
+
+
+def test_tokenize_responses_appends_eos_and_truncates(tok):
+    text_ids = tok("7 + 5 = 12 #### 12", add_special_tokens=False)["input_ids"]
+    n = len(text_ids)
+    (ids,), cut = tokenize_responses(["7 + 5 = 12 #### 12"], tok, max_response_length=n + 1)
+    assert ids == text_ids + [tok.eos_token_id] and cut == 0
+    (ids,), cut = tokenize_responses(["7 + 5 = 12 #### 12"], tok, max_response_length=n)
+    assert ids == text_ids and cut == 1  # no room for EOS: the response did not end
+    (ids, empty), cut = tokenize_responses(["7 + 5 = 12 #### 12", ""], tok, max_response_length=3)
+    assert ids == text_ids[:3] and empty == [tok.eos_token_id] and cut == 1

@@ -1,0 +1,74 @@
+"""load_sft_dataset and collate_sft: loss only on the response and its EOS."""
+
+import pytest
+import torch
+
+from klppo.data.sft_dataset import collate_sft, load_sft_dataset
+from klppo.errors import UserError
+
+
+def load(path, tok, **kw):
+    kw.setdefault("max_length", 256)
+    kw.setdefault("log", lambda s: None)
+    return load_sft_dataset(path, tok, **kw)
+
+
+def parts(tok, question, answer):
+    prompt = tok(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
+                 add_special_tokens=False)["input_ids"]
+    response = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return prompt, response
+
+
+def test_loss_mask_covers_only_the_response_and_eos(tok, write_parquet):
+    path = write_parquet([{"prompt": [{"role": "user", "content": "1 + 2?"}], "response": "1 + 2 = 3 #### 3"}])
+    (ex,) = load(path, tok)
+    prompt, response = parts(tok, "1 + 2?", "1 + 2 = 3 #### 3")
+    assert ex.input_ids == prompt + response
+    assert ex.loss_mask == [False] * len(prompt) + [True] * len(response)
+    assert ex.input_ids[-1] == tok.eos_token_id
+
+
+def test_plain_string_prompt_is_wrapped_as_a_user_message(tok, write_parquet):
+    chat = write_parquet([{"prompt": [{"role": "user", "content": "1 + 2?"}], "response": "3"}], "chat.parquet")
+    plain = write_parquet([{"prompt": "1 + 2?", "response": "3"}], "plain.parquet")
+    assert load(chat, tok) == load(plain, tok)
+
+
+def test_custom_keys_and_missing_response_column(tok, write_parquet):
+    path = write_parquet([{"question": "1 + 2?", "answer": "3"}])
+    assert len(load(path, tok, prompt_key="question", response_key="answer")) == 1
+    with pytest.raises(UserError, match="no column 'response'"):
+        load(path, tok, prompt_key="question")
+
+
+def test_non_string_response_is_a_user_error(tok, write_parquet):
+    path = write_parquet([{"prompt": "q", "response": None}])
+    with pytest.raises(UserError, match=r"row 0, column 'response': expected a response string"):
+        load(path, tok)
+
+
+def test_overlong_example_error_right_and_left_truncation(tok, write_parquet):
+    path = write_parquet([{"prompt": "1 + 2 + 3 + 4?", "response": "1 + 2 + 3 + 4 = 10 #### 10"}])
+    prompt, response = parts(tok, "1 + 2 + 3 + 4?", "1 + 2 + 3 + 4 = 10 #### 10")
+    full, limit = prompt + response, len(prompt) + len(response) - 5
+    with pytest.raises(UserError, match=r"longer than data.max_length=.*set data.truncation=left\|right"):
+        load(path, tok, max_length=limit)
+    (right,) = load(path, tok, max_length=limit, truncation="right")
+    assert right.input_ids == full[:limit] and right.input_ids[-1] != tok.eos_token_id
+    (left,) = load(path, tok, max_length=limit, truncation="left")
+    assert left.input_ids == full[-limit:] and left.input_ids[-1] == tok.eos_token_id
+    assert sum(left.loss_mask) == len(response) and len(left.loss_mask) == limit
+
+
+def test_collate_sft_right_pads_with_false_masks(tok, write_parquet):
+    path = write_parquet([{"prompt": "q", "response": "1"}, {"prompt": "a longer question", "response": "12 #### 12"}])
+    examples = load(path, tok)
+    input_ids, attention_mask, loss_mask = collate_sft(examples, pad_token_id=tok.pad_token_id)
+    n0, width = len(examples[0].input_ids), len(examples[1].input_ids)
+    assert input_ids.shape == attention_mask.shape == loss_mask.shape == (2, width)
+    assert attention_mask.dtype == loss_mask.dtype == torch.bool
+    assert input_ids[0, :n0].tolist() == examples[0].input_ids and input_ids[0, n0:].eq(tok.pad_token_id).all()
+    assert attention_mask[0].tolist() == [True] * n0 + [False] * (width - n0)
+    assert loss_mask[0].tolist() == examples[0].loss_mask + [False] * (width - n0)
+    assert loss_mask[1].tolist() == examples[1].loss_mask
