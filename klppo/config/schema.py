@@ -32,7 +32,7 @@ class DataConfig:
     train_batch_size: int = 1024
     # Prompts per validation batch; None = the whole validation set at once.
     val_batch_size: Optional[int] = None
-    # What to do with an over-long prompt: error, keep its left part, or keep its right part.
+    # What to do with an over-long prompt (as verl): error, `left` cuts its start, `right` its end.
     truncation: Literal["error", "left", "right"] = "error"
     # Drop prompts longer than max_prompt_length instead of truncating them.
     filter_overlong_prompts: bool = False
@@ -337,7 +337,7 @@ class SFTDataConfig:
     response_key: str = "response"
     # Longest prompt + response in tokens.
     max_length: int = 1024
-    # What to do with an over-long example.
+    # What to do with an over-long example: error, `left` cuts its start, `right` its end.
     truncation: Literal["error", "left", "right"] = "error"
     # Examples per optimiser step.
     train_batch_size: int = 256

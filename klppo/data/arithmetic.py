@@ -56,23 +56,23 @@ class ArithmeticProblem:
         return f"{self.a} {self.op} {self.b} = {result} #### {result}"
 
 
-def make_arithmetic_problem(rng: random.Random) -> ArithmeticProblem:
-    """Draw one problem from ``rng``; subtraction never goes below zero."""
+def make_arithmetic_problem(rng: random.Random, max_operand: int = MAX_OPERAND) -> ArithmeticProblem:
+    """Draw one problem from ``rng`` with operands in [0, max_operand); subtraction stays >= 0."""
     op, template = rng.choice(TEMPLATES)
     name = rng.choice(NAMES)
     singular, plural = rng.choice(OBJECTS)
-    a = rng.randrange(MAX_OPERAND)
-    b = rng.randrange(MAX_OPERAND) if op == "+" else rng.randrange(a + 1)
+    a = rng.randrange(max_operand)
+    b = rng.randrange(max_operand) if op == "+" else rng.randrange(a + 1)
     question = template.format(name=name, a=a, b=b, a_obj=singular if a == 1 else plural, objs=plural)
     return ArithmeticProblem(question, a, op, b)
 
 
-def make_problems(n: int, seed: int) -> list[ArithmeticProblem]:
+def make_problems(n: int, seed: int, max_operand: int = MAX_OPERAND) -> list[ArithmeticProblem]:
     """``n`` problems drawn from ``random.Random(seed)``; the same seed gives the same list."""
     if n <= 0:
         raise UserError(f"number of arithmetic problems is {n}; ask for at least 1")
     rng = random.Random(seed)
-    return [make_arithmetic_problem(rng) for _ in range(n)]
+    return [make_arithmetic_problem(rng, max_operand) for _ in range(n)]
 
 
 def _prompt(problem: ArithmeticProblem, instruction: str) -> list[dict]:
@@ -81,11 +81,12 @@ def _prompt(problem: ArithmeticProblem, instruction: str) -> list[dict]:
 
 
 def write_arithmetic_parquet(
-    path: str | Path, n: int, seed: int, *, instruction: str = "", split: str = "train"
+    path: str | Path, n: int, seed: int, *, instruction: str = "", split: str = "train",
+    max_operand: int = MAX_OPERAND,
 ) -> Path:
     """Write ``n`` RL prompts in verl's RLHFDataset format (as verl's gsm8k preprocessing does)."""
     rows = []
-    for i, p in enumerate(make_problems(n, seed)):
+    for i, p in enumerate(make_problems(n, seed, max_operand)):
         rows.append({
             "data_source": "openai/gsm8k",
             "prompt": _prompt(p, instruction),
@@ -97,7 +98,8 @@ def write_arithmetic_parquet(
 
 
 def write_arithmetic_sft_parquet(
-    path: str | Path, n: int, seed: int, *, wrong_fraction: float, instruction: str = ""
+    path: str | Path, n: int, seed: int, *, wrong_fraction: float, instruction: str = "",
+    max_operand: int = MAX_OPERAND,
 ) -> Path:
     """Write ``n`` prompt/response rows; ``round(n * wrong_fraction)`` of them answer one too many.
 
@@ -106,20 +108,46 @@ def write_arithmetic_sft_parquet(
     """
     if not 0.0 <= wrong_fraction <= 1.0:
         raise UserError(f"wrong_fraction is {wrong_fraction}; set it between 0 and 1")
-    problems = make_problems(n, seed)
+    problems = make_problems(n, seed, max_operand)
     wrong = set(random.Random(seed + 1).sample(range(n), round(n * wrong_fraction)))
     rows = [{"prompt": _prompt(p, instruction),
              "response": p.solution(p.answer + 1 if i in wrong else None)} for i, p in enumerate(problems)]
     return _write(path, rows)
 
 
-def arithmetic_corpus(n: int, seed: int, *, instruction: str = "") -> list[str]:
+def write_arithmetic_offline_parquet(
+    path: str | Path, n: int, seed: int, *, n_responses: int = 2, instruction: str = "", split: str = "train",
+    max_operand: int = MAX_OPERAND,
+) -> Path:
+    """RL prompts with recorded ``responses`` for offline runs: one correct, the rest off by 1, 2, ...
+
+    The order of the responses is shuffled per row, so position carries no information.
+    """
+    if n_responses < 1:
+        raise UserError(f"n_responses is {n_responses}; ask for at least 1")
+    rng = random.Random(seed + 7)
+    rows = []
+    for i, p in enumerate(make_problems(n, seed, max_operand)):
+        responses = [p.solution(p.answer + k) for k in range(n_responses)]
+        rng.shuffle(responses)
+        rows.append({
+            "data_source": "openai/gsm8k",
+            "prompt": _prompt(p, instruction),
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
+            "extra_info": {"split": split, "index": i},
+            "responses": responses,
+        })
+    return _write(path, rows)
+
+
+def arithmetic_corpus(n: int, seed: int, *, instruction: str = "", max_operand: int = MAX_OPERAND) -> list[str]:
     """Texts for training the demo tokenizer: questions, solutions and the ChatML role lines.
 
     The ChatML special tokens themselves are left out (the tokenizer adds them as specials).
     """
     texts = [GSM8K_INSTRUCTION, instruction, "system\n", "user\n", "assistant\n"]
-    for p in make_problems(n, seed):
+    for p in make_problems(n, seed, max_operand):
         texts.append(f"user\n{p.question}\nassistant\n{p.solution()}\n")
         texts.append(p.solution(p.answer + 1))
     return [t for t in texts if t]

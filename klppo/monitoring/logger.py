@@ -34,6 +34,22 @@ def truncate_metrics(run_dir: str | Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+# What the console shows of a PPO step (everything goes to metrics.jsonl).
+PPO_CONSOLE_KEYS = (
+    "critic/score/mean",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/reward_kl_penalty",
+    "actor/reward_kl_penalty_coeff",
+    "critic/vf_loss",
+    "critic/vf_explained_var",
+    "response_length/mean",
+    "perf/throughput",
+)
+
+
 def _format_value(value: float) -> str:
     if math.isnan(value) or math.isinf(value):
         return str(value)
@@ -43,22 +59,12 @@ def _format_value(value: float) -> str:
 class MetricsLogger:
     """Appends one JSON object per step (with a ``step`` key) and prints selected metrics."""
 
-    CONSOLE_KEYS = (
-        "critic/score/mean",
-        "actor/pg_loss",
-        "actor/pg_clipfrac",
-        "actor/ppo_kl",
-        "actor/entropy",
-        "actor/reward_kl_penalty",
-        "actor/reward_kl_penalty_coeff",
-        "critic/vf_loss",
-        "critic/vf_explained_var",
-        "response_length/mean",
-        "perf/throughput",
-    )
 
-    def __init__(self, run_dir: str | Path, backends: list[str], print_fn=print) -> None:
+    def __init__(
+        self, run_dir: str | Path, backends: list[str], print_fn=print, console_keys: tuple[str, ...] = PPO_CONSOLE_KEYS
+    ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
+        self.console_keys = console_keys
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.console = "console" in backends
         self.print_fn = print_fn
@@ -68,7 +74,7 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.console:
-            shown = [f"{k}={_format_value(record[k])}" for k in self.CONSOLE_KEYS if k in record]
+            shown = [f"{k}={_format_value(record[k])}" for k in self.console_keys if k in record]
             shown += [f"{k}={_format_value(v)}" for k, v in record.items() if k.startswith("val-core/")]
             where = f"step {step}/{total}" if total else f"step {step}"
             self.print_fn(f"{where} | " + " | ".join(shown))

@@ -154,7 +154,8 @@ def check_enough_responses(records: list[PromptRecord], n: int) -> None:
             )
 
 
-def _optimizer_and_schedule(model, optim, total_steps: int):
+def build_optimizer_and_scheduler(model, optim, total_steps: int):
+    """AdamW and its schedule from an ``optim`` config section (actor, critic or SFT)."""
     optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas)
     scheduler = build_lr_scheduler(
         optimizer,
@@ -180,7 +181,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
     key = "actor_rollout_ref.model.path"
     actor = load_causal_lm(model_cfg.path, key=key, device=device,
                            gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
-    actor_optimizer, actor_scheduler = _optimizer_and_schedule(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
+    actor_optimizer, actor_scheduler = build_optimizer_and_scheduler(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
     ref = None
     if uses_reference(cfg):
         ref = load_causal_lm(model_cfg.path, key=key, device=device).eval().requires_grad_(False)
@@ -188,7 +189,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
     if uses_critic(cfg):
         critic = load_critic(cfg.critic.model.path, key="critic.model.path", device=device, seed=cfg.data.seed,
                              gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing)
-        critic_optimizer, critic_scheduler = _optimizer_and_schedule(critic, cfg.critic.optim, total_steps)
+        critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
     kl = cfg.algorithm.kl_ctrl
     return PPOParts(
         cfg=cfg, run_dir=Path(trainer.default_local_dir), device=device, tokenizer=tokenizer,

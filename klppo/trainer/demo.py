@@ -21,6 +21,8 @@ from pathlib import Path
 from klppo.cli_support import quiet_libraries, run_cli
 
 TRAIN_PROMPTS, VAL_PROMPTS, SFT_EXAMPLES = 1024, 200, 2048
+MAX_OPERAND = 10  # operands in [0, 10): a task the tiny model learns in a minute of SFT
+WRONG_FRACTION = 0.6  # share of SFT solutions that answer one too many
 MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -74,10 +76,13 @@ def prepare(out: Path, seed: int, print_fn=print) -> tuple[Path, Path]:
     from klppo.models.tiny import build_tiny_model_folder
 
     data_dir = out / "data"
-    write_arithmetic_parquet(data_dir / "train.parquet", TRAIN_PROMPTS, seed)
-    write_arithmetic_parquet(data_dir / "val.parquet", VAL_PROMPTS, seed + 1_000_003, split="test")
-    write_arithmetic_sft_parquet(data_dir / "sft.parquet", SFT_EXAMPLES, seed + 2_000_003, wrong_fraction=0.6)
-    init_dir = build_tiny_model_folder(out / "init", arithmetic_corpus(2000, seed), seed=seed, **MODEL)
+    size = {"max_operand": MAX_OPERAND}
+    write_arithmetic_parquet(data_dir / "train.parquet", TRAIN_PROMPTS, seed, **size)
+    write_arithmetic_parquet(data_dir / "val.parquet", VAL_PROMPTS, seed + 1_000_003, split="test", **size)
+    write_arithmetic_sft_parquet(
+        data_dir / "sft.parquet", SFT_EXAMPLES, seed + 2_000_003, wrong_fraction=WRONG_FRACTION, **size
+    )
+    init_dir = build_tiny_model_folder(out / "init", arithmetic_corpus(2000, seed, **size), seed=seed, **MODEL)
     print_fn(f"[demo] task written to {data_dir}; tiny model and tokenizer built in {init_dir}")
     return data_dir, init_dir
 

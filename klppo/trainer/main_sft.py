@@ -18,7 +18,7 @@ from klppo.algo import logprobs_from_logits
 from klppo.cli_support import quiet_libraries, run_cli
 from klppo.config import SFTConfig, format_config, load_sft_config
 from klppo.models.forward import position_ids_from_mask
-from klppo.trainer.update import chunks
+from klppo.trainer.update import chunks, optimizer_step
 
 
 def sft_loss(model, input_ids, attention_mask, loss_mask, total_tokens) -> torch.Tensor:
@@ -50,6 +50,19 @@ def _evaluate(model, examples, pad_token_id, batch_rows: int) -> float:
     return total / max(tokens, 1)
 
 
+def sft_step(model, optimizer, batch, micro_batch_rows: int, clip_grad: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate the batch's loss over micro-batches, clip, step; returns (loss, grad_norm)."""
+    model.train()
+    ids, attn, loss_mask = batch
+    total_tokens = loss_mask[:, 1:].sum()
+    loss_sum = torch.zeros((), device=ids.device)
+    for idx in chunks(len(ids), micro_batch_rows):
+        loss = sft_loss(model, ids[idx], attn[idx], loss_mask[idx], total_tokens)
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum, optimizer_step(model, optimizer, clip_grad)
+
+
 def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
     """Train and save; returns the Hugging Face folder written."""
     from klppo.checkpoint.state import export_hf
@@ -57,51 +70,38 @@ def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
     from klppo.data.sft_dataset import collate_sft, load_sft_dataset
     from klppo.models.load import load_causal_lm, load_tokenizer
     from klppo.monitoring.logger import MetricsLogger
-    from klppo.trainer.build import resolve_device, seed_everything
-    from klppo.trainer.optim import build_lr_scheduler, build_optimizer
+    from klppo.trainer.build import build_optimizer_and_scheduler, resolve_device, seed_everything
 
     quiet_libraries()
     seed_everything(cfg.data.seed)
-    data, optim, trainer = cfg.data, cfg.optim, cfg.trainer
+    data, trainer, key = cfg.data, cfg.trainer, "model.partial_pretrain"
     run_dir = Path(trainer.default_local_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(format_config(cfg))
     device = resolve_device(trainer.device)
-    tokenizer = load_tokenizer(cfg.model.partial_pretrain, key="model.partial_pretrain")
+    tokenizer = load_tokenizer(cfg.model.partial_pretrain, key=key)
     common = dict(prompt_key=data.prompt_key, response_key=data.response_key, max_length=data.max_length,
                   truncation=data.truncation, log=print_fn)
     train = load_sft_dataset(data.train_files, tokenizer, **common)
     val = load_sft_dataset(data.val_files, tokenizer, **common) if data.val_files else None
-    model = load_causal_lm(cfg.model.partial_pretrain, key="model.partial_pretrain", device=device,
+    model = load_causal_lm(cfg.model.partial_pretrain, key=key, device=device,
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
     batches = PromptBatches(len(train), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
     total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
-    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas)
-    scheduler = build_lr_scheduler(optimizer, total_steps=total_steps, lr_warmup_steps=optim.lr_warmup_steps,
-                                   lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio,
-                                   warmup_style=optim.warmup_style, min_lr_ratio=optim.min_lr_ratio)
-    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn)
+    optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optim, total_steps)
+    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn,
+                           console_keys=("train/loss", "val/loss", "train/lr", "train/grad_norm"))
     micro_rows = data.micro_batch_size_per_gpu or data.train_batch_size
-    log_every = max(1, total_steps // 10)
+    every = max(1, total_steps // 10)  # console and validation cadence: ten times a run
     for step in range(1, total_steps + 1):
-        model.train()
-        examples = [train[i] for i in batches.next_batch()]
-        ids, attn, loss_mask = (t.to(device) for t in collate_sft(examples, tokenizer.pad_token_id))
-        total_tokens = loss_mask[:, 1:].sum()
-        loss_sum = torch.zeros((), device=device)
-        for idx in chunks(len(examples), micro_rows):
-            loss = sft_loss(model, ids[idx], attn[idx], loss_mask[idx], total_tokens)
-            loss.backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip_grad)
-        if torch.isfinite(grad_norm):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        metrics = {"train/loss": loss_sum, "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": grad_norm}
+        batch = collate_sft([train[i] for i in batches.next_batch()], tokenizer.pad_token_id)
+        loss, grad_norm = sft_step(model, optimizer, [t.to(device) for t in batch], micro_rows, cfg.optim.clip_grad)
+        metrics = {"train/loss": loss, "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": grad_norm}
         scheduler.step()
-        if val is not None and (step % log_every == 0 or step == total_steps):
+        shown = step % every == 0 or step == total_steps
+        if val is not None and shown:
             metrics["val/loss"] = _evaluate(model, val, tokenizer.pad_token_id, micro_rows)
-        logger.console = "console" in trainer.logger and (step % log_every == 0 or step == total_steps)
+        logger.console = "console" in trainer.logger and shown
         logger.log(step, metrics, total=total_steps)
     out = export_hf(model, tokenizer, run_dir / "hf")
     print_fn(f"SFT model saved to {out}")

@@ -55,7 +55,7 @@ def _counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mask.sum(), (mask.sum(-1) > 0).sum()
 
 
-def _optimizer_step(model, optimizer, grad_clip: float) -> torch.Tensor:
+def optimizer_step(model, optimizer, grad_clip: float) -> torch.Tensor:
     """Clip, then step unless the gradient norm is not finite (the step is skipped then)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
     if torch.isfinite(grad_norm):
@@ -87,7 +87,7 @@ def _run_updates(model, optimizer, batch, *, mini_rows, micro_rows, epochs, grad
                     stats[k] = stats[k] + v
                 for k, v in means.items():
                     stats[k] = stats[k] + v * weight
-            stats[f"{prefix}/grad_norm"] = _optimizer_step(model, optimizer, grad_clip)
+            stats[f"{prefix}/grad_norm"] = optimizer_step(model, optimizer, grad_clip)
             for k, v in stats.items():
                 per_update[k].append(v)
     return {k: torch.stack(v).mean() for k, v in per_update.items()}

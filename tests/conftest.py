@@ -1,0 +1,64 @@
+"""Fixtures shared by the end-to-end tests: a tiny model folder and the arithmetic task on disk."""
+
+from pathlib import Path
+
+import pytest
+
+from klppo.data.arithmetic import (
+    arithmetic_corpus,
+    write_arithmetic_offline_parquet,
+    write_arithmetic_parquet,
+    write_arithmetic_sft_parquet,
+)
+from klppo.models.tiny import build_tiny_model_folder
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random-init tiny Qwen2 model and its locally trained tokenizer, as a HF folder."""
+    return build_tiny_model_folder(tmp_path_factory.mktemp("tiny_model"), arithmetic_corpus(200, 0), seed=0, **TINY)
+
+
+@pytest.fixture(scope="session")
+def task_dir(tmp_path_factory) -> Path:
+    """train.parquet (prompts), offline.parquet (prompts + 2 recorded responses), val, sft."""
+    out = tmp_path_factory.mktemp("task")
+    write_arithmetic_parquet(out / "train.parquet", 32, seed=1)
+    write_arithmetic_offline_parquet(out / "offline.parquet", 32, seed=2, n_responses=2)
+    write_arithmetic_parquet(out / "val.parquet", 8, seed=3, split="test")
+    write_arithmetic_sft_parquet(out / "sft.parquet", 64, seed=4, wrong_fraction=0.5)
+    return out
+
+
+def quiet(*args, **kwargs) -> None:
+    """A print_fn that prints nothing."""
+
+
+@pytest.fixture
+def ppo_overrides(tiny_model_dir, task_dir, tmp_path):
+    """base(**changes) -> overrides for a 2-step offline PPO run of the tiny model in tmp_path."""
+
+    def base(run_dir: Path | None = None, **changes) -> list[str]:
+        settings = {
+            "data.train_files": task_dir / "offline.parquet",
+            "data.max_prompt_length": 64,
+            "data.max_response_length": 16,
+            "data.train_batch_size": 8,
+            "actor_rollout_ref.model.path": tiny_model_dir,
+            "actor_rollout_ref.rollout.name": "offline",
+            "actor_rollout_ref.rollout.n": 2,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+            "actor_rollout_ref.actor.optim.lr": 1e-3,
+            "critic.optim.lr": 1e-3,
+            "algorithm.use_kl_in_reward": "true",
+            "trainer.total_training_steps": 2,
+            "trainer.logger": "[]",
+            "trainer.device": "cpu",
+            "trainer.default_local_dir": run_dir or tmp_path / "run",
+        }
+        settings.update(changes)
+        return [f"{k}={v}" for k, v in settings.items()]
+
+    return base

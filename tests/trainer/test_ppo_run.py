@@ -1,0 +1,145 @@
+"""End-to-end PPO runs of the tiny model, as users meet them: config in, metrics and checkpoints out."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import quiet
+from klppo.checkpoint.state import LATEST_FILE
+from klppo.monitoring.logger import read_metrics
+from klppo.trainer.main_ppo import run_ppo
+
+VERL_METRICS = [
+    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/reward_kl_penalty",
+    "actor/reward_kl_penalty_coeff", "critic/vf_loss", "critic/vf_explained_var", "critic/score/mean",
+    "critic/rewards/mean", "critic/advantages/mean", "response_length/mean", "timing_s/gen",
+    "timing_s/update_actor", "perf/throughput",
+]
+
+
+def _weights(folder):
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _changed(before: dict, after: dict) -> bool:
+    return any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_offline_run_changes_the_actor_and_logs_verl_metrics(ppo_overrides, tiny_model_dir, tmp_path):
+    records = run_ppo(None, ppo_overrides(), print_fn=quiet)
+    run = tmp_path / "run"
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    for name in VERL_METRICS:
+        assert name in records[-1], name
+    assert _changed(_weights(tiny_model_dir), _weights(run / "actor_hf"))
+    assert (run / LATEST_FILE).read_text() == "2"
+
+
+def test_online_hf_run_generates_and_changes_the_actor(ppo_overrides, task_dir, tiny_model_dir, tmp_path):
+    overrides = ppo_overrides(**{
+        "data.train_files": task_dir / "train.parquet",
+        "data.val_files": task_dir / "val.parquet",
+        "actor_rollout_ref.rollout.name": "hf",
+        "trainer.test_freq": 1,
+    })
+    records = run_ppo(None, overrides, print_fn=quiet)
+    assert records[0]["step"] == 0 and "val-core/openai/gsm8k/reward/mean@1" in records[0]
+    assert records[-1]["response_length/mean"] > 0
+    assert "val-core/openai/gsm8k/reward/mean@1" in records[-1]
+    assert _changed(_weights(tiny_model_dir), _weights(tmp_path / "run" / "actor_hf"))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_critic_free_estimators_train_without_a_critic(ppo_overrides, estimator):
+    overrides = ppo_overrides(**{
+        "algorithm.adv_estimator": estimator,
+        "algorithm.use_kl_in_reward": "false",
+        "actor_rollout_ref.actor.use_kl_loss": "true",
+        "trainer.total_training_steps": 1,
+    })
+    records = run_ppo(None, overrides, print_fn=quiet)
+    assert "actor/kl_loss" in records[-1]
+    assert not any(k.startswith("critic/vf_") for k in records[-1])
+
+
+def test_adaptive_kl_controller_moves_the_coefficient(ppo_overrides):
+    overrides = ppo_overrides(**{
+        "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.1,
+        "algorithm.kl_ctrl.target_kl": 1e-6, "algorithm.kl_ctrl.horizon": 10,
+        "trainer.total_training_steps": 3,
+    })
+    records = run_ppo(None, overrides, print_fn=quiet)
+    coefs = [r["actor/reward_kl_penalty_coeff"] for r in records]
+    # Each step logs the beta it used, then updates it with n_steps = 16 responses, horizon 10:
+    # step 1: KL = 0 (actor == reference), error clipped to -0.2 -> beta = 0.1 * (1 - 0.2 * 1.6) = 0.068;
+    # step 2: KL > 0 far above 1e-6, error clipped to +0.2 -> beta = 0.068 * (1 + 0.2 * 1.6) = 0.08976.
+    assert records[0]["actor/reward_kl_penalty"] == 0.0 and records[1]["actor/reward_kl_penalty"] > 1e-5
+    assert coefs == pytest.approx([0.1, 0.068, 0.08976])
+
+
+def _comparable(record: dict) -> dict:
+    """Metrics that must repeat exactly: everything but wall-clock timings and throughput."""
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+@pytest.mark.parametrize("rollout", ["offline", "hf"])
+def test_resumed_run_repeats_the_uninterrupted_run_exactly(ppo_overrides, task_dir, tmp_path, monkeypatch, rollout):
+    changes = {"trainer.total_training_steps": 4, "trainer.save_freq": 2, "actor_rollout_ref.rollout.name": rollout,
+               "algorithm.kl_ctrl.type": "adaptive"}
+    if rollout == "hf":
+        changes["data.train_files"] = task_dir / "train.parquet"
+    full = run_ppo(None, ppo_overrides(tmp_path / "full", **changes), print_fn=quiet)
+
+    # Crash right after step 3 is logged (its checkpoint is step 2), as a killed process would.
+    from klppo.monitoring.logger import MetricsLogger
+
+    real_log = MetricsLogger.log
+
+    def crash_after_step_3(self, step, metrics, total=None):
+        record = real_log(self, step, metrics, total)
+        if step == 3:
+            raise KeyboardInterrupt
+        return record
+
+    monkeypatch.setattr(MetricsLogger, "log", crash_after_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_ppo(None, ppo_overrides(tmp_path / "crashed", **changes), print_fn=quiet)
+    monkeypatch.setattr(MetricsLogger, "log", real_log)
+    resumed = run_ppo(None, ppo_overrides(tmp_path / "crashed", **changes), print_fn=quiet)
+
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [_comparable(r) for r in resumed] == [_comparable(r) for r in full[2:]]
+    on_disk = read_metrics(tmp_path / "crashed")
+    assert [r["step"] for r in on_disk] == [1, 2, 3, 4]  # step 3 of the crashed run is not duplicated
+
+
+def test_exported_actor_loads_in_transformers_with_the_trained_logits(ppo_overrides, tmp_path):
+    from klppo.trainer.build import build_ppo
+    from klppo.config import load_ppo_config
+    from klppo.trainer.ppo_trainer import PPOTrainer
+
+    parts = build_ppo(load_ppo_config(None, ppo_overrides(**{"trainer.total_training_steps": 1})), log=quiet)
+    PPOTrainer(parts, print_fn=quiet).fit()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "actor_hf")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits, parts.actor(ids).logits, atol=1e-6)
+
+
+def test_cli_runs_a_yaml_config_on_a_parquet_file(ppo_overrides, tmp_path):
+    overrides = ppo_overrides(**{"trainer.total_training_steps": 1, "trainer.logger": "[console]"})
+    config = tmp_path / "x.yaml"
+    config.write_text("algorithm:\n  adv_estimator: gae\n  kl_ctrl:\n    kl_coef: 0.01\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "klppo.trainer.main_ppo", "--config", str(config), *overrides],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "step 1/1" in result.stdout
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 1 and record["actor/reward_kl_penalty_coeff"] == pytest.approx(0.01)

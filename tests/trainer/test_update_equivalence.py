@@ -1,0 +1,89 @@
+"""Micro-batching must not change an update: accumulated micro-batches == one full mini-batch."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from klppo.data.arithmetic import make_problems
+from klppo.data.rl_dataset import encode_chats
+from klppo.models.load import load_critic
+from klppo.rollout.batch import RolloutBatch, right_pad
+from klppo.trainer.score import compute_log_prob, compute_values
+from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings, update_actor, update_critic
+
+
+def _batch(tokenizer, rows: int = 6) -> RolloutBatch:
+    problems = make_problems(rows, seed=5)
+    prompts = encode_chats(tokenizer, [[{"role": "user", "content": p.question}] for p in problems])
+    prompt_ids, prompt_mask = right_pad([list(reversed(p)) for p in prompts], tokenizer.pad_token_id)
+    # Left-pad by flipping a right-padded batch of reversed prompts back.
+    prompt_ids, prompt_mask = prompt_ids.flip(1), prompt_mask.flip(1)
+    answers = [tokenizer(p.solution()[: 4 + 3 * i])["input_ids"] + [tokenizer.eos_token_id] for i, p in enumerate(problems)]
+    response_ids, response_mask = right_pad(answers, tokenizer.pad_token_id)
+    g = torch.Generator().manual_seed(0)
+    batch = RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
+        group_index=torch.arange(rows) // 2, data_sources=["x"] * rows, ground_truths=[None] * rows,
+        extra_infos=[{}] * rows,
+    )
+    batch.advantages = torch.randn(response_ids.shape, generator=g) * response_mask
+    batch.returns = torch.randn(response_ids.shape, generator=g) * response_mask
+    return batch
+
+
+def _actor_settings(micro_rows: int, mode: str) -> ActorUpdateSettings:
+    return ActorUpdateSettings(
+        mini_batch_rows=6, micro_batch_rows=micro_rows, ppo_epochs=1, clip_ratio_low=0.2, clip_ratio_high=0.2,
+        clip_ratio_c=3.0, loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+        kl_loss_type="low_var_kl", grad_clip=1.0, temperature=1.0,
+    )
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_actor_update_is_the_same_for_any_micro_batch_size(tiny_model_dir, mode):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = _batch(tokenizer)
+    batch.old_log_prob = compute_log_prob(actor, batch, micro_batch_rows=None, temperature=1.0) - 0.05
+    batch.ref_log_prob = batch.old_log_prob + 0.1
+    results = []
+    for micro_rows in (6, 2, 1):
+        model = copy.deepcopy(actor)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        metrics = update_actor(model, optimizer, batch, _actor_settings(micro_rows, mode))
+        results.append((metrics, [p.detach().clone() for p in model.parameters()]))
+    (full_metrics, full_params) = results[0]
+    for metrics, params in results[1:]:
+        for p_full, p_split in zip(full_params, params):
+            torch.testing.assert_close(p_split, p_full, rtol=1e-5, atol=1e-6)
+        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss"):
+            torch.testing.assert_close(metrics[key], full_metrics[key], rtol=1e-5, atol=1e-6)
+
+
+def test_critic_update_is_the_same_for_any_micro_batch_size(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    critic = load_critic(str(tiny_model_dir), key="critic.model.path", device=torch.device("cpu"))
+    batch = _batch(tokenizer)
+    batch.values = compute_values(critic, batch, micro_batch_rows=4)
+    results = []
+    for micro_rows in (6, 4, 1):
+        model = copy.deepcopy(critic)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        settings = CriticUpdateSettings(mini_batch_rows=6, micro_batch_rows=micro_rows, ppo_epochs=1,
+                                        cliprange_value=0.5, loss_agg_mode="token-mean", grad_clip=1.0)
+        metrics = update_critic(model, optimizer, batch, settings)
+        results.append((metrics, [p.detach().clone() for p in model.parameters()]))
+    for metrics, params in results[1:]:
+        for p_full, p_split in zip(results[0][1], params):
+            torch.testing.assert_close(p_split, p_full, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(metrics["critic/vf_loss"], results[0][0]["critic/vf_loss"])
+
+
+def test_chunked_log_probs_equal_one_forward(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = _batch(tokenizer)
+    whole = compute_log_prob(actor, batch, micro_batch_rows=None, temperature=0.7)
+    torch.testing.assert_close(compute_log_prob(actor, batch, micro_batch_rows=4, temperature=0.7), whole)
