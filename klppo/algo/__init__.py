@@ -54,3 +54,23 @@ __all__ = [
     "masked_var",
     "masked_whiten",
 ]
+
+from klppo.algo.ranking import (  # noqa: E402  (appended: learning from rankings)
+    bradley_terry_loss,
+    bradley_terry_strengths,
+    comparisons_from_annotators,
+    plackett_luce_loss,
+    plackett_luce_strengths,
+    rankings_to_comparisons,
+    scalar_rewards_from_strengths,
+)
+
+__all__ += [
+    "bradley_terry_loss",
+    "bradley_terry_strengths",
+    "comparisons_from_annotators",
+    "plackett_luce_loss",
+    "plackett_luce_strengths",
+    "rankings_to_comparisons",
+    "scalar_rewards_from_strengths",
+]

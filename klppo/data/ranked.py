@@ -1,0 +1,204 @@
+"""Ranked-response datasets: prompts with several recorded responses and who preferred which.
+
+Columns (one row per prompt, verl-style):
+  prompt        list of chat messages ``{"role", "content"}`` (name set by ``data.prompt_key``)
+  responses     list of str, at least 2: the recorded responses being ranked
+  and exactly one of the ranking forms, per row:
+  ranking       list of int: response indices (0-based), best first; may be partial
+  rankings      list of such lists: one ranking per annotator
+  scores        list of float: one finite score per response (higher is better)
+  chosen, rejected  two str: a preference pair; then ``responses`` is left empty (null) and
+                is read as [chosen, rejected] with ranking [0, 1]
+  and optionally, as in RL prompt files (``rl_dataset``):
+  data_source   str, picks the reward function
+  reward_model  ``{"style", "ground_truth"}``; ``ground_truth`` is kept
+  extra_info    dict
+
+Rows of one file may use different ranking forms. A partial ranking ranks only the responses
+it lists among themselves (the convention of ``klppo.algo.ranking``). Scores become a ranking
+by descending score; equal scores keep their order in ``responses`` (a stable sort), and the
+scores are kept so that consumers which must treat equal scores as ties can. chosen == rejected
+is allowed (it carries no preference but is not malformed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from klppo.data.parquet import describe_files, read_parquet_rows, row_error, short_repr
+from klppo.data.rl_dataset import (
+    _check_data_source,
+    _check_extra_info,
+    _check_ground_truth,
+    _fit_prompt,
+    check_messages,
+    check_responses,
+    check_truncation,
+    encode_chats,
+)
+from klppo.errors import UserError
+
+RANKING_FORMS = ("ranking", "rankings", "scores", "chosen/rejected")
+ONE_FORM_FIX = "give exactly one of 'ranking', 'rankings', 'scores' or 'chosen'+'rejected' per row"
+RANKING_FIX = "write a ranking as a list of 0-based indices into 'responses', best first, e.g. [2, 0, 1]"
+
+
+@dataclass
+class RankedRecord:
+    """One validated, tokenised prompt with its ranked responses."""
+
+    # Position in the dataset after filtering.
+    index: int
+    # The chat messages, each reduced to {"role", "content"}.
+    raw_prompt: list[dict]
+    # Chat template with add_generation_prompt=True, after truncation; at most max_prompt_length.
+    prompt_ids: list[int]
+    # The recorded responses, at least 2 ([chosen, rejected] for a preference pair).
+    responses: list[str]
+    # One ranking per annotator: indices into `responses`, best first, each listing >= 2
+    # distinct responses (partial rankings allowed). From `scores`: one full ranking by
+    # descending score, equal scores in response order.
+    rankings: list[list[int]]
+    # One score per response when the row gave `scores`, else None.
+    scores: list[float] | None
+    # Picks the reward function, or None when the row has none.
+    data_source: str | None
+    # reward_model["ground_truth"], or None when the row has none.
+    ground_truth: Any
+    # The row's extra_info ({} when absent).
+    extra_info: dict
+
+
+def _ranking_form(row: dict) -> str:
+    """Which of RANKING_FORMS the row uses; a UserError unless exactly one has a value."""
+    present = [c for c in ("ranking", "rankings", "scores") if row.get(c) is not None]
+    if row.get("chosen") is not None or row.get("rejected") is not None:
+        present.append("chosen/rejected")
+    if not present:
+        raise row_error(row, "ranking", "no ranking given: none of the columns 'ranking', 'rankings', 'scores', "
+                        "'chosen'/'rejected' has a value", ONE_FORM_FIX)
+    if len(present) > 1:
+        names = " and ".join(f"'{c}'" for c in present)
+        raise row_error(row, present[1].split("/")[0], f"{names} are given together, so which one ranks the "
+                        "responses is ambiguous", ONE_FORM_FIX)
+    return present[0]
+
+
+def _check_pair(row: dict) -> list[str]:
+    """The [chosen, rejected] responses of a preference-pair row."""
+    for key in ("chosen", "rejected"):
+        value = row.get(key)
+        if not isinstance(value, str):
+            raise row_error(row, key, f"expected the {key} response as a string, got {short_repr(value)}",
+                            "give both 'chosen' and 'rejected' as strings")
+    if row.get("responses") is not None:
+        raise row_error(row, "responses", "given together with 'chosen'/'rejected'",
+                        "leave 'responses' empty for a preference pair, or drop 'chosen'/'rejected' and "
+                        "add a 'ranking' of the responses")
+    return [row["chosen"], row["rejected"]]
+
+
+def _check_ranking(row: dict, column: str, value: Any, n_responses: int, label: str) -> list[int]:
+    """Validate one ranking (``label`` names it in messages) against ``n_responses`` responses."""
+    if not isinstance(value, list):
+        raise row_error(row, column, f"{label} is {short_repr(value)}, not a list of response indices", RANKING_FIX)
+    if len(value) < 2:
+        raise row_error(row, column, f"{label} {short_repr(value)} lists {len(value)} response(s); a ranking "
+                        "needs at least 2", RANKING_FIX)
+    if len(value) > n_responses:
+        raise row_error(row, column, f"{label} has {len(value)} entries but the row has {n_responses} responses",
+                        "list each response at most once")
+    seen = set()
+    for i in value:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise row_error(row, column, f"{label} {short_repr(value)} has entry {short_repr(i)}, not an integer "
+                            "index", RANKING_FIX)
+        if not 0 <= i < n_responses:
+            raise row_error(row, column, f"{label} has index {i}, out of range for {n_responses} responses "
+                            f"(valid 0..{n_responses - 1})", "indices are 0-based positions in 'responses'")
+        if i in seen:
+            raise row_error(row, column, f"{label} {short_repr(value)} lists response {i} twice",
+                            "list each response at most once")
+        seen.add(i)
+    return list(value)
+
+
+def _check_annotator_rankings(row: dict, n_responses: int) -> list[list[int]]:
+    """Validate the ``rankings`` column: a non-empty list of rankings, one per annotator."""
+    value = row["rankings"]
+    if not isinstance(value, list) or not value:
+        raise row_error(row, "rankings", f"expected a non-empty list of rankings (one per annotator), got "
+                        f"{short_repr(value)}", "write it like [[2, 0, 1], [0, 2]]")
+    return [_check_ranking(row, "rankings", r, n_responses, f"ranking {k}") for k, r in enumerate(value)]
+
+
+def check_ranked_row(row: dict) -> tuple[list[str], list[list[int]], list[float] | None]:
+    """Validate the responses and ranking of one row: (responses, rankings, scores)."""
+    form = _ranking_form(row)
+    if form == "chosen/rejected":
+        return _check_pair(row), [[0, 1]], None
+    responses, scores = check_responses(row, required=True)
+    if len(responses) < 2:
+        raise row_error(row, "responses", f"has {len(responses)} response, but a ranking needs at least 2",
+                        "add responses to this row or drop it")
+    if form == "ranking":
+        return responses, [_check_ranking(row, "ranking", row["ranking"], len(responses), "ranking")], None
+    if form == "rankings":
+        return responses, _check_annotator_rankings(row, len(responses)), None
+    assert scores is not None, "form 'scores' implies a scores value"
+    order = sorted(range(len(responses)), key=lambda i: -scores[i])  # stable: ties keep response order
+    return responses, [order], scores
+
+
+def load_ranked_dataset(
+    files: str | Sequence[str],
+    tokenizer,
+    *,
+    prompt_key: str = "prompt",
+    max_prompt_length: int,
+    truncation: str = "error",
+    filter_overlong_prompts: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[RankedRecord]:
+    """Read, validate and tokenise ranked-response rows; returns one ``RankedRecord`` per kept row.
+
+    Every row is checked before any is tokenised; the first bad value raises a one-line
+    ``UserError`` naming the file, row and column. Over-long prompts are handled as in
+    ``load_rl_dataset``: dropped when ``filter_overlong_prompts``, else cut per ``truncation``
+    ("left" keeps the end, "right" keeps the start) or rejected ("error").
+    """
+    check_truncation(truncation)
+    if max_prompt_length <= 0:
+        raise UserError(f"data.max_prompt_length is {max_prompt_length}; set it to a positive number of tokens")
+    rows = read_parquet_rows(files, [prompt_key])
+    checked = []
+    for row in rows:
+        messages = check_messages(row, prompt_key)
+        responses, rankings, scores = check_ranked_row(row)
+        source = None if row.get("data_source") is None else _check_data_source(row)
+        checked.append((row, messages, responses, rankings, scores, source, _check_ground_truth(row),
+                        _check_extra_info(row)))
+    all_ids = encode_chats(tokenizer, [c[1] for c in checked])
+    records, n_filtered, n_truncated = [], 0, 0
+    for (row, messages, responses, rankings, scores, source, truth, extra), ids in zip(checked, all_ids):
+        if len(ids) > max_prompt_length:
+            if filter_overlong_prompts:
+                n_filtered += 1
+                continue
+            ids = _fit_prompt(ids, row, prompt_key, max_prompt_length, truncation)
+            n_truncated += 1
+        records.append(RankedRecord(len(records), messages, ids, responses, rankings, scores, source, truth, extra))
+    where = describe_files(files)
+    if not records:
+        raise UserError(f"all {len(rows)} prompts in {where} are longer than data.max_prompt_length="
+                        f"{max_prompt_length} tokens and were filtered; raise data.max_prompt_length "
+                        "or set data.filter_overlong_prompts=false and data.truncation=left|right")
+    notes = []
+    if n_filtered:
+        notes.append(f"{n_filtered} filtered as over {max_prompt_length} tokens")
+    if n_truncated:
+        notes.append(f"{n_truncated} truncated ({truncation}) to {max_prompt_length} tokens")
+    log(f"loaded {len(records)} ranked prompts from {where}" + (f" ({', '.join(notes)})" if notes else ""))
+    return records
