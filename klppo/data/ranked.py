@@ -27,16 +27,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from klppo.data.parquet import describe_files, read_parquet_rows, row_error, short_repr
+from klppo.data.parquet import read_parquet_rows, row_error, short_repr
 from klppo.data.rl_dataset import (
-    _check_data_source,
-    _check_extra_info,
-    _check_ground_truth,
-    _fit_prompt,
+    check_data_source,
+    check_extra_info,
+    check_ground_truth,
     check_messages,
     check_responses,
     check_truncation,
     encode_chats,
+    fit_prompts,
 )
 from klppo.errors import UserError
 
@@ -177,28 +177,15 @@ def load_ranked_dataset(
     for row in rows:
         messages = check_messages(row, prompt_key)
         responses, rankings, scores = check_ranked_row(row)
-        source = None if row.get("data_source") is None else _check_data_source(row)
-        checked.append((row, messages, responses, rankings, scores, source, _check_ground_truth(row),
-                        _check_extra_info(row)))
+        source = None if row.get("data_source") is None else check_data_source(row)
+        checked.append((row, messages, responses, rankings, scores, source, check_ground_truth(row),
+                        check_extra_info(row)))
     all_ids = encode_chats(tokenizer, [c[1] for c in checked])
-    records, n_filtered, n_truncated = [], 0, 0
-    for (row, messages, responses, rankings, scores, source, truth, extra), ids in zip(checked, all_ids):
-        if len(ids) > max_prompt_length:
-            if filter_overlong_prompts:
-                n_filtered += 1
-                continue
-            ids = _fit_prompt(ids, row, prompt_key, max_prompt_length, truncation)
-            n_truncated += 1
+    kept = fit_prompts([c[0] for c in checked], all_ids, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
+                       truncation=truncation, filter_overlong_prompts=filter_overlong_prompts, files=files, log=log,
+                       what="ranked prompts")
+    records = []
+    for position, ids in kept:
+        _, messages, responses, rankings, scores, source, truth, extra = checked[position]
         records.append(RankedRecord(len(records), messages, ids, responses, rankings, scores, source, truth, extra))
-    where = describe_files(files)
-    if not records:
-        raise UserError(f"all {len(rows)} prompts in {where} are longer than data.max_prompt_length="
-                        f"{max_prompt_length} tokens and were filtered; raise data.max_prompt_length "
-                        "or set data.filter_overlong_prompts=false and data.truncation=left|right")
-    notes = []
-    if n_filtered:
-        notes.append(f"{n_filtered} filtered as over {max_prompt_length} tokens")
-    if n_truncated:
-        notes.append(f"{n_truncated} truncated ({truncation}) to {max_prompt_length} tokens")
-    log(f"loaded {len(records)} ranked prompts from {where}" + (f" ({', '.join(notes)})" if notes else ""))
     return records

@@ -94,7 +94,7 @@ def encode_chats(tokenizer, conversations: Sequence[list[dict]], add_generation_
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def _check_data_source(row: dict) -> str:
+def check_data_source(row: dict) -> str:
     value = row.get("data_source")
     if not isinstance(value, str) or not value:
         raise row_error(row, "data_source", f"expected a non-empty string, got {short_repr(value)}",
@@ -102,7 +102,7 @@ def _check_data_source(row: dict) -> str:
     return value
 
 
-def _check_ground_truth(row: dict) -> Any:
+def check_ground_truth(row: dict) -> Any:
     value = row.get("reward_model")
     if value is None:
         return None
@@ -112,7 +112,7 @@ def _check_ground_truth(row: dict) -> Any:
     return value.get("ground_truth")
 
 
-def _check_extra_info(row: dict) -> dict:
+def check_extra_info(row: dict) -> dict:
     value = row.get("extra_info")
     if value is None:
         return {}
@@ -185,20 +185,46 @@ def load_rl_dataset(
     for row in rows:
         messages = check_messages(row, prompt_key)
         responses, scores = check_responses(row, require_responses)
-        checked.append((row, messages, _check_data_source(row), _check_ground_truth(row),
-                        _check_extra_info(row), responses, scores))
+        checked.append((row, messages, check_data_source(row), check_ground_truth(row),
+                        check_extra_info(row), responses, scores))
     all_ids = encode_chats(tokenizer, [c[1] for c in checked])
-    records, n_filtered, n_truncated = [], 0, 0
-    for (row, messages, source, truth, extra, responses, scores), ids in zip(checked, all_ids):
+    kept = fit_prompts([c[0] for c in checked], all_ids, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
+                       truncation=truncation, filter_overlong_prompts=filter_overlong_prompts, files=files, log=log)
+    records = []
+    for position, ids in kept:
+        _, messages, source, truth, extra, responses, scores = checked[position]
+        records.append(PromptRecord(len(records), source, messages, ids, truth, extra, responses, scores))
+    return records
+
+
+def fit_prompts(
+    rows: Sequence[dict],
+    prompt_ids: Sequence[list[int]],
+    *,
+    prompt_key: str,
+    max_prompt_length: int,
+    truncation: str,
+    filter_overlong_prompts: bool,
+    files: str | Sequence[str],
+    log: Callable[[str], None],
+    what: str = "prompts",
+) -> list[tuple[int, list[int]]]:
+    """Apply the over-long-prompt policy; returns ``(position, ids)`` of the kept rows, logs counts.
+
+    Over-long prompts are dropped when ``filter_overlong_prompts`` (as verl does), else cut per
+    ``truncation`` ("left" keeps the end, "right" keeps the start) or rejected ("error").
+    """
+    kept, n_filtered, n_truncated = [], 0, 0
+    for position, (row, ids) in enumerate(zip(rows, prompt_ids)):
         if len(ids) > max_prompt_length:
             if filter_overlong_prompts:
                 n_filtered += 1
                 continue
             ids = _fit_prompt(ids, row, prompt_key, max_prompt_length, truncation)
             n_truncated += 1
-        records.append(PromptRecord(len(records), source, messages, ids, truth, extra, responses, scores))
+        kept.append((position, ids))
     where = describe_files(files)
-    if not records:
+    if not kept:
         raise UserError(f"all {len(rows)} prompts in {where} are longer than data.max_prompt_length="
                         f"{max_prompt_length} tokens and were filtered; raise data.max_prompt_length "
                         "or set data.filter_overlong_prompts=false and data.truncation=left|right")
@@ -207,8 +233,8 @@ def load_rl_dataset(
         notes.append(f"{n_filtered} filtered as over {max_prompt_length} tokens")
     if n_truncated:
         notes.append(f"{n_truncated} truncated ({truncation}) to {max_prompt_length} tokens")
-    log(f"loaded {len(records)} prompts from {where}" + (f" ({', '.join(notes)})" if notes else ""))
-    return records
+    log(f"loaded {len(kept)} {what} from {where}" + (f" ({', '.join(notes)})" if notes else ""))
+    return kept
 
 
 def collate_prompts(records: Sequence[PromptRecord], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
