@@ -1,20 +1,177 @@
 """Forwards over prompt + response sequences: per-token log-probs, entropies and values.
 
 Legend: B batch, P prompt length (left-padded), T response length (right-padded), L = P + T,
-V vocab. A sequence is ``cat(prompt_ids, response_ids)``; the logits at position ``i`` predict
-the token at ``i + 1``, so the response's log-probs come from positions ``P - 1 .. L - 2``.
+V vocab, N real tokens of a packed batch. A sequence is ``cat(prompt_ids, response_ids)``; the
+output at position ``i`` predicts the token at ``i + 1``, so the response's log-probs come
+from positions ``P - 1 .. L - 2``. Whatever the path, results come back as (B, T) in the
+batch's response slots, 0 where the response is padding, so nothing downstream changes.
+
+Two paths:
+- padded (default): the batch as it is, with columns that are padding in every row trimmed
+  first (a micro-batch only pays for its own longest prompt and response).
+- packed (``packed=True``, verl's ``use_remove_padding``): the real tokens of all rows in one
+  (1, N) row, position ids restarting at 0 per sequence, no attention mask.
+
+What transformers 5.24 does with a packed row (checked by tests/models/test_packed_forward.py):
+``masking_utils._preprocess_mask_arguments`` looks for packed sequences in ``position_ids``
+(a new sequence wherever the position does not grow by 1) only when the 2-D attention mask
+is None AND there is no cache. With ``use_cache=False`` the sdpa and eager implementations
+then get a block-diagonal causal mask and each sequence sees only itself: exact. With the
+cache on (a causal LM's default when ``config.use_cache`` is true) the detection is skipped
+and every token attends to the earlier sequences of the row, silently. So every forward here
+passes ``use_cache=False``. That mask is (N, N): attention costs N^2 instead of the sum of
+the squared sequence lengths, which on a row of thousands of tokens is most of the forward.
+``use_packed_attention`` therefore switches an sdpa model to ``PACKED_SDPA``, which runs sdpa
+causally on each sequence of a packed row (from ``cu_seq_lens_q``, or from the position ids)
+and is plain sdpa for everything else. Flash-attention models (CUDA, ``flash_attention_2``)
+read the same ``cu_seq_lens_*`` / ``max_length_*`` keyword arguments and run varlen kernels.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from klppo.algo import entropy_from_logits, logprobs_from_logits
+from klppo.data.batching import PackedBatch, pack
+
+PACKED_SDPA = "klppo_packed_sdpa"
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, L) bool -> (B, L) long positions counting real tokens only (left padding gets 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# ---- attention for packed rows ----
+
+
+def _segment_bounds(position_ids: torch.Tensor) -> list[int]:
+    """Start of each packed sequence in one row of position ids, then the row length."""
+    steps = torch.diff(position_ids, prepend=position_ids[:1] - 1)
+    return (steps != 1).nonzero().flatten().tolist() + [position_ids.shape[0]]  # host-device sync
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """sdpa, run causally on each sequence of a packed row; plain sdpa otherwise.
+
+    query (B, H, L, D), key/value (B, Hkv, L, D) -> (B, L, H, D). A row is packed when no mask
+    is given and its position ids restart (or ``cu_seq_lens_q`` marks the sequences).
+    """
+    rows = query.shape[0]
+    position_ids = kwargs.get("position_ids")
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if attention_mask is not None or query.shape[2] != key.shape[2] or (position_ids is None and cu_seqlens is None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if cu_seqlens is not None and rows == 1:
+        bounds = [cu_seqlens.tolist()]  # host-device sync
+    else:
+        bounds = [_segment_bounds(position_ids.expand(rows, -1)[r]) for r in range(rows)]
+    if all(len(b) <= 2 for b in bounds):  # one sequence per row: nothing is packed
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("packed rows with sliding-window attention; set model.use_remove_padding=false")
+    out = []
+    for r, row_bounds in enumerate(bounds):
+        lengths = [b - a for a, b in zip(row_bounds[:-1], row_bounds[1:]) if b > a]
+        # One split per tensor: its backward is one concatenation, where slicing per sequence
+        # would add a zero-filled full-size gradient per sequence.
+        splits = (t[r : r + 1].split(lengths, dim=2) for t in (query, key, value))
+        pieces = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
+                  for q, k, v in zip(*splits)]
+        out.append(torch.cat(pieces, dim=1))  # (1, L, H, D)
+    return torch.cat(out, dim=0), None
+
+
+def _packed_sdpa_mask(*args, **kwargs):
+    """sdpa's mask, but none for rows without padding and cache: packing is read from positions."""
+    if (kwargs.get("attention_mask") is None and kwargs.get("local_size") is None and not kwargs.get("q_offset")
+            and not kwargs.get("kv_offset") and kwargs.get("q_length") == kwargs.get("kv_length")):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+AttentionMaskInterface.register(PACKED_SDPA, _packed_sdpa_mask)
+
+
+def use_packed_attention(model: torch.nn.Module) -> str:
+    """Switch an sdpa model to ``PACKED_SDPA`` (other implementations are kept); returns the one in use.
+
+    Exact for padded and packed input alike, so it can stay on for generation and the padded
+    path. It is not saved with the model: ``save_pretrained`` does not write it.
+    """
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(PACKED_SDPA)
+    return model.config._attn_implementation
+
+
+# ---- where the response is read ----
+
+
+def _trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
+    """Drop the columns that are padding in every row -> (ids, mask, P', T')."""
+    prompt_length = input_ids.shape[1] - response_length
+    assert prompt_length >= 1, "a sequence needs at least one prompt column"
+    used = attention_mask.any(0).nonzero().flatten().tolist()  # host-device sync
+    first = min([c for c in used if c < prompt_length], default=prompt_length - 1)
+    last = max([c for c in used if c >= prompt_length], default=prompt_length)
+    return input_ids[:, first : last + 1], attention_mask[:, first : last + 1], prompt_length - first, last + 1 - prompt_length
+
+
+def _padded_forward(model, input_ids, attention_mask, response_length, lm: bool):
+    """(B, T', ...) model outputs at the positions that predict the response, and T'."""
+    ids, mask, p, t = _trim_padding(input_ids, attention_mask, response_length)
+    extra = {"logits_to_keep": torch.arange(p - 1, p - 1 + t, device=ids.device)} if lm else {}
+    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask),
+                use_cache=False, **extra)
+    logits = out.logits if lm else out.logits[:, p - 1 : p - 1 + t]
+    return logits, ids[:, p : p + t], t
+
+
+def _packed_reads(packed: PackedBatch, attention_mask: torch.Tensor, response_length: int):
+    """Packed positions whose next token is a real response token, and that token's (row, slot)."""
+    length = attention_mask.shape[1]
+    prompt_length = length - response_length
+    nxt = (packed.cols + 1).clamp(max=length - 1)
+    read = (packed.cols >= prompt_length - 1) & (packed.cols < length - 1) & attention_mask[packed.rows, nxt]
+    positions = read.nonzero().flatten()  # (n,)
+    return positions, packed.rows[positions], packed.cols[positions] + 1 - prompt_length
+
+
+def _packed_forward(model, input_ids, attention_mask, response_length, lm: bool):
+    """(n, ...) outputs at the packed positions that predict real response tokens, their labels and slots."""
+    packed = pack(input_ids, attention_mask)
+    positions, rows, slots = _packed_reads(packed, attention_mask.bool(), response_length)
+    varlen = {  # flash-attention's varlen arguments; PACKED_SDPA reads cu_seq_lens_q; sdpa/eager ignore them
+        "cu_seq_lens_q": packed.cu_seqlens, "cu_seq_lens_k": packed.cu_seqlens,
+        "max_length_q": packed.max_seqlen, "max_length_k": packed.max_seqlen,
+    }
+    extra = {"logits_to_keep": positions} if lm else {}
+    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                use_cache=False, **varlen, **extra)
+    logits = out.logits[0] if lm else out.logits[0, positions]  # (n, V) or (n, 1)
+    labels = input_ids[rows, slots + input_ids.shape[1] - response_length]
+    return logits, labels, rows, slots
+
+
+def _row_groups(attention_mask: torch.Tensor, max_tokens: int | None) -> list[slice]:
+    """Consecutive rows whose real tokens fit ``max_tokens`` (one group when it is None)."""
+    rows = attention_mask.shape[0]
+    if max_tokens is None:
+        return [slice(0, rows)]
+    groups, start, used = [], 0, 0
+    for row, n in enumerate(attention_mask.sum(-1).tolist()):  # host-device sync
+        if used + n > max_tokens and row > start:
+            groups.append(slice(start, row))
+            start, used = row, 0
+        used += n
+    return groups + [slice(start, rows)]
+
+
+# ---- the forwards ----
 
 
 def response_logprobs(
@@ -25,35 +182,62 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    packed: bool = False,
+    max_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, T) of the response tokens under ``model``, and optionally entropies (B, T).
 
     Logits are divided by the sampling ``temperature`` first, as verl does, so the log-probs
-    are those of the distribution the responses were sampled from.
+    are those of the distribution the responses were sampled from. ``packed`` runs the rows
+    as packed rows of at most ``max_tokens`` tokens each (a batch over it is split).
     """
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask.long(),
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
-    logits = out.logits[:, -response_length - 1 : -1, :].float()  # (B, T, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    responses = input_ids[:, -response_length:]  # (B, T)
-    log_probs = logprobs_from_logits(logits, responses)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    groups = _row_groups(attention_mask, max_tokens) if packed else [slice(None)]
+    if len(groups) > 1:
+        parts = [response_logprobs(model, input_ids[g], attention_mask[g], response_length, temperature=temperature,
+                                   with_entropy=with_entropy, packed=True) for g in groups]
+        return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
+    rows, mask = input_ids.shape[0], attention_mask.bool()
+    log_probs = torch.zeros(rows, response_length, device=input_ids.device)
+    entropy = torch.zeros_like(log_probs) if with_entropy else None
+    if packed:
+        logits, labels, out_rows, slots = _packed_forward(model, input_ids, mask, response_length, lm=True)
+        logits = logits.float() / temperature  # (n, V)
+        log_probs = log_probs.index_put((out_rows, slots), logprobs_from_logits(logits, labels))
+        if with_entropy:
+            entropy = entropy.index_put((out_rows, slots), entropy_from_logits(logits))
+        return log_probs, entropy
+    logits, labels, t = _padded_forward(model, input_ids, mask, response_length, lm=True)
+    logits = logits.float() / temperature  # (B, T', V)
+    real = mask[:, -response_length:]  # (B, T)
+    log_probs = torch.where(real, _widen(logprobs_from_logits(logits, labels), response_length), 0.0)
+    if with_entropy:
+        entropy = torch.where(real, _widen(entropy_from_logits(logits), response_length), 0.0)
     return log_probs, entropy
 
 
 def response_values(
-    critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+    critic: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    *,
+    packed: bool = False,
+    max_tokens: int | None = None,
 ) -> torch.Tensor:
     """Values (B, T): V(s_t) of the state before each response token (verl's convention)."""
-    out = critic(
-        input_ids=input_ids,
-        attention_mask=attention_mask.long(),
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
-    return out.logits[:, -response_length - 1 : -1, 0].float()
+    groups = _row_groups(attention_mask, max_tokens) if packed else [slice(None)]
+    if len(groups) > 1:
+        return torch.cat([response_values(critic, input_ids[g], attention_mask[g], response_length, packed=True)
+                          for g in groups])
+    mask = attention_mask.bool()
+    if packed:
+        values, _, rows, slots = _packed_forward(critic, input_ids, mask, response_length, lm=False)
+        out = torch.zeros(input_ids.shape[0], response_length, device=input_ids.device)
+        return out.index_put((rows, slots), values[:, 0].float())
+    values, _, _ = _padded_forward(critic, input_ids, mask, response_length, lm=False)
+    return torch.where(mask[:, -response_length:], _widen(values[..., 0].float(), response_length), 0.0)
+
+
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, T') -> (B, width), zeros on the right."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))

@@ -2,40 +2,78 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from klppo.data.batching import restore_order
 from klppo.models.forward import response_logprobs, response_values
 from klppo.rewards.score import score_responses
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.update import chunks
+from klppo.trainer.update import micro_batches
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """How a no-grad forward splits a batch; the keyword arguments of ``compute_log_prob`` / ``compute_values``."""
+
+    micro_batch_rows: int | None = None  # rows per forward; None = the whole batch
+    max_token_len: int | None = None  # token budget per forward (use_dynamic_bsz); wins over micro_batch_rows
+    use_remove_padding: bool = False  # each forward as one packed row
+    budget_key: str = "log_prob_max_token_len_per_gpu"  # config key an over-long sequence error names
+
+
+def _forward_in_parts(batch: RolloutBatch, forward: Callable, micro_batch_rows, max_token_len, budget_key) -> torch.Tensor:
+    """``forward(micro) -> (b, T)`` over the batch's micro-batches, rows back in the batch's order."""
+    plan = micro_batches(batch, micro_batch_rows, max_token_len, budget_key)
+    parts = [forward(batch.select(idx)) for idx in plan]
+    return restore_order(torch.cat(parts), [i for idx in plan for i in idx])
 
 
 @torch.no_grad()
-def compute_log_prob(model, batch: RolloutBatch, *, micro_batch_rows: int | None, temperature: float) -> torch.Tensor:
-    """(B, T) response log-probs under ``model``, computed ``micro_batch_rows`` rows at a time."""
+def compute_log_prob(
+    model,
+    batch: RolloutBatch,
+    *,
+    micro_batch_rows: int | None,
+    temperature: float,
+    max_token_len: int | None = None,
+    use_remove_padding: bool = False,
+    budget_key: str = "log_prob_max_token_len_per_gpu",
+) -> torch.Tensor:
+    """(B, T) response log-probs under ``model``, a micro-batch (rows or token budget) at a time."""
     model.eval()
-    parts = []
-    for idx in chunks(len(batch), micro_batch_rows or len(batch)):
-        micro = batch.select(idx)
+
+    def forward(micro: RolloutBatch) -> torch.Tensor:
         log_prob, _ = response_logprobs(
-            model, micro.input_ids, micro.attention_mask, micro.response_length, temperature=temperature
+            model, micro.input_ids, micro.attention_mask, micro.response_length, temperature=temperature,
+            packed=use_remove_padding, max_tokens=max_token_len,
         )
-        parts.append(log_prob)
-    return torch.cat(parts)
+        return log_prob
+
+    return _forward_in_parts(batch, forward, micro_batch_rows, max_token_len, budget_key)
 
 
 @torch.no_grad()
-def compute_values(critic, batch: RolloutBatch, *, micro_batch_rows: int | None) -> torch.Tensor:
-    """(B, T) critic values, computed ``micro_batch_rows`` rows at a time."""
+def compute_values(
+    critic,
+    batch: RolloutBatch,
+    *,
+    micro_batch_rows: int | None,
+    max_token_len: int | None = None,
+    use_remove_padding: bool = False,
+    budget_key: str = "critic.ppo_max_token_len_per_gpu",
+) -> torch.Tensor:
+    """(B, T) critic values, a micro-batch (rows or token budget) at a time."""
     critic.eval()
-    parts = []
-    for idx in chunks(len(batch), micro_batch_rows or len(batch)):
-        micro = batch.select(idx)
-        parts.append(response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length))
-    return torch.cat(parts)
+
+    def forward(micro: RolloutBatch) -> torch.Tensor:
+        return response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length,
+                               packed=use_remove_padding, max_tokens=max_token_len)
+
+    return _forward_in_parts(batch, forward, micro_batch_rows, max_token_len, budget_key)
 
 
 def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:

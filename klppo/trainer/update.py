@@ -4,6 +4,12 @@ Each micro-batch's loss is normalised by the token (or sequence) count of its wh
 mini-batch, so the gradients accumulated over micro-batches equal those of the mini-batch in
 one piece, whatever the micro-batch size. Ratio statistics (clip fractions, KL) are weighted
 the same way, so they too do not depend on how the mini-batch was split.
+
+Micro-batches are either a fixed number of rows (``max_token_len`` None) or as few as fit a
+token budget (``use_dynamic_bsz``: ``klppo.data.batching.token_budget_micro_batches``, balanced
+by Karmarkar-Karp, so the rows of a micro-batch are not consecutive). Either way the forwards
+return (b, T) tensors at the mini-batch's full response width, so the losses, including
+seq-mean-token-sum-norm's constant T, are those of the full mini-batch.
 """
 
 from __future__ import annotations
@@ -14,8 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from klppo.algo import agg_loss, compute_policy_loss, compute_value_loss, kl_loss, masked_mean
+from klppo.data.batching import token_budget_micro_batches
 from klppo.models.forward import response_logprobs, response_values
 from klppo.rollout.batch import RolloutBatch
+
+ACTOR_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+CRITIC_BUDGET_KEY = "critic.ppo_max_token_len_per_gpu"
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,8 @@ class ActorUpdateSettings:
     kl_loss_type: str
     grad_clip: float
     temperature: float
+    max_token_len: int | None = None  # token budget per micro-batch (use_dynamic_bsz); None = micro_batch_rows
+    use_remove_padding: bool = False  # run each micro-batch as one packed row
 
 
 @dataclass(frozen=True)
@@ -43,11 +55,26 @@ class CriticUpdateSettings:
     cliprange_value: float
     loss_agg_mode: str
     grad_clip: float
+    max_token_len: int | None = None  # token budget per micro-batch (use_dynamic_bsz); None = micro_batch_rows
+    use_remove_padding: bool = False  # run each micro-batch as one packed row
 
 
 def chunks(n_rows: int, size: int) -> list[torch.Tensor]:
     """Consecutive row-index chunks of at most ``size`` rows covering ``range(n_rows)``."""
     return list(torch.arange(n_rows).split(size))
+
+
+def micro_batches(
+    batch: RolloutBatch, micro_rows: int | None, max_token_len: int | None, budget_key: str
+) -> list[list[int]]:
+    """Row indices of each micro-batch: ``micro_rows`` consecutive rows, or a token budget's partition.
+
+    The budget counts real tokens (prompt + response), as verl's ``rearrange_micro_batches``.
+    """
+    if max_token_len is None:
+        return [c.tolist() for c in chunks(len(batch), micro_rows or len(batch))]
+    seq_lens = batch.attention_mask.sum(-1).tolist()  # host-device sync
+    return token_budget_micro_batches(seq_lens, max_token_len, budget_key=budget_key)
 
 
 def _counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +91,10 @@ def optimizer_step(model, optimizer, grad_clip: float) -> torch.Tensor:
     return grad_norm.detach()
 
 
-def _run_updates(model, optimizer, batch, *, mini_rows, micro_rows, epochs, grad_clip, micro_loss, prefix):
+def _run_updates(model, optimizer, batch, *, mini_rows, split, epochs, grad_clip, micro_loss, prefix):
     """ppo_epochs x mini-batches x micro-batches of ``micro_loss``, one optimiser step per mini-batch.
+
+    ``split(mini) -> list[list[int]]`` gives the rows of each micro-batch of a mini-batch.
 
     ``micro_loss(micro, tokens, seqs) -> (loss, sums, means)``: ``sums`` are the micro-batch's
     shares of mini-batch losses (they add up), ``means`` are its own token means (weighted here
@@ -78,7 +107,7 @@ def _run_updates(model, optimizer, batch, *, mini_rows, micro_rows, epochs, grad
             mini = batch.select(mini_idx)
             tokens, seqs = _counts(mini.response_mask)
             stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
-            for micro_idx in chunks(len(mini), micro_rows):
+            for micro_idx in split(mini):
                 micro = mini.select(micro_idx)
                 loss, sums, means = micro_loss(micro, tokens, seqs)
                 loss.backward()
@@ -96,7 +125,8 @@ def _run_updates(model, optimizer, batch, *, mini_rows, micro_rows, epochs, grad
 def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings) -> dict[str, torch.Tensor]:
     """One PPO actor update over ``batch``; returns metrics averaged over optimiser steps."""
     return _run_updates(
-        actor, optimizer, batch, mini_rows=s.mini_batch_rows, micro_rows=s.micro_batch_rows,
+        actor, optimizer, batch, mini_rows=s.mini_batch_rows,
+        split=lambda mini: micro_batches(mini, s.micro_batch_rows, s.max_token_len, ACTOR_BUDGET_KEY),
         epochs=s.ppo_epochs, grad_clip=s.grad_clip, prefix="actor",
         micro_loss=lambda micro, tokens, seqs: _actor_micro_loss(actor, micro, s, tokens, seqs),
     )
@@ -107,7 +137,7 @@ def _actor_micro_loss(actor, micro: RolloutBatch, s: ActorUpdateSettings, tokens
     mask = micro.response_mask
     log_prob, entropy = response_logprobs(
         actor, micro.input_ids, micro.attention_mask, micro.response_length,
-        temperature=s.temperature, with_entropy=True,
+        temperature=s.temperature, with_entropy=True, packed=s.use_remove_padding, max_tokens=s.max_token_len,
     )  # (b, T), (b, T)
     counts = {"global_token_count": tokens, "global_seq_count": seqs}
     pg_loss, pg_stats = compute_policy_loss(
@@ -131,7 +161,8 @@ def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSetting
     """One clipped value-loss update of the critic over ``batch``."""
 
     def micro_loss(micro: RolloutBatch, tokens, seqs):
-        vpreds = response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length)
+        vpreds = response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length,
+                                 packed=s.use_remove_padding, max_tokens=s.max_token_len)  # (b, T)
         loss, stats = compute_value_loss(
             vpreds, micro.returns, micro.values, micro.response_mask,
             cliprange_value=s.cliprange_value, loss_agg_mode=s.loss_agg_mode,
@@ -141,6 +172,7 @@ def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSetting
         return loss, {"critic/vf_loss": loss.detach()}, means
 
     return _run_updates(
-        critic, optimizer, batch, mini_rows=s.mini_batch_rows, micro_rows=s.micro_batch_rows,
+        critic, optimizer, batch, mini_rows=s.mini_batch_rows,
+        split=lambda mini: micro_batches(mini, s.micro_batch_rows, s.max_token_len, CRITIC_BUDGET_KEY),
         epochs=s.ppo_epochs, grad_clip=s.grad_clip, micro_loss=micro_loss, prefix="critic",
     )

@@ -1,4 +1,8 @@
-"""Micro-batching must not change an update: accumulated micro-batches == one full mini-batch."""
+"""Micro-batching must not change an update: accumulated micro-batches == one full mini-batch.
+
+Whether the micro-batches are fixed rows, a token budget (use_dynamic_bsz) or packed rows
+(use_remove_padding), and in every loss aggregation mode.
+"""
 
 import copy
 
@@ -11,7 +15,9 @@ from klppo.data.rl_dataset import encode_chats
 from klppo.models.load import load_critic
 from klppo.rollout.batch import RolloutBatch, right_pad
 from klppo.trainer.score import compute_log_prob, compute_values
-from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings, update_actor, update_critic
+from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings, micro_batches, update_actor, update_critic
+
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 def _batch(tokenizer, rows: int = 6) -> RolloutBatch:
@@ -33,52 +39,71 @@ def _batch(tokenizer, rows: int = 6) -> RolloutBatch:
     return batch
 
 
-def _actor_settings(micro_rows: int, mode: str) -> ActorUpdateSettings:
+def _budget(batch: RolloutBatch) -> int:
+    """A token budget that splits the batch's 6 rows (32 to 44 tokens) into 3 micro-batches."""
+    return 2 * int(batch.attention_mask.sum(-1).max()) + 2
+
+
+def _splits(batch: RolloutBatch) -> list[dict]:
+    """Micro-batching set-ups to compare with the full mini-batch (fixed rows 6, padded)."""
+    budget = _budget(batch)
+    assert 2 < len(micro_batches(batch, None, budget, "k")) < len(batch)
+    return [
+        dict(micro_batch_rows=2), dict(micro_batch_rows=1),
+        dict(micro_batch_rows=6, max_token_len=budget),
+        dict(micro_batch_rows=3, use_remove_padding=True),
+        dict(micro_batch_rows=6, max_token_len=budget, use_remove_padding=True),
+    ]
+
+
+def _actor_settings(mode: str, micro_batch_rows: int = 6, **split) -> ActorUpdateSettings:
     return ActorUpdateSettings(
-        mini_batch_rows=6, micro_batch_rows=micro_rows, ppo_epochs=1, clip_ratio_low=0.2, clip_ratio_high=0.2,
+        mini_batch_rows=6, micro_batch_rows=micro_batch_rows, ppo_epochs=1, clip_ratio_low=0.2, clip_ratio_high=0.2,
         clip_ratio_c=3.0, loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
-        kl_loss_type="low_var_kl", grad_clip=1.0, temperature=1.0,
+        kl_loss_type="low_var_kl", grad_clip=1.0, temperature=1.0, **split,
     )
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_actor_update_is_the_same_for_any_micro_batch_size(tiny_model_dir, mode):
+def _assert_same_update(results, keys):
+    (full_metrics, full_params), *others = results
+    for metrics, params in others:
+        for p_full, p_split in zip(full_params, params):
+            torch.testing.assert_close(p_split, p_full, rtol=1e-5, atol=1e-6)
+        for key in keys:
+            torch.testing.assert_close(metrics[key], full_metrics[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_actor_update_is_the_same_for_any_micro_batching(tiny_model_dir, mode):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     batch = _batch(tokenizer)
     batch.old_log_prob = compute_log_prob(actor, batch, micro_batch_rows=None, temperature=1.0) - 0.05
     batch.ref_log_prob = batch.old_log_prob + 0.1
     results = []
-    for micro_rows in (6, 2, 1):
+    for split in [dict(micro_batch_rows=6)] + _splits(batch):
         model = copy.deepcopy(actor)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        metrics = update_actor(model, optimizer, batch, _actor_settings(micro_rows, mode))
+        metrics = update_actor(model, optimizer, batch, _actor_settings(mode, **split))
         results.append((metrics, [p.detach().clone() for p in model.parameters()]))
-    (full_metrics, full_params) = results[0]
-    for metrics, params in results[1:]:
-        for p_full, p_split in zip(full_params, params):
-            torch.testing.assert_close(p_split, p_full, rtol=1e-5, atol=1e-6)
-        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss"):
-            torch.testing.assert_close(metrics[key], full_metrics[key], rtol=1e-5, atol=1e-6)
+    _assert_same_update(results, ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss"))
 
 
-def test_critic_update_is_the_same_for_any_micro_batch_size(tiny_model_dir):
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_critic_update_is_the_same_for_any_micro_batching(tiny_model_dir, mode):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     critic = load_critic(str(tiny_model_dir), key="critic.model.path", device=torch.device("cpu"))
     batch = _batch(tokenizer)
     batch.values = compute_values(critic, batch, micro_batch_rows=4)
     results = []
-    for micro_rows in (6, 4, 1):
+    for split in [dict(micro_batch_rows=6)] + _splits(batch):
         model = copy.deepcopy(critic)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        settings = CriticUpdateSettings(mini_batch_rows=6, micro_batch_rows=micro_rows, ppo_epochs=1,
-                                        cliprange_value=0.5, loss_agg_mode="token-mean", grad_clip=1.0)
+        settings = CriticUpdateSettings(mini_batch_rows=6, ppo_epochs=1, cliprange_value=0.5, loss_agg_mode=mode,
+                                        grad_clip=1.0, **split)
         metrics = update_critic(model, optimizer, batch, settings)
         results.append((metrics, [p.detach().clone() for p in model.parameters()]))
-    for metrics, params in results[1:]:
-        for p_full, p_split in zip(results[0][1], params):
-            torch.testing.assert_close(p_split, p_full, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(metrics["critic/vf_loss"], results[0][0]["critic/vf_loss"])
+    _assert_same_update(results, ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"))
 
 
 def test_chunked_log_probs_equal_one_forward(tiny_model_dir):
@@ -87,3 +112,27 @@ def test_chunked_log_probs_equal_one_forward(tiny_model_dir):
     batch = _batch(tokenizer)
     whole = compute_log_prob(actor, batch, micro_batch_rows=None, temperature=0.7)
     torch.testing.assert_close(compute_log_prob(actor, batch, micro_batch_rows=4, temperature=0.7), whole)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_token_budget_forwards_restore_the_batch_order(tiny_model_dir, packed):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    critic = load_critic(str(tiny_model_dir), key="critic.model.path", device=torch.device("cpu"))
+    batch = _batch(tokenizer)
+    plan = micro_batches(batch, None, _budget(batch), "k")
+    assert [i for idx in plan for i in idx] != list(range(len(batch)))  # the micro-batches do reorder rows
+    split = dict(max_token_len=_budget(batch), use_remove_padding=packed)
+    whole = compute_log_prob(actor, batch, micro_batch_rows=None, temperature=0.7)
+    torch.testing.assert_close(compute_log_prob(actor, batch, micro_batch_rows=None, temperature=0.7, **split), whole,
+                               atol=1e-5, rtol=1e-5)
+    values = compute_values(critic, batch, micro_batch_rows=None)
+    torch.testing.assert_close(compute_values(critic, batch, micro_batch_rows=None, **split), values, atol=1e-5, rtol=1e-5)
+
+
+def test_micro_batches_of_a_token_budget_are_balanced_and_fit(tiny_model_dir):
+    batch = _batch(AutoTokenizer.from_pretrained(tiny_model_dir))
+    lens = batch.attention_mask.sum(-1).tolist()
+    plan = micro_batches(batch, None, _budget(batch), "k")
+    assert all(sum(lens[i] for i in idx) <= _budget(batch) for idx in plan)
+    assert sorted(i for idx in plan for i in idx) == list(range(len(batch)))

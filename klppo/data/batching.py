@@ -1,0 +1,218 @@
+"""Token-budget micro-batches, balanced ranks and sequence packing (pure: torch + stdlib).
+
+Legend: B sequences, L padded sequence length, N real tokens of a packed batch, k parts.
+
+RLHF batches mix short and long sequences, so a fixed number of rows per micro-batch either
+pads most of the compute away or runs out of memory on the long ones. Here:
+
+- ``karmarkar_karp`` splits costs into k parts with near-equal sums (the largest differencing
+  method of Karmarkar and Karp 1982, extended to k parts as in Korf 2009 and verl's
+  ``seqlen_balancing.py``).
+- ``token_budget_micro_batches`` picks the fewest such parts that each stay within a token
+  budget (verl's ``rearrange_micro_batches``); ``restore_order`` undoes the reordering.
+- ``balance_across_ranks`` gives each data-parallel rank the same number of sequences with
+  near-equal token counts (verl's ``trainer.balance_batch``); ``seqlen_balance_metrics``
+  reports how uneven the ranks were before and after.
+- ``pack`` / ``unpack`` move a padded (B, L) batch to one (1, N) row without padding and back.
+
+Everything is deterministic: ties are broken by position, never by hashing or randomness.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from klppo.errors import UserError
+
+
+# ---- balanced partitions ----
+
+
+def karmarkar_karp(costs: Sequence[float], k: int, *, equal_size: bool = False) -> list[list[int]]:
+    """Indices of ``costs`` split into ``k`` parts whose cost sums are close to equal.
+
+    Largest differencing method: every item starts as a k-part state (the item in one part,
+    the others empty); the two states with the largest spread (max - min part sum) are merged
+    by pairing the heaviest part of one with the lightest of the other, until one state is
+    left. With ``equal_size`` every part gets ``len(costs) / k`` items (the items are taken k at
+    a time in sorted order, one per part, as verl does), which needs ``len(costs) % k == 0``.
+    Each part lists its indices in ascending order; parts are ordered heaviest first.
+    """
+    n = len(costs)
+    if k < 1:
+        raise ValueError(f"k = {k}: need at least one part")
+    if equal_size and n % k:
+        raise ValueError(f"equal_size needs len(costs) = {n} to be a multiple of k = {k}")
+    order = sorted(range(n), key=lambda i: (costs[i], i))
+    if equal_size:
+        groups = [order[start : start + k] for start in range(0, n, k)]
+    else:
+        groups = [[i] for i in order]
+    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
+    for tie, group in enumerate(groups):
+        parts = [(float(costs[i]), [i]) for i in group] + [(0.0, []) for _ in range(k - len(group))]
+        heapq.heappush(heap, _kk_entry(parts, tie))
+    tie = len(groups)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        # a is sorted heaviest first, b lightest first after reversing: heavy meets light.
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))]
+        heapq.heappush(heap, _kk_entry(merged, tie))
+        tie += 1
+    parts = heap[0][2] if heap else [(0.0, []) for _ in range(k)]
+    return [sorted(items) for _, items in parts]
+
+
+def _kk_entry(parts: list[tuple[float, list[int]]], tie: int):
+    """Heap entry of a partial partition: largest spread pops first, then the oldest."""
+    parts = sorted(parts, key=lambda p: (-p[0], min(p[1], default=-1)))
+    return (-(parts[0][0] - parts[-1][0]), tie, parts)
+
+
+def token_budget_micro_batches(
+    seq_lens: Sequence[int],
+    max_tokens: int,
+    *,
+    min_num_micro_batches: int = 1,
+    budget_key: str = "ppo_max_token_len_per_gpu",
+) -> list[list[int]]:
+    """The fewest micro-batches (index lists) whose tokens each stay within ``max_tokens``.
+
+    Sequences are spread by ``karmarkar_karp`` so micro-batches cost about the same. At least
+    ``min_num_micro_batches`` come back: a distributed caller passes the largest count any
+    rank needs (an all-reduce of ``len(result)``) so every rank runs the same number of
+    forwards and its collectives line up. A sequence longer than the budget is a
+    ``UserError`` naming ``budget_key``. Heaviest micro-batch first, so a budget that does
+    not fit in memory fails on the first one.
+    """
+    lens = [int(x) for x in seq_lens]
+    if not lens:
+        return []
+    longest = max(lens)
+    if longest > max_tokens:
+        raise UserError(
+            f"{budget_key} = {max_tokens} is smaller than a sequence of {longest} tokens (prompt + response), "
+            f"so no micro-batch can hold it; raise {budget_key} to at least {longest} (usually a multiple of "
+            "data.max_prompt_length + data.max_response_length)"
+        )
+    if min_num_micro_batches > len(lens):
+        raise ValueError(f"min_num_micro_batches = {min_num_micro_batches} exceeds the {len(lens)} sequences")
+    # Lower bounds: the total must fit, and two sequences over half the budget never share.
+    k = max(min_num_micro_batches, math.ceil(sum(lens) / max_tokens), sum(x > max_tokens / 2 for x in lens))
+    while True:  # ends at k = len(lens) at the latest: one sequence each always fits
+        parts = karmarkar_karp(lens, k)
+        if all(sum(lens[i] for i in part) <= max_tokens for part in parts):
+            return parts
+        k += 1
+
+
+def restore_order(outputs: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """Rows of ``outputs`` (computed for rows ``order`` of a batch) back in the batch's order.
+
+    ``outputs[j]`` belongs to batch row ``order[j]``; the result's row ``i`` is batch row ``i``.
+    """
+    index = torch.as_tensor(list(order), dtype=torch.long, device=outputs.device)
+    if index.numel() != outputs.shape[0] or not torch.equal(index.sort().values, torch.arange(len(index), device=index.device)):
+        raise ValueError("order must be a permutation of the rows of outputs")
+    restored = torch.empty_like(outputs)
+    restored[index] = outputs
+    return restored
+
+
+def balance_across_ranks(seq_lens: Sequence[int], world_size: int) -> list[list[int]]:
+    """Indices for each of ``world_size`` ranks: equal sequence counts, near-equal token counts.
+
+    The trainer reorders the global batch to ``sum(parts, [])`` before sharding it into equal
+    contiguous chunks, so rank r gets ``parts[r]`` (verl's ``_balance_batch``). Needs
+    ``len(seq_lens) % world_size == 0``, as sharding already does.
+    """
+    parts = karmarkar_karp([int(x) for x in seq_lens], world_size, equal_size=True)
+    return sorted(parts, key=lambda p: min(p, default=-1))
+
+
+def seqlen_balance_metrics(
+    seq_lens: Sequence[int], partitions: list[list[int]], prefix: str = "global_seqlen"
+) -> dict[str, float]:
+    """verl's ``log_seqlen_unbalance``: token sums per rank before and after balancing.
+
+    ``{prefix}/min``, ``/max``, ``/minmax_diff`` describe the contiguous equal shards the ranks
+    would get without balancing; ``/balanced_min`` and ``/balanced_max`` those of
+    ``partitions``; ``/mean`` the tokens per rank.
+    """
+    lens, k = [int(x) for x in seq_lens], len(partitions)
+    shard = len(lens) // k
+    before = [sum(lens[r * shard : (r + 1) * shard]) for r in range(k)]
+    after = [sum(lens[i] for i in part) for part in partitions]
+    return {
+        f"{prefix}/min": float(min(before)),
+        f"{prefix}/max": float(max(before)),
+        f"{prefix}/minmax_diff": float(max(before) - min(before)),
+        f"{prefix}/balanced_min": float(min(after)),
+        f"{prefix}/balanced_max": float(max(after)),
+        f"{prefix}/mean": sum(lens) / k,
+    }
+
+
+# ---- packing ----
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A padded (B, L) batch as one row of its N real tokens, sequence after sequence.
+
+    ``rows`` and ``cols`` give each packed token's place in the padded layout, so values
+    computed on the packed row can be put back (``unpack``) or read at chosen positions.
+    """
+
+    input_ids: torch.Tensor  # (1, N) long
+    position_ids: torch.Tensor  # (1, N) long, restarting at 0 for each sequence
+    cu_seqlens: torch.Tensor  # (B + 1,) int32, sequence b is packed[cu_seqlens[b]:cu_seqlens[b+1]]
+    max_seqlen: int  # longest sequence
+    rows: torch.Tensor  # (N,) long, padded row of each packed token
+    cols: torch.Tensor  # (N,) long, padded column of each packed token
+    shape: tuple[int, int]  # (B, L) of the padded batch
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
+    """(B, L) ids and bool mask -> one row of the real tokens, position ids restarting per row.
+
+    Position ids count real tokens only, as the padded forward computes them, so a packed
+    sequence sees the same positions as its padded row. A row without real tokens packs to
+    an empty sequence (two equal ``cu_seqlens`` entries).
+    """
+    mask = attention_mask.bool()
+    rows, cols = mask.nonzero(as_tuple=True)  # row-major: each sequence's tokens in order
+    positions = mask.long().cumsum(-1) - 1  # (B, L)
+    seq_lens = mask.sum(-1)  # (B,)
+    cu_seqlens = F.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)
+    return PackedBatch(
+        input_ids=input_ids[rows, cols].unsqueeze(0),
+        position_ids=positions[rows, cols].unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(seq_lens.max()) if seq_lens.numel() else 0,  # host-device sync
+        rows=rows,
+        cols=cols,
+        shape=(mask.shape[0], mask.shape[1]),
+    )
+
+
+def unpack(values: torch.Tensor, packed: PackedBatch, fill: float = 0.0) -> torch.Tensor:
+    """Per-token ``values`` of the packed row, (1, N, ...), in the padded (B, L, ...) layout.
+
+    Padding positions get ``fill``.
+    """
+    assert values.shape[:2] == (1, packed.num_tokens), f"expected (1, {packed.num_tokens}, ...), got {tuple(values.shape)}"
+    out = values.new_full((*packed.shape, *values.shape[2:]), fill)
+    out[packed.rows, packed.cols] = values[0]
+    return out
