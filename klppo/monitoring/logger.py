@@ -1,4 +1,7 @@
-"""Where metrics go: ``<run dir>/metrics.jsonl`` always, and the console when asked."""
+"""Where metrics go: ``<run dir>/metrics.jsonl`` always; the console, TensorBoard and W&B when asked.
+
+Only rank 0 writes: the other ranks hold the same (all-reduced) numbers.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
+
+from klppo.monitoring.backends import build_backends
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -34,20 +39,24 @@ def truncate_metrics(run_dir: str | Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-# What the console shows of a PPO step (everything goes to metrics.jsonl).
+# What the console shows of a PPO step (everything goes to metrics.jsonl), grouped by prefix.
 PPO_CONSOLE_KEYS = (
-    "critic/score/mean",
     "actor/pg_loss",
     "actor/pg_clipfrac",
     "actor/ppo_kl",
     "actor/entropy",
+    "actor/kl_to_ref",
     "actor/reward_kl_penalty",
     "actor/reward_kl_penalty_coeff",
+    "critic/score/mean",
     "critic/vf_loss",
     "critic/vf_explained_var",
     "response_length/mean",
     "perf/throughput",
+    "perf/time_per_step",
 )
+CONSOLE_WIDTH = 96  # fits a 100-column terminal
+VALUE_WIDTH = 10
 
 
 def _format_value(value: float) -> str:
@@ -56,26 +65,74 @@ def _format_value(value: float) -> str:
     return f"{value:.4g}"
 
 
-class MetricsLogger:
-    """Appends one JSON object per step (with a ``step`` key) and prints selected metrics."""
+def console_table(step: int, record: Mapping[str, float], keys: tuple[str, ...], total: int | None = None) -> str:
+    """A header line, then one row of aligned ``name value`` cells per metric group (actor, critic, ...).
 
+    ``keys`` that ``record`` lacks are left out; validation scores (``val-core/...``) always show.
+    """
+    shown = [k for k in keys if k in record] + [k for k in record if k.startswith("val-core/") and k not in keys]
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for key in shown:
+        group, _, name = key.partition("/")
+        groups.setdefault(group if name else "", []).append((name or key, _format_value(record[key])))
+    where = f"step {step}/{total} " if total else f"step {step} "
+    lines = [where + "-" * max(0, CONSOLE_WIDTH - len(where))]
+    label_width = max((len(g) for g in groups), default=0) + 2
+    for group, cells in groups.items():
+        name_width = max(len(name) for name, _ in cells)
+        cell_width = name_width + 1 + VALUE_WIDTH + 2
+        per_row = max(1, (CONSOLE_WIDTH - label_width) // cell_width)
+        for i in range(0, len(cells), per_row):
+            row = "".join(f"{name:<{name_width}} {value:>{VALUE_WIDTH}}  " for name, value in cells[i:i + per_row])
+            lines.append(f"{group if i == 0 else '':<{label_width}}{row}".rstrip())
+    return "\n".join(lines)
+
+
+class MetricsLogger:
+    """Appends one JSON object per step (with a ``step`` key) and fans it out to the asked backends.
+
+    ``backends`` is ``trainer.logger``: ``console`` prints a table per step, ``jsonl`` changes
+    nothing (metrics.jsonl is always written), ``tensorboard`` and ``wandb`` need their packages
+    and raise a ``UserError`` naming the ``pip install`` here, before any step runs. Set
+    ``console`` to switch the table off and on between steps. ``close()`` ends the TensorBoard /
+    W&B runs; each step is flushed as it is logged, so a run that never closes loses nothing.
+    """
 
     def __init__(
-        self, run_dir: str | Path, backends: list[str], print_fn=print, console_keys: tuple[str, ...] = PPO_CONSOLE_KEYS
+        self, run_dir: str | Path, backends: list[str], print_fn=print, console_keys: tuple[str, ...] = PPO_CONSOLE_KEYS,
+        *, rank: int = 0, project_name: str = "klppo", experiment_name: str = "run", config: Mapping | None = None,
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.console_keys = console_keys
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.console = "console" in backends
+        self.rank = rank
+        self.console = "console" in backends and rank == 0
         self.print_fn = print_fn
+        self.backends = []
+        if rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.backends = build_backends(list(backends), self.path.parent, project_name, experiment_name, config)
 
     def log(self, step: int, metrics: Mapping[str, float | torch.Tensor], total: int | None = None) -> dict[str, float]:
+        """Write one step's metrics (rank 0 only); returns them as plain floats with their ``step``."""
         record = {"step": step, **to_floats(metrics)}
+        if self.rank != 0:
+            return record
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for backend in self.backends:
+            backend.log(step, record)
         if self.console:
-            shown = [f"{k}={_format_value(record[k])}" for k in self.console_keys if k in record]
-            shown += [f"{k}={_format_value(v)}" for k, v in record.items() if k.startswith("val-core/")]
-            where = f"step {step}/{total}" if total else f"step {step}"
-            self.print_fn(f"{where} | " + " | ".join(shown))
+            self.print_fn(console_table(step, record, self.console_keys, total))
         return record
+
+    def close(self) -> None:
+        """End the TensorBoard / W&B runs; calling it again does nothing."""
+        backends, self.backends = self.backends, []
+        for backend in backends:
+            backend.close()
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

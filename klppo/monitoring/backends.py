@@ -1,0 +1,107 @@
+"""Optional metric sinks besides ``metrics.jsonl``: TensorBoard and Weights & Biases.
+
+Each is built from a ``trainer.logger`` entry. The package behind it is optional; a run that
+names one that is not installed fails when its logger is built (before training) with the
+``pip install`` that fixes it. This module imports neither package at import time, so the
+config checks can ask ``missing_package`` without paying for either.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Mapping, Protocol
+
+from klppo.errors import UserError
+
+# trainer.logger entries and the package each needs (None: nothing beyond klppo's own).
+LOGGER_PACKAGES: dict[str, str | None] = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}
+TENSORBOARD_DIR = "tensorboard"
+
+
+class Backend(Protocol):
+    def log(self, step: int, record: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def install_hint(logger: str) -> str:
+    """What to do when the package behind a ``trainer.logger`` entry cannot be imported."""
+    package = LOGGER_PACKAGES[logger]
+    return (f"trainer.logger entry {logger!r} needs the {package} package, which is not installed: "
+            f"pip install {package} (or pip install 'klppo[loggers]'), or remove {logger!r} from trainer.logger")
+
+
+def missing_package(logger: str) -> str | None:
+    """``install_hint`` for a known entry whose package is not installed, else None."""
+    package = LOGGER_PACKAGES.get(logger)
+    if package is None or importlib.util.find_spec(package) is not None:
+        return None
+    return install_hint(logger)
+
+
+class TensorBoardBackend:
+    """Scalars into ``<run_dir>/tensorboard`` (one event file per run), read by ``tensorboard --logdir``."""
+
+    def __init__(self, run_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # torch raises this when the tensorboard package is absent
+            raise UserError(install_hint("tensorboard")) from exc
+        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
+
+    def log(self, step: int, record: Mapping[str, float]) -> None:
+        for key, value in record.items():
+            if key != "step":
+                self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()  # one flush a step: a crash loses nothing a reader has not seen
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbBackend:
+    """A W&B run in ``<run_dir>/wandb``; offline unless ``WANDB_MODE`` says otherwise.
+
+    Offline by default so that a run never needs a network or an account; upload it later
+    with ``wandb sync <run_dir>/wandb/offline-run-*``.
+    """
+
+    def __init__(self, run_dir: Path, project_name: str, experiment_name: str, config: Mapping | None) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise UserError(install_hint("wandb")) from exc
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project_name, name=experiment_name, dir=str(run_dir), config=dict(config or {}),
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            reinit="finish_previous",  # an SFT warm start and the PPO run after it are two W&B runs
+        )
+
+    def log(self, step: int, record: Mapping[str, float]) -> None:
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_backends(
+    loggers: list[str], run_dir: Path, project_name: str, experiment_name: str, config: Mapping | None
+) -> list[Backend]:
+    """The TensorBoard / W&B sinks that ``loggers`` names (console and jsonl need none)."""
+    unknown = [name for name in loggers if name not in LOGGER_PACKAGES]
+    if unknown:
+        raise UserError(f"trainer.logger entry {unknown[0]!r} is unknown; use a list of {', '.join(LOGGER_PACKAGES)}")
+    out: list[Backend] = []
+    try:
+        if "tensorboard" in loggers:
+            out.append(TensorBoardBackend(run_dir))
+        if "wandb" in loggers:
+            out.append(WandbBackend(run_dir, project_name, experiment_name, config))
+    except Exception:
+        for backend in out:  # do not leave a half-built set of writers open
+            backend.close()
+        raise
+    return out

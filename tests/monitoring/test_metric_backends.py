@@ -1,0 +1,62 @@
+"""TensorBoard and W&B sinks: what they write, and the one-line fix when their package is missing."""
+
+import importlib.util
+import sys
+
+import pytest
+
+from klppo.config import load_ppo_config
+from klppo.errors import UserError
+from klppo.monitoring.logger import MetricsLogger, read_metrics
+
+REQUIRED = ["data.train_files=train.parquet", "actor_rollout_ref.model.path=models/tiny"]
+
+
+def test_tensorboard_logger_writes_an_event_file_under_the_run_dir(tmp_path):
+    with MetricsLogger(tmp_path, ["tensorboard"], print_fn=None) as logger:
+        logger.log(1, {"actor/pg_loss": 0.5, "critic/score/mean": 0.25})
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+    assert read_metrics(tmp_path) == [{"step": 1, "actor/pg_loss": 0.5, "critic/score/mean": 0.25}]
+
+
+def test_wandb_logger_writes_an_offline_run_without_a_network(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # leave sys.stdout alone for the other tests
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    logger = MetricsLogger(tmp_path / "run", ["console", "wandb"], print_fn=lambda _: None,
+                           project_name="p", experiment_name="e", config={"algorithm": {"gamma": 1.0}})
+    logger.log(1, {"actor/pg_loss": 0.5})
+    logger.close()
+    logger.close()  # idempotent
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+
+
+@pytest.mark.parametrize("logger, module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
+def test_a_missing_logger_package_is_a_user_error_naming_pip_install(tmp_path, monkeypatch, logger, module):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
+    with pytest.raises(UserError) as info:
+        MetricsLogger(tmp_path, ["console", logger])
+    message = str(info.value)
+    assert f"pip install {logger}" in message and f"trainer.logger entry {logger!r}" in message
+    assert "\n" not in message
+
+
+def test_config_check_names_pip_install_for_a_missing_logger_package_before_any_model_loads(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "wandb" else real_find_spec(name, *args))
+    with pytest.raises(UserError) as info:
+        load_ppo_config(None, REQUIRED + ["trainer.logger=[console,tensorboard,wandb,tensorbord]"])
+    lines = str(info.value).splitlines()[1:]
+    assert len(lines) == 2
+    assert "trainer.logger entry 'wandb' needs the wandb package" in lines[0] and "pip install wandb" in lines[0]
+    assert "trainer.logger entry 'tensorbord': unknown logger (did you mean 'tensorboard'?)" in lines[1]
+
+
+def test_all_four_loggers_pass_the_config_check_when_installed():
+    cfg = load_ppo_config(None, REQUIRED + ["trainer.logger=[console,jsonl,tensorboard,wandb]"])
+    assert cfg.trainer.logger == ["console", "jsonl", "tensorboard", "wandb"]
