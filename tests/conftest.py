@@ -32,10 +32,6 @@ def task_dir(tmp_path_factory) -> Path:
     return out
 
 
-def quiet(*args, **kwargs) -> None:
-    """A print_fn that prints nothing."""
-
-
 @pytest.fixture
 def ppo_overrides(tiny_model_dir, task_dir, tmp_path):
     """base(**changes) -> overrides for a 2-step offline PPO run of the tiny model in tmp_path."""

@@ -104,7 +104,9 @@ def _load(
 def _summary(source: str, overrides: Sequence[str], problems: list[Problem]) -> str:
     n = len(problems)
     where = f"config {source}" + (f" + {len(overrides)} override{'s' if len(overrides) > 1 else ''}" if overrides else "")
-    lines = [f"{where} has {n} error{'s' if n > 1 else ''}:"]
+    if n == 1:  # one problem, one line
+        return f"{problems[0].message} (in {where})"
+    lines = [f"{where} has {n} errors:"]
     return "\n".join(lines + [f"  - {p.message}" for p in problems])
 
 

@@ -231,9 +231,22 @@ class RewardModelInnerConfig:
 
 
 @dataclass
+class RankingRewardConfig:
+    # How offline rankings become one scalar reward per response: Bradley-Terry strengths
+    # from the pairwise comparisons a ranking implies, or Plackett-Luce from the whole order.
+    method: Literal["bradley_terry", "plackett_luce"] = "bradley_terry"
+    # Multiplier of the (log-)strengths.
+    scale: float = 1.0
+    # Subtract each prompt's mean so rewards are relative within the prompt.
+    center: bool = True
+
+
+@dataclass
 class RewardModelConfig:
     # Score responses with a reward model (in addition to / instead of rule functions).
     enable: bool = False
+    # Offline data with `ranking` / `rankings` / `chosen`+`rejected`: the distilled rewards.
+    ranking: RankingRewardConfig = field(default_factory=RankingRewardConfig)
     model: RewardModelInnerConfig = field(default_factory=RewardModelInnerConfig)
     # Samples per reward-model forward.
     micro_batch_size_per_gpu: Optional[int] = None
@@ -277,6 +290,26 @@ class AlgorithmConfig:
 
 
 @dataclass
+class GuardConfig:
+    # Stop the run when a step's mean per-token KL to the reference exceeds this and no rollback
+    # is left (the last good checkpoint stays the newest); null disables.
+    early_stop_kl: Optional[float] = 0.2
+    # Roll back to the last good checkpoint (or the initial weights) when a step's mean
+    # per-token KL to the reference exceeds this; null disables.
+    rollback_kl: Optional[float] = 0.15
+    # Actor learning rate from the first rollback on.
+    rollback_lr: float = 1e-6
+    # Rollbacks allowed; one more KL excess then stops the run.
+    max_rollbacks: int = 3
+    # Consecutive steps with a non-finite reward, loss or gradient norm before the run stops.
+    max_nonfinite_steps: int = 3
+    # Warn when the actor's mean token entropy falls below this; null disables.
+    entropy_floor: Optional[float] = 0.01
+    # Warn when the fraction of clipped tokens exceeds this; null disables.
+    clipfrac_max: Optional[float] = 0.3
+
+
+@dataclass
 class TrainerConfig:
     # Passes over the training data.
     total_epochs: int = 30
@@ -309,6 +342,12 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: Optional[int] = None
     # cpu, cuda, or auto (cuda when available).
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Reorder each batch so every data-parallel rank gets the same number of sequences and a
+    # similar token count (logs global_seqlen/*); takes effect on multi-process runs, a single
+    # process has nothing to balance.
+    balance_batch: bool = False
+    # KL, NaN and entropy guards (early stop, rollback, skipped updates, warnings).
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 @dataclass

@@ -33,8 +33,6 @@ ROLLOUT = "actor_rollout_ref.rollout"
 
 # Estimators that use the other responses to the same prompt as the baseline.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-SUPPORTED_LOGGERS = ("console", "jsonl")
-LATER_LOGGERS = ("tensorboard", "wandb")
 
 
 @dataclass(frozen=True)
@@ -141,8 +139,24 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
         _check_optim(cfg.critic.optim, "critic.optim", out)
     _check_algorithm(cfg, out)
     _check_trainer(cfg.trainer, out)
+    _check_guard(cfg.trainer.guard, out)
+    _positive(out, "reward_model.ranking.scale", cfg.reward_model.ranking.scale)
     out += not_yet_supported_ppo(cfg)
     return out
+
+
+def _check_guard(guard, out: list[Problem]) -> None:
+    key = "trainer.guard"
+    for name in ("early_stop_kl", "rollback_kl", "rollback_lr", "entropy_floor", "clipfrac_max"):
+        _positive(out, f"{key}.{name}", getattr(guard, name))
+    _at_least(out, f"{key}.max_rollbacks", guard.max_rollbacks, 0)
+    _at_least(out, f"{key}.max_nonfinite_steps", guard.max_nonfinite_steps, 1)
+    if guard.rollback_kl is not None and guard.early_stop_kl is not None and guard.rollback_kl > guard.early_stop_kl:
+        out.append(Problem(
+            (f"{key}.rollback_kl", f"{key}.early_stop_kl"),
+            f"{key}.rollback_kl = {guard.rollback_kl} is above {key}.early_stop_kl = {guard.early_stop_kl}: "
+            "a run would stop before it could roll back; set rollback_kl <= early_stop_kl",
+        ))
 
 
 def _check_files(out: list[Problem], key: str, files: str | list[str] | None, required: bool) -> None:
@@ -175,6 +189,27 @@ def _check_data_lengths(cfg: PPOConfig, out: list[Problem]) -> None:
     _positive(out, f"{ROLLOUT}.log_prob_max_token_len_per_gpu", rollout.log_prob_max_token_len_per_gpu, "number of tokens")
     _positive(out, f"{ARF}.ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu, "number of tokens")
     _positive(out, "critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu, "number of tokens")
+    _check_token_budgets(cfg, out)
+
+
+def _check_token_budgets(cfg: PPOConfig, out: list[Problem]) -> None:
+    """A token budget in use must hold the longest possible sequence (prompt + response)."""
+    arf = cfg.actor_rollout_ref
+    longest = cfg.data.max_prompt_length + (arf.rollout.response_length or cfg.data.max_response_length)
+    budgets = [
+        (arf.actor.use_dynamic_bsz, f"{ACTOR}.use_dynamic_bsz", f"{ACTOR}.ppo_max_token_len_per_gpu", arf.actor.ppo_max_token_len_per_gpu),
+        (arf.rollout.log_prob_use_dynamic_bsz, f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_gpu", arf.rollout.log_prob_max_token_len_per_gpu),
+        (arf.ref.log_prob_use_dynamic_bsz, f"{ARF}.ref.log_prob_use_dynamic_bsz", f"{ARF}.ref.log_prob_max_token_len_per_gpu", arf.ref.log_prob_max_token_len_per_gpu),
+        (cfg.critic.use_dynamic_bsz and cfg.algorithm.adv_estimator == "gae", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu),
+    ]
+    for used, switch, key, budget in budgets:
+        if used and 0 < budget < longest:
+            out.append(Problem(
+                (key, switch, "data.max_prompt_length", f"{ROLLOUT}.response_length"),
+                f"{key} = {budget} is smaller than the longest sequence {switch} may meet: data.max_prompt_length + "
+                f"{ROLLOUT}.response_length = {longest} tokens; raise it to at least {longest} (a few times that "
+                "packs more sequences per micro-batch)",
+            ))
 
 
 def _check_ppo_batches(cfg: PPOConfig, out: list[Problem]) -> None:
@@ -324,7 +359,6 @@ def check_sft(cfg: SFTConfig) -> list[Problem]:
 
 # ---- not supported yet: delete a line here when its feature lands ----
 
-_PACKING = "sequence packing is not implemented yet; set it to false"
 _FSDP = "FSDP2 options take effect on multi-process runs, which klppo does not support yet"
 
 
@@ -332,12 +366,6 @@ def not_yet_supported_ppo(cfg: PPOConfig) -> list[Problem]:
     """Knobs of later work, refused when set: left alone they would silently do nothing."""
     out: list[Problem] = []
     arf = cfg.actor_rollout_ref
-    _refuse_true(out, f"{ACTOR}.use_dynamic_bsz", arf.actor.use_dynamic_bsz, _PACKING)
-    _refuse_true(out, f"{ROLLOUT}.log_prob_use_dynamic_bsz", arf.rollout.log_prob_use_dynamic_bsz, _PACKING)
-    _refuse_true(out, f"{ARF}.ref.log_prob_use_dynamic_bsz", arf.ref.log_prob_use_dynamic_bsz, _PACKING)
-    _refuse_true(out, f"{ARF}.model.use_remove_padding", arf.model.use_remove_padding, _PACKING)
-    _refuse_true(out, "critic.use_dynamic_bsz", cfg.critic.use_dynamic_bsz, _PACKING)
-    _refuse_true(out, "critic.model.use_remove_padding", cfg.critic.model.use_remove_padding, _PACKING)
     _refuse_fsdp_options(out, f"{ACTOR}.fsdp_config", arf.actor.fsdp_config)
     _refuse_fsdp_options(out, f"{ARF}.ref.fsdp_config", arf.ref.fsdp_config)
     _refuse_fsdp_options(out, "critic.model.fsdp_config", cfg.critic.model.fsdp_config)
@@ -387,12 +415,14 @@ def _refuse_multi_process(out: list[Problem], n_gpus_per_node: int, nnodes: int)
 
 
 def _refuse_loggers(out: list[Problem], loggers: list[str]) -> None:
+    """Unknown entries, and tensorboard / wandb when their package is not installed (before any model loads)."""
+    from klppo.monitoring.backends import LOGGER_PACKAGES, missing_package  # stdlib only: no torch here
+
+    known = tuple(LOGGER_PACKAGES)
     for name in loggers:
-        if name in SUPPORTED_LOGGERS:
-            continue
-        if name in LATER_LOGGERS:
-            why = f"the {name} logger is not supported yet (metrics always go to <default_local_dir>/metrics.jsonl)"
-        else:
-            near = difflib.get_close_matches(name, SUPPORTED_LOGGERS + LATER_LOGGERS, n=1, cutoff=0.0)
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.0)
             why = f"unknown logger{f' (did you mean {near[0]!r}?)' if near else ''}"
-        out.append(Problem(("trainer.logger",), f"trainer.logger entry {name!r}: {why}; use a list of {', '.join(SUPPORTED_LOGGERS)}"))
+            out.append(Problem(("trainer.logger",), f"trainer.logger entry {name!r}: {why}; use a list of {', '.join(known)}"))
+        elif (message := missing_package(name)) is not None:
+            out.append(Problem(("trainer.logger",), message))

@@ -141,6 +141,34 @@ def write_arithmetic_offline_parquet(
     return _write(path, rows)
 
 
+def write_arithmetic_ranked_parquet(
+    path: str | Path, n: int, seed: int, *, n_responses: int = 4, instruction: str = "",
+    max_operand: int = MAX_OPERAND,
+) -> Path:
+    """Ranked-response rows: ``n_responses`` answers off by 0, 1, 2, ... ranked by closeness.
+
+    The responses are shuffled per row and ``ranking`` lists their indices best first, the
+    format of ``klppo.data.ranked`` (and of the demo of learning from rankings).
+    """
+    if n_responses < 2:
+        raise UserError(f"n_responses is {n_responses}; a ranking needs at least 2")
+    rng = random.Random(seed + 11)
+    rows = []
+    for i, p in enumerate(make_problems(n, seed, max_operand)):
+        offsets = list(range(n_responses))  # closeness to the right answer: 0 is best
+        rng.shuffle(offsets)
+        responses = [p.solution(p.answer + k) for k in offsets]
+        rows.append({
+            "data_source": "openai/gsm8k",
+            "prompt": _prompt(p, instruction),
+            "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
+            "extra_info": {"index": i},
+            "responses": responses,
+            "ranking": sorted(range(n_responses), key=lambda j: offsets[j]),
+        })
+    return _write(path, rows)
+
+
 def arithmetic_corpus(n: int, seed: int, *, instruction: str = "", max_operand: int = MAX_OPERAND) -> list[str]:
     """Texts for training the demo tokenizer: questions, solutions and the ChatML role lines.
 

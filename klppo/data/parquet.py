@@ -55,6 +55,17 @@ def _read_table(path: str, required: Sequence[str]) -> pa.Table:
     return table
 
 
+def parquet_columns(files: str | Sequence[str]) -> set[str]:
+    """The column names of the files that exist and are Parquet (the readers report the rest)."""
+    names: set[str] = set()
+    for path in as_file_list(files):
+        try:
+            names.update(pq.read_schema(path).names)
+        except (pa.ArrowInvalid, pa.ArrowIOError, OSError):
+            continue
+    return names
+
+
 def _plain(value: Any) -> Any:
     """Turn Arrow map columns (read back as lists of (key, value) pairs) into dicts, recursively."""
     if isinstance(value, list) and value and all(isinstance(v, tuple) and len(v) == 2 for v in value):

@@ -97,3 +97,15 @@ def load_critic(
         critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     critic.config.use_cache = False
     return critic.to(device)
+
+
+def check_same_tokenizer(reference: PreTrainedTokenizerBase, path: str, key: str) -> None:
+    """A model scoring the actor's token ids must share the actor's vocabulary."""
+    if Path(path).resolve() == Path(reference.name_or_path).resolve():
+        return
+    other = load_tokenizer(path, key)
+    if other.get_vocab() != reference.get_vocab():
+        raise UserError(
+            f"{key}: the tokenizer in '{path}' differs from the actor's ({len(other)} vs {len(reference)} tokens); "
+            "it would read the actor's token ids as other words: use a model trained with the actor's tokenizer"
+        )

@@ -122,6 +122,21 @@ def make_reward_fn(custom_path: str | None, custom_name: str = "compute_score") 
     return RewardFunction(default_compute_score, "default_compute_score")
 
 
+def check_scorable(reward_fn: RewardFunction, sources_and_truths: Sequence[tuple[str, Any]], key: str) -> None:
+    """Up front, before any model loads: the built-in rules know every data_source and have a truth.
+
+    A custom function is the user's to check; ``key`` names the data files in the message.
+    """
+    if reward_fn.fn is not default_compute_score:
+        return
+    for index, (source, truth) in enumerate(sources_and_truths):
+        if source not in KNOWN_DATA_SOURCES or truth is None:
+            try:
+                default_compute_score(source, "", truth)
+            except UserError as exc:
+                raise UserError(f"{key}, prompt {index}: {exc}") from None
+
+
 def score_responses(
     reward_fn: Callable[..., float],
     data_sources: Sequence[str],

@@ -16,15 +16,22 @@ import torch
 
 from klppo.algo import AdaptiveKLController, FixedKLController
 from klppo.config import PPOConfig
+from klppo.data.parquet import parquet_columns
+from klppo.data.ranked import load_ranked_dataset
 from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
 from klppo.data.sampler import PromptBatches
 from klppo.errors import UserError
-from klppo.models.load import load_causal_lm, load_critic, load_tokenizer
-from klppo.rewards.score import make_reward_fn
+from klppo.models.forward import use_packed_attention
+from klppo.models.load import check_same_tokenizer, load_causal_lm, load_critic, load_tokenizer
+from klppo.rewards.ranking import with_ranking_rewards
+from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.hf import SamplingParams
+from klppo.trainer.guards import GuardSettings
 from klppo.trainer.optim import build_lr_scheduler, build_optimizer
+from klppo.trainer.score import ForwardSettings
 from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings
 
+RANKING_COLUMNS = {"ranking", "rankings", "chosen"}  # offline files with these are ranked data
 CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
@@ -90,6 +97,21 @@ def sampling_params(cfg: PPOConfig, *, validation: bool = False) -> SamplingPara
     )
 
 
+def guard_settings(cfg: PPOConfig) -> GuardSettings:
+    """The guard's thresholds; KL guards need a reference model and are off without one."""
+    g = cfg.trainer.guard
+    kl_watched = uses_reference(cfg)
+    return GuardSettings(
+        early_stop_kl=g.early_stop_kl if kl_watched else None,
+        rollback_kl=g.rollback_kl if kl_watched else None,
+        rollback_lr=g.rollback_lr,
+        max_rollbacks=g.max_rollbacks,
+        max_nonfinite_steps=g.max_nonfinite_steps,
+        entropy_floor=g.entropy_floor,
+        clipfrac_max=g.clipfrac_max,
+    )
+
+
 def actor_settings(cfg: PPOConfig) -> ActorUpdateSettings:
     actor, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
     mini_rows = actor.ppo_mini_batch_size * n
@@ -107,6 +129,8 @@ def actor_settings(cfg: PPOConfig) -> ActorUpdateSettings:
         kl_loss_type=actor.kl_loss_type,
         grad_clip=actor.grad_clip,
         temperature=cfg.actor_rollout_ref.rollout.temperature,
+        max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+        use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
     )
 
 
@@ -120,10 +144,40 @@ def critic_settings(cfg: PPOConfig) -> CriticUpdateSettings:
         cliprange_value=critic.cliprange_value,
         loss_agg_mode=critic.loss_agg_mode,
         grad_clip=critic.grad_clip,
+        max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+        use_remove_padding=critic.model.use_remove_padding,
     )
 
 
-def load_datasets(cfg: PPOConfig, tokenizer, log: Callable) -> tuple[list[PromptRecord], Optional[list[PromptRecord]]]:
+def forward_settings(cfg: PPOConfig) -> dict[str, ForwardSettings]:
+    """How the no-grad forwards split the batch: ``old_log_prob`` (actor), ``ref``, ``values`` (critic)."""
+    arf, critic = cfg.actor_rollout_ref, cfg.critic
+    rollout, ref = arf.rollout, arf.ref
+    return {
+        "old_log_prob": ForwardSettings(
+            micro_batch_rows=rollout.log_prob_micro_batch_size_per_gpu,
+            max_token_len=rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None,
+            use_remove_padding=arf.model.use_remove_padding,
+            budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        ),
+        "ref": ForwardSettings(
+            micro_batch_rows=ref.log_prob_micro_batch_size_per_gpu,
+            max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
+            use_remove_padding=arf.model.use_remove_padding,
+            budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        ),
+        "values": ForwardSettings(
+            micro_batch_rows=critic.ppo_micro_batch_size_per_gpu,
+            max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+            use_remove_padding=critic.model.use_remove_padding,
+            budget_key="critic.ppo_max_token_len_per_gpu",
+        ),
+    }
+
+
+def load_datasets(
+    cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable
+) -> tuple[list[PromptRecord], Optional[list[PromptRecord]]]:
     data, offline = cfg.data, cfg.actor_rollout_ref.rollout.name == "offline"
     common = dict(
         prompt_key=data.prompt_key,
@@ -132,10 +186,19 @@ def load_datasets(cfg: PPOConfig, tokenizer, log: Callable) -> tuple[list[Prompt
         filter_overlong_prompts=data.filter_overlong_prompts,
         log=log,
     )
-    train = load_rl_dataset(data.train_files, tokenizer, require_responses=offline, **common)
+    if offline and RANKING_COLUMNS & parquet_columns(data.train_files):
+        ranking = cfg.reward_model.ranking
+        train = with_ranking_rewards(load_ranked_dataset(data.train_files, tokenizer, **common), ranking.method,
+                                     scale=ranking.scale, center=ranking.center)
+    else:
+        train = load_rl_dataset(data.train_files, tokenizer, require_responses=offline, **common)
     if offline:
         check_enough_responses(train, cfg.actor_rollout_ref.rollout.n)
+    if not (offline and all(r.scores is not None for r in train)):  # recorded scores need no reward function
+        check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in train], "data.train_files")
     val = load_rl_dataset(data.val_files, tokenizer, **common) if data.val_files else None
+    if val is not None:
+        check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in val], "data.val_files")
     if len(train) < data.train_batch_size:
         raise UserError(
             f"data.train_batch_size={data.train_batch_size} is larger than the {len(train)} usable prompts "
@@ -175,7 +238,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
     model_cfg, trainer = cfg.actor_rollout_ref.model, cfg.trainer
     reward_fn = make_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     tokenizer = load_tokenizer(model_cfg.path)
-    train, val = load_datasets(cfg, tokenizer, log)
+    train, val = load_datasets(cfg, tokenizer, reward_fn, log)
     batches = PromptBatches(len(train), cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
     key = "actor_rollout_ref.model.path"
@@ -185,11 +248,18 @@ def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
     ref = None
     if uses_reference(cfg):
         ref = load_causal_lm(model_cfg.path, key=key, device=device).eval().requires_grad_(False)
+    if model_cfg.use_remove_padding:  # packed rows: attention per sequence, no N x N mask
+        for model in (actor, ref):
+            if model is not None:
+                use_packed_attention(model)
     critic = critic_optimizer = critic_scheduler = None
     if uses_critic(cfg):
+        check_same_tokenizer(tokenizer, cfg.critic.model.path, "critic.model.path")
         critic = load_critic(cfg.critic.model.path, key="critic.model.path", device=device, seed=cfg.data.seed,
                              gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing)
         critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
+        if cfg.critic.model.use_remove_padding:
+            use_packed_attention(critic)
     kl = cfg.algorithm.kl_ctrl
     return PPOParts(
         cfg=cfg, run_dir=Path(trainer.default_local_dir), device=device, tokenizer=tokenizer,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from klppo.cli_support import quiet_libraries, run_cli
 
-TRAIN_PROMPTS, VAL_PROMPTS, SFT_EXAMPLES = 1024, 200, 2048
+TRAIN_PROMPTS, VAL_PROMPTS, SFT_EXAMPLES = 1024, 500, 2048
 MAX_OPERAND = 10  # operands in [0, 10): a task the tiny model learns in a minute of SFT
 WRONG_FRACTION = 0.6  # share of SFT solutions that answer one too many
 MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -37,7 +37,7 @@ def sft_overrides(data_dir: Path, init_dir: Path, out_dir: Path, seed: int) -> l
         "optim.lr_warmup_steps=10",
         "optim.warmup_style=cosine",
         "optim.min_lr_ratio=0.1",
-        "trainer.total_epochs=3",
+        "trainer.total_epochs=10",
         f"trainer.default_local_dir={out_dir}",
     ]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from klppo.cli_support import quiet_libraries, run_cli
 from klppo.config import format_config, load_ppo_config
@@ -17,10 +16,9 @@ def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> li
 
     cfg = load_ppo_config(config_path, overrides)
     quiet_libraries()
-    run_dir = Path(cfg.trainer.default_local_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(format_config(cfg))
-    parts = build_ppo(cfg, log=print_fn)
+    parts = build_ppo(cfg, log=print_fn)  # every user error surfaces here, before anything is written
+    parts.run_dir.mkdir(parents=True, exist_ok=True)
+    (parts.run_dir / "config.yaml").write_text(format_config(cfg))
     return PPOTrainer(parts, print_fn=print_fn).fit()
 
 

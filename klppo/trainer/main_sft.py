@@ -76,8 +76,6 @@ def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
     seed_everything(cfg.data.seed)
     data, trainer, key = cfg.data, cfg.trainer, "model.partial_pretrain"
     run_dir = Path(trainer.default_local_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(format_config(cfg))
     device = resolve_device(trainer.device)
     tokenizer = load_tokenizer(cfg.model.partial_pretrain, key=key)
     common = dict(prompt_key=data.prompt_key, response_key=data.response_key, max_length=data.max_length,
@@ -88,6 +86,8 @@ def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
     batches = PromptBatches(len(train), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
     total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
+    run_dir.mkdir(parents=True, exist_ok=True)  # only once data and model have loaded
+    (run_dir / "config.yaml").write_text(format_config(cfg))
     optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optim, total_steps)
     logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn,
                            console_keys=("train/loss", "val/loss", "train/lr", "train/grad_norm"))

@@ -1,12 +1,14 @@
-"""The PPO loop, top-down: batch, responses, score, shape, advantages, update, log and save.
+"""The PPO loop, top-down: batch, responses, score, shape, advantages, guard, update, log, save.
 
 Everything it needs is built beforehand by ``klppo.trainer.build.build_ppo``; this file only
-orders the phases of one iteration (DESIGN.md, "One PPO iteration") and keeps the run's state.
+orders the phases of one iteration (DESIGN.md, "One PPO iteration"); what a checkpoint holds
+lives in ``run_state`` and the guards' decisions in ``guards``.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -20,25 +22,35 @@ from klppo.algo import (
     compute_reinforce_plus_plus_outcome_advantage,
     compute_rloo_outcome_advantage,
 )
-from klppo.checkpoint.state import (
-    export_hf,
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from klppo.monitoring.logger import METRICS_FILE, MetricsLogger, truncate_metrics
+from klppo.algo import masked_mean
+from klppo.config import config_to_dict
+from klppo.checkpoint.state import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir
+from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
+from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, truncate_jsonl
+from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics
+from klppo.monitoring.progress import Progress
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch
 from klppo.rollout.hf import hf_rollout
 from klppo.rollout.offline import offline_rollout
 from klppo.rewards.token_scores import scores_at_last_token
-from klppo.trainer.build import PPOParts, actor_settings, critic_settings, sampling_params
+from klppo.trainer import run_state
+from klppo.trainer.build import (
+    PPOParts,
+    actor_settings,
+    critic_settings,
+    forward_settings,
+    guard_settings,
+    sampling_params,
+)
+from klppo.trainer.guards import Action, RunGuard
 from klppo.trainer.score import compute_log_prob, compute_scores, compute_values
 from klppo.trainer.update import update_actor, update_critic
 from klppo.trainer.validate import validate
+
+
+PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
 
 
 def compute_advantages(batch: RolloutBatch, estimator: str, gamma: float, lam: float, norm_by_std: bool):
@@ -60,31 +72,54 @@ class PPOTrainer:
 
     def __init__(self, parts: PPOParts, print_fn: Callable = print) -> None:
         self.p, self.cfg, self.print = parts, parts.cfg, print_fn
-        self.logger = MetricsLogger(parts.run_dir, self.cfg.trainer.logger, print_fn=print_fn)
+        trainer = self.cfg.trainer
+        self.logger = MetricsLogger(parts.run_dir, trainer.logger, print_fn=print_fn, project_name=trainer.project_name,
+                                    experiment_name=trainer.experiment_name, config=config_to_dict(self.cfg))
+        self.progress = None
+        self.guard = RunGuard(guard_settings(self.cfg))
         self.actor_settings, self.step = actor_settings(self.cfg), 0
+        self.forwards = forward_settings(self.cfg)  # how old/ref log-probs and values split the batch
         self.critic_settings = critic_settings(self.cfg) if parts.critic is not None else None
 
     def fit(self) -> list[dict[str, float]]:
-        """Train to the last step; returns the metrics records logged by this call."""
-        trainer, records = self.cfg.trainer, []
+        """Train to the last step (or until a guard stops the run); returns the metrics logged."""
         self._resume()
+        self.progress = Progress(total=self.p.total_steps, initial=self.step, desc="ppo")
+        if self.print is print:  # console lines go above the bar
+            self.logger.print_fn = self.print = self.progress.write
+        try:
+            return self._train_to_the_end()
+        finally:
+            self.progress.close()
+            self.logger.close()
+
+    def _train_to_the_end(self) -> list[dict[str, float]]:
+        trainer, records = self.cfg.trainer, []
         if self.p.val_records and trainer.val_before_train and self.step == 0:
             records.append(self.logger.log(0, self._validate(), total=self.p.total_steps))
         while self.step < self.p.total_steps:
             self.step += 1
             last = self.step == self.p.total_steps
-            metrics = self.train_step()
-            if self.p.val_records and trainer.test_freq > 0 and (self.step % trainer.test_freq == 0 or last):
-                metrics.update(self._validate())
-            if last or (trainer.save_freq > 0 and self.step % trainer.save_freq == 0):
-                self.save()
+            metrics, action = self.train_step()
+            if action is Action.ROLLBACK:
+                self._rollback()
+            if action is Action.CONTINUE:
+                if self.p.val_records and trainer.test_freq > 0 and (self.step % trainer.test_freq == 0 or last):
+                    metrics.update(self._validate())
+                if last or (trainer.save_freq > 0 and self.step % trainer.save_freq == 0):
+                    self.save()
+            self._log_events()
             records.append(self.logger.log(self.step, metrics, total=self.p.total_steps))
+            self.progress.advance(postfix={name: records[-1][k] for name, k in PROGRESS_KEYS.items() if k in records[-1]})
+            if action is Action.STOP:
+                self.print(f"run stopped by its guard at step {self.step}; the newest checkpoint holds good weights")
+                return records
         export_hf(self.p.actor, self.p.tokenizer, self.p.run_dir / "actor_hf")
         self.print(f"actor exported to {self.p.run_dir / 'actor_hf'}")
         return records
 
-    def train_step(self) -> dict[str, float | torch.Tensor]:
-        p, algo, timer = self.p, self.cfg.algorithm, PhaseTimer()
+    def train_step(self) -> tuple[dict[str, float | torch.Tensor], Action]:
+        p, algo, timer = self.p, self.cfg.algorithm, PhaseTimer(self.progress)
         with timer.phase("step"):
             # step 1. batch: the next prompts, in a resumable order
             records = [p.train_records[i] for i in p.batches.next_batch()]
@@ -92,44 +127,26 @@ class PPOTrainer:
             with timer.phase("gen"):
                 batch = self._rollout(records).to(p.device)
             # step 3. score: old and reference log-probs, values, rewards
-            temperature = self.actor_settings.temperature
-            with timer.phase("old_log_prob"):
-                batch.old_log_prob = compute_log_prob(
-                    p.actor, batch, micro_batch_rows=self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
-                    temperature=temperature)
-            if p.ref is not None:
-                with timer.phase("ref"):
-                    batch.ref_log_prob = compute_log_prob(
-                        p.ref, batch, micro_batch_rows=self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
-                        temperature=temperature)
-            if p.critic is not None:
-                with timer.phase("values"):
-                    batch.values = compute_values(
-                        p.critic, batch, micro_batch_rows=self.cfg.critic.ppo_micro_batch_size_per_gpu)
-            with timer.phase("reward"):
-                batch.token_level_scores = self._scores(batch)
+            self._score(batch, timer)
             # step 4. shape: token rewards = scores - beta * KL(old || ref)
             metrics = self._shape_rewards(batch)
             # step 5. advantages
             with timer.phase("adv"):
                 batch.advantages, batch.returns = compute_advantages(
                     batch, algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo)
-            # step 6. update: critic, then actor
-            if p.critic is not None:
-                with timer.phase("update_critic"):
-                    metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.critic_settings))
-                metrics["critic/lr"] = p.critic_scheduler.get_last_lr()[0]
-                p.critic_scheduler.step()
-            with timer.phase("update_actor"):
-                metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.actor_settings))
-            metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]
-            p.actor_scheduler.step()
-        # step 7. metrics (the guards of a later issue read these)
+            # step 6. guard: KL of the sampling policy to the reference, finite rewards
+            action = self._guard_before_update(batch)
+            # step 7. update: critic, then actor
+            if action is Action.CONTINUE:
+                metrics.update(self._update(batch, timer))
+                action = self._guard_after_update(metrics)
+        # step 8. metrics
         metrics.update(compute_data_metrics(batch, self.cfg.actor_rollout_ref.rollout.response_length))
         metrics.update(timer.metrics())
         metrics.update(compute_throughput_metrics(batch, timer.seconds["step"]))
-        metrics["training/epoch"] = p.batches.epoch
-        return metrics
+        metrics.update(self._efficiency_metrics(batch, timer.seconds))
+        metrics.update({"training/epoch": p.batches.epoch, "guard/rollbacks": self.guard.rollbacks})
+        return metrics, action
 
     def _rollout(self, records) -> RolloutBatch:
         rollout = self.cfg.actor_rollout_ref.rollout
@@ -138,11 +155,21 @@ class PPOTrainer:
                                    max_response_length=rollout.response_length)
         return hf_rollout(self.p.actor, records, self.p.tokenizer, sampling_params(self.cfg))
 
-    def _scores(self, batch: RolloutBatch) -> torch.Tensor:
-        """Recorded offline scores when the data has them, else the reward function's."""
-        if batch.recorded_scores is not None:
-            return scores_at_last_token(batch.recorded_scores.to(batch.response_mask.device), batch.response_mask)
-        return compute_scores(batch, self.p.tokenizer, self.p.reward_fn)
+    def _score(self, batch: RolloutBatch, timer: PhaseTimer) -> None:
+        p, f, temperature = self.p, self.forwards, self.actor_settings.temperature
+        with timer.phase("old_log_prob"):
+            batch.old_log_prob = compute_log_prob(p.actor, batch, temperature=temperature, **asdict(f["old_log_prob"]))
+        if p.ref is not None:
+            with timer.phase("ref"):
+                batch.ref_log_prob = compute_log_prob(p.ref, batch, temperature=temperature, **asdict(f["ref"]))
+        if p.critic is not None:
+            with timer.phase("values"):
+                batch.values = compute_values(p.critic, batch, **asdict(f["values"]))
+        with timer.phase("reward"):
+            if batch.recorded_scores is not None:  # offline data with recorded scores: they are the reward
+                batch.token_level_scores = scores_at_last_token(batch.recorded_scores.to(p.device), batch.response_mask)
+            else:
+                batch.token_level_scores = compute_scores(batch, p.tokenizer, p.reward_fn)
 
     def _shape_rewards(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
         algo = self.cfg.algorithm
@@ -156,45 +183,79 @@ class PPOTrainer:
         self.p.kl_ctrl.update(current_kl=float(stats["actor/reward_kl_penalty"]), n_steps=len(batch))
         return stats
 
+    def _update(self, batch: RolloutBatch, timer: PhaseTimer) -> dict[str, torch.Tensor | float]:
+        p, metrics = self.p, {}
+        if p.critic is not None:
+            with timer.phase("update_critic"):
+                metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.critic_settings))
+            metrics["critic/lr"] = p.critic_scheduler.get_last_lr()[0]
+            p.critic_scheduler.step()
+        with timer.phase("update_actor"):
+            metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.actor_settings))
+        metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]
+        p.actor_scheduler.step()
+        return metrics
+
+    def _guard_before_update(self, batch: RolloutBatch) -> Action:
+        if batch.ref_log_prob is not None:
+            kl = float(masked_mean(batch.old_log_prob - batch.ref_log_prob, batch.response_mask))  # host sync
+            action = self.guard.check_kl(self.step, kl, existing=self._checkpoint_steps())
+            if action is not Action.CONTINUE:
+                return action
+        scores = batch.token_level_scores.sum(-1)
+        if bool(torch.isfinite(scores).all()):  # host sync
+            return Action.CONTINUE
+        return self.guard.check_finite(self.step, {"critic/score": float("nan")})
+
+    def _guard_after_update(self, metrics: dict) -> Action:
+        watched = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
+        action = self.guard.check_finite(self.step, {k: float(metrics[k]) for k in watched if k in metrics})
+        self.guard.check_health(self.step, float(metrics["actor/entropy"]), float(metrics["actor/pg_clipfrac"]))
+        return action
+
+    def _efficiency_metrics(self, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, float]:
+        """perf/mfu/{actor,critic} where the device's peak is known, and peak memory."""
+        p = self.p
+        lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()  # host sync
+        metrics = {"perf/max_memory_allocated_gb": max_memory_gb(p.device)}
+        for role, model, epochs in (("actor", p.actor, self.actor_settings.ppo_epochs),
+                                    ("critic", p.critic, self.critic_settings and self.critic_settings.ppo_epochs)):
+            if model is None or f"update_{role}" not in seconds:
+                continue
+            flops = epochs * model_flops(model.config, lengths, training=True)
+            value = mfu(flops, seconds[f"update_{role}"], peak_flops(p.device, next(model.parameters()).dtype))
+            if value is not None:
+                metrics[f"perf/mfu/{role}"] = value
+        return metrics
+
     def _validate(self) -> dict[str, float]:
         params = sampling_params(self.cfg, validation=True)
         return validate(self.p.actor, self.p.val_records, self.p.tokenizer, self.p.reward_fn, params,
                         batch_size=self.cfg.data.val_batch_size)
 
-    # ---- state ----
+    def _log_events(self) -> None:
+        for event in self.guard.drain_events():
+            append_jsonl(self.p.run_dir / EVENTS_FILE, event.to_record())
+            self.print(f"[guard] step {event.step}: {event.message}")
 
-    def state_dict(self) -> dict:
-        p = self.p
-        state = {
-            "step": self.step,
-            "actor": p.actor.state_dict(),
-            "actor_optimizer": p.actor_optimizer.state_dict(),
-            "actor_scheduler": p.actor_scheduler.state_dict(),
-            "kl_ctrl": p.kl_ctrl.state_dict(),
-            "data": p.batches.state_dict(),
-            "rng": rng_state(),
-        }
-        if p.critic is not None:
-            state.update(critic=p.critic.state_dict(), critic_optimizer=p.critic_optimizer.state_dict(),
-                         critic_scheduler=p.critic_scheduler.state_dict())
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        p = self.p
-        p.actor.load_state_dict(state["actor"])
-        p.actor_optimizer.load_state_dict(state["actor_optimizer"])
-        p.actor_scheduler.load_state_dict(state["actor_scheduler"])
-        if p.critic is not None:
-            p.critic.load_state_dict(state["critic"])
-            p.critic_optimizer.load_state_dict(state["critic_optimizer"])
-            p.critic_scheduler.load_state_dict(state["critic_scheduler"])
-        p.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        p.batches.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        self.step = state["step"]
+    # ---- checkpoints, resume, rollback ----
 
     def save(self) -> Path:
-        return save_checkpoint(self.p.run_dir, self.step, self.state_dict(), keep=self.cfg.trainer.max_actor_ckpt_to_keep)
+        folder = save_checkpoint(self.p.run_dir, self.step, run_state.capture(self.p, self.step, self.guard),
+                                 keep=self.cfg.trainer.max_actor_ckpt_to_keep)
+        self.guard.checkpoint_saved(self.step)
+        return folder
+
+    def _checkpoint_steps(self) -> set[int]:
+        return {int(d.name.rsplit("_", 1)[1]) for d in self.p.run_dir.glob("global_step_*") if d.name[-1].isdigit()}
+
+    def _rollback(self) -> None:
+        target = self.guard.rollback_target(self._checkpoint_steps())
+        if target is None:
+            run_state.restore_initial_actor(self.p)
+        else:
+            run_state.restore(self.p, load_checkpoint(step_dir(self.p.run_dir, target)), self.guard, weights_only=True)
+        run_state.apply_lr_override(self.p, self.guard.lr_override)
 
     def _resume(self) -> None:
         trainer, run_dir = self.cfg.trainer, self.p.run_dir
@@ -204,16 +265,20 @@ class PPOTrainer:
         elif trainer.resume_mode == "resume_path":
             folder = Path(trainer.resume_from_path)
         if folder is None:
-            self._set_aside_old_metrics()
+            self._set_aside_old_logs()
             return
-        self.load_state_dict(load_checkpoint(folder))
+        self.step = run_state.restore(self.p, load_checkpoint(folder), self.guard)
+        if self.guard.lr_override is not None:
+            run_state.apply_lr_override(self.p, self.guard.lr_override)
         # Steps the interrupted run logged after this checkpoint will be run (and logged) again.
-        truncate_metrics(run_dir, self.step)
+        for name in (METRICS_FILE, EVENTS_FILE):
+            truncate_jsonl(run_dir / name, self.step)
         self.print(f"resumed from {folder} at step {self.step}")
 
-    def _set_aside_old_metrics(self) -> None:
-        """A fresh run never appends to an earlier run's metrics: keep those as metrics.jsonl.prev."""
-        path = self.p.run_dir / METRICS_FILE
-        if path.exists():
-            shutil.move(path, path.with_name(METRICS_FILE + ".prev"))
-            self.print(f"an earlier run's metrics were moved to {path.name}.prev")
+    def _set_aside_old_logs(self) -> None:
+        """A fresh run never appends to an earlier run's logs: those are kept as <name>.prev."""
+        for name in (METRICS_FILE, EVENTS_FILE):
+            path = self.p.run_dir / name
+            if path.exists():
+                shutil.move(path, path.with_name(name + ".prev"))
+                self.print(f"an earlier run's {name} was moved to {name}.prev")

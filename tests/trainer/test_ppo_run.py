@@ -8,10 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import quiet
 from klppo.checkpoint.state import LATEST_FILE
 from klppo.monitoring.logger import read_metrics
 from klppo.trainer.main_ppo import run_ppo
+
+
+def quiet(*args, **kwargs) -> None:
+    """A print_fn that prints nothing."""
 
 VERL_METRICS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/reward_kl_penalty",

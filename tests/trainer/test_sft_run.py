@@ -3,10 +3,13 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import quiet
 from klppo.config import load_sft_config
 from klppo.monitoring.logger import read_metrics
 from klppo.trainer.main_sft import run_sft
+
+
+def quiet(*args, **kwargs) -> None:
+    """A print_fn that prints nothing."""
 
 
 def test_sft_lowers_the_loss_and_saves_a_folder_ppo_can_start_from(tiny_model_dir, task_dir, tmp_path, ppo_overrides):

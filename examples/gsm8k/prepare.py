@@ -1,0 +1,56 @@
+"""Turn GSM8K's own Parquet files into verl's RL format (as verl's examples/data_preprocess/gsm8k.py).
+
+GSM8K is not downloaded here: pass the folder holding its `train-*.parquet` and `test-*.parquet`
+(columns `question`, `answer`), e.g. a local copy of the `openai/gsm8k` dataset's `main` folder.
+
+    python examples/gsm8k/prepare.py --src /data/gsm8k/main --out data/gsm8k
+"""
+
+import argparse
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+
+def final_answer(solution: str) -> str:
+    match = re.search(r"#### (\-?[0-9\.\,]+)", solution)
+    if match is None:
+        raise ValueError(f"GSM8K solution without '#### <answer>': {solution[-80:]!r}")
+    return match.group(1).replace(",", "")
+
+
+def convert(src: Path, split: str) -> list[dict]:
+    files = sorted(src.glob(f"{split}-*.parquet"))
+    if not files:
+        raise SystemExit(f"no {split}-*.parquet under {src}")
+    rows = []
+    for table in (pq.read_table(f) for f in files):
+        for question, answer in zip(table.column("question").to_pylist(), table.column("answer").to_pylist()):
+            rows.append({
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": final_answer(answer)},
+                "extra_info": {"split": split, "index": len(rows), "answer": answer, "question": question},
+            })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--src", type=Path, required=True, help="folder with GSM8K's train-*/test-* Parquet")
+    parser.add_argument("--out", type=Path, default=Path("data/gsm8k"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        rows = convert(args.src, split)
+        pq.write_table(pa.Table.from_pylist(rows), args.out / f"{split}.parquet")
+        print(f"{split}: {len(rows)} prompts -> {args.out / f'{split}.parquet'}")
+
+
+if __name__ == "__main__":
+    main()

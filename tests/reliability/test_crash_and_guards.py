@@ -1,0 +1,131 @@
+"""Reliability: a killed run resumes exactly, a crash mid-save loses nothing, the guards act."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from klppo.monitoring.jsonl import EVENTS_FILE, read_jsonl
+from klppo.monitoring.logger import read_metrics
+from klppo.trainer.main_ppo import run_ppo
+
+
+def quiet(*args, **kwargs) -> None:
+    """A print_fn that prints nothing."""
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+def _train_cli(overrides, **popen):
+    return subprocess.Popen([sys.executable, "-m", "klppo.trainer.main_ppo", *overrides],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in read_metrics(run_dir)):
+            return
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never logged")
+
+
+def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_overrides, tmp_path):
+    changes = {"trainer.total_training_steps": 6, "trainer.save_freq": 1, "actor_rollout_ref.rollout.name": "offline"}
+    full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
+    full = _train_cli(ppo_overrides(full_dir, **changes))
+    kill_at = random.Random(os.getpid()).randint(2, 4)
+    victim = _train_cli(ppo_overrides(killed_dir, **changes))
+    _wait_for_step(killed_dir, kill_at, victim)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert full.wait(timeout=300) == 0, full.stderr.read()
+    resumed = _train_cli(ppo_overrides(killed_dir, **changes))
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
+    expected = [_comparable(r) for r in read_metrics(full_dir)]
+    assert [_comparable(r) for r in read_metrics(killed_dir)] == expected, f"killed at step {kill_at}"
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_for_resume(ppo_overrides, tmp_path, monkeypatch):
+    from klppo.checkpoint import state as ckpt
+
+    changes = {"trainer.total_training_steps": 4, "trainer.save_freq": 2}
+    real_save = torch.save
+
+    def dies_on_step_4(obj, path, *args, **kwargs):
+        if "global_step_4" in str(path):
+            Path(path).write_bytes(b"torn")
+            raise OSError("power cut")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", dies_on_step_4)
+    with pytest.raises(OSError):
+        run_ppo(None, ppo_overrides(**changes), print_fn=quiet)
+    monkeypatch.undo()
+    assert ckpt.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "global_step_2"
+    printed = []
+    resumed = run_ppo(None, ppo_overrides(**changes), print_fn=printed.append)
+    assert any("resumed from" in line and "global_step_2" in line for line in printed)
+    assert [r["step"] for r in resumed] == [3, 4]
+
+
+def test_a_kl_blow_up_is_rolled_back_and_the_run_ends_under_target(ppo_overrides, tmp_path):
+    changes = {
+        "actor_rollout_ref.actor.optim.lr": 0.05,  # a learning-rate spike: KL explodes within a step
+        "trainer.total_training_steps": 6, "trainer.save_freq": 1,
+        "trainer.guard.rollback_kl": 0.05, "trainer.guard.early_stop_kl": 5.0,
+        "trainer.guard.rollback_lr": 1e-7, "trainer.guard.max_rollbacks": 3,
+    }
+    records = run_ppo(None, ppo_overrides(**changes), print_fn=quiet)
+    events = read_jsonl(tmp_path / "run" / EVENTS_FILE)
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    assert rollbacks and rollbacks[0]["kl"] > 0.05
+    assert records[-1]["step"] == 6 and records[-1]["actor/kl_to_ref"] < 0.05
+    assert records[-1]["actor/lr"] == pytest.approx(1e-7)
+
+    # The run report shows the rollback on the curves, in the events table and in the diagnosis.
+    from klppo.monitoring.report import write_report
+
+    report = write_report(tmp_path / "run")
+    text = report.read_text()
+    assert "rollback" in text and f"rolled back at {rollbacks[0]['step']}" in text
+    pngs = sorted(p.name for p in report.parent.glob("*.png"))
+    assert any("kl" in name for name in pngs) and any("reward" in name for name in pngs)
+
+
+def _nan_reward_file(tmp_path: Path) -> Path:
+    path = tmp_path / "nan_reward.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return float('nan')\n")
+    return path
+
+
+def test_a_nan_reward_skips_the_update_without_touching_the_weights(ppo_overrides, tiny_model_dir, tmp_path):
+    changes = {"custom_reward_function.path": _nan_reward_file(tmp_path), "trainer.total_training_steps": 1,
+               "trainer.guard.max_nonfinite_steps": 2}
+    records = run_ppo(None, ppo_overrides(**changes), print_fn=quiet)
+    assert [e["kind"] for e in read_jsonl(tmp_path / "run" / EVENTS_FILE)] == ["skip_nonfinite"]
+    assert "actor/pg_loss" not in records[-1]
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "actor_hf").state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_nan_rewards_step_after_step_stop_the_run(ppo_overrides, tmp_path):
+    changes = {"custom_reward_function.path": _nan_reward_file(tmp_path), "trainer.total_training_steps": 5,
+               "trainer.guard.max_nonfinite_steps": 2}
+    records = run_ppo(None, ppo_overrides(**changes), print_fn=quiet)
+    assert [r["step"] for r in records] == [1, 2]
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "run" / EVENTS_FILE)]
+    assert kinds == ["skip_nonfinite", "stop_nonfinite"]
+    assert not (tmp_path / "run" / "actor_hf").exists()
