@@ -30,7 +30,7 @@ def _validate_config(argv: list[str]) -> int:
 
 
 def _usage() -> str:
-    lines = ["usage: klppo {ppo,sft,demo,validate-config} ...", "", "commands:"]
+    lines = ["usage: klppo {" + ",".join([*DELEGATED, "validate-config"]) + "} ...", "", "commands:"]
     lines += [f"  {name:16s}{help_text}" for name, (_, help_text) in DELEGATED.items()]
     lines.append(f"  {'validate-config':16s}print the resolved config of a YAML file, or its errors")
     return "\n".join(lines)

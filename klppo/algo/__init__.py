@@ -1,4 +1,4 @@
-"""Pure tensor math for KL-regularised PPO: masked stats, KL, advantages, losses.
+"""Pure tensor math for KL-regularised PPO: masked stats, KL, advantages, losses, rankings.
 
 Imports only torch and the standard library; takes tensors and plain numbers, returns
 tensors (stats as 0-dim tensors). Names follow verl's `trainer/ppo/core_algos.py`.
@@ -28,6 +28,15 @@ from klppo.algo.losses import (
     kl_loss,
     logprobs_from_logits,
 )
+from klppo.algo.ranking import (
+    bradley_terry_loss,
+    bradley_terry_strengths,
+    comparisons_from_annotators,
+    plackett_luce_loss,
+    plackett_luce_strengths,
+    rankings_to_comparisons,
+    scalar_rewards_from_strengths,
+)
 from klppo.algo.stats import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -37,6 +46,9 @@ __all__ = [
     "FixedKLController",
     "agg_loss",
     "apply_kl_penalty",
+    "bradley_terry_loss",
+    "bradley_terry_strengths",
+    "comparisons_from_annotators",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
     "compute_policy_loss",
@@ -53,22 +65,6 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
-]
-
-from klppo.algo.ranking import (  # noqa: E402  (appended: learning from rankings)
-    bradley_terry_loss,
-    bradley_terry_strengths,
-    comparisons_from_annotators,
-    plackett_luce_loss,
-    plackett_luce_strengths,
-    rankings_to_comparisons,
-    scalar_rewards_from_strengths,
-)
-
-__all__ += [
-    "bradley_terry_loss",
-    "bradley_terry_strengths",
-    "comparisons_from_annotators",
     "plackett_luce_loss",
     "plackett_luce_strengths",
     "rankings_to_comparisons",

@@ -386,11 +386,6 @@ def not_yet_supported_sft(cfg: SFTConfig) -> list[Problem]:
     return out
 
 
-def _refuse_true(out: list[Problem], key: str, value: bool, why: str) -> None:
-    if value:
-        out.append(Problem((key,), f"{key} = true: {why}"))
-
-
 def _refuse_fsdp_options(out: list[Problem], prefix: str, fsdp: FSDPConfig) -> None:
     default = FSDPConfig()
     for f in fields(FSDPConfig):

@@ -13,6 +13,7 @@ from typing import Mapping
 import torch
 
 from klppo.monitoring.backends import build_backends
+from klppo.monitoring.jsonl import read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -24,19 +25,7 @@ def to_floats(metrics: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The metrics records of a run, one dict per logged step, in file order."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def truncate_metrics(run_dir: str | Path, last_step: int) -> None:
-    """Drop records after ``last_step`` (steps a crashed run logged but never checkpointed)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    return read_jsonl(Path(run_dir) / METRICS_FILE)
 
 
 # What the console shows of a PPO step (everything goes to metrics.jsonl), grouped by prefix.

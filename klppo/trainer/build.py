@@ -6,6 +6,7 @@ The config reaches the pieces only here, through flat arguments; the loop in
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 
 from klppo.algo import AdaptiveKLController, FixedKLController
 from klppo.config import PPOConfig
+from klppo.config.schema import GuardConfig
 from klppo.data.parquet import parquet_columns
 from klppo.data.ranked import load_ranked_dataset
 from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
@@ -26,7 +28,6 @@ from klppo.models.load import check_same_tokenizer, load_causal_lm, load_critic,
 from klppo.rewards.ranking import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.hf import SamplingParams
-from klppo.trainer.guards import GuardSettings
 from klppo.trainer.optim import build_lr_scheduler, build_optimizer
 from klppo.trainer.score import ForwardSettings
 from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings
@@ -97,19 +98,11 @@ def sampling_params(cfg: PPOConfig, *, validation: bool = False) -> SamplingPara
     )
 
 
-def guard_settings(cfg: PPOConfig) -> GuardSettings:
+def guard_settings(cfg: PPOConfig) -> GuardConfig:
     """The guard's thresholds; KL guards need a reference model and are off without one."""
-    g = cfg.trainer.guard
-    kl_watched = uses_reference(cfg)
-    return GuardSettings(
-        early_stop_kl=g.early_stop_kl if kl_watched else None,
-        rollback_kl=g.rollback_kl if kl_watched else None,
-        rollback_lr=g.rollback_lr,
-        max_rollbacks=g.max_rollbacks,
-        max_nonfinite_steps=g.max_nonfinite_steps,
-        entropy_floor=g.entropy_floor,
-        clipfrac_max=g.clipfrac_max,
-    )
+    if uses_reference(cfg):
+        return cfg.trainer.guard
+    return dataclasses.replace(cfg.trainer.guard, early_stop_kl=None, rollback_kl=None)
 
 
 def actor_settings(cfg: PPOConfig) -> ActorUpdateSettings:

@@ -15,23 +15,14 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Optional
 
+from klppo.config.schema import GuardConfig
+
 
 class Action(Enum):
     CONTINUE = "continue"  # update as usual
     SKIP = "skip"  # no optimiser step, no checkpoint this step
     ROLLBACK = "rollback"  # restore the last good weights, lower the learning rate, skip this update
     STOP = "stop"  # end the run; the last good checkpoint stays the newest
-
-
-@dataclass(frozen=True)
-class GuardSettings:
-    early_stop_kl: Optional[float] = 0.2
-    rollback_kl: Optional[float] = 0.15
-    rollback_lr: float = 1e-6
-    max_rollbacks: int = 3
-    max_nonfinite_steps: int = 3
-    entropy_floor: Optional[float] = 0.01
-    clipfrac_max: Optional[float] = 0.3
 
 
 @dataclass
@@ -48,7 +39,7 @@ class GuardEvent:
 class RunGuard:
     """Checks KL before an update, finiteness around it, and entropy / clipping after it."""
 
-    def __init__(self, settings: GuardSettings) -> None:
+    def __init__(self, settings: GuardConfig) -> None:
         self.s = settings
         self.rollbacks = 0
         self.nonfinite_in_a_row = 0
