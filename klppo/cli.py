@@ -12,6 +12,7 @@ from klppo.cli_support import run_cli
 DELEGATED = {
     "ppo": ("klppo.trainer.main_ppo", "train with KL-regularised PPO (--config x.yaml key=value ...)"),
     "sft": ("klppo.trainer.main_sft", "supervised warm start (--config x.yaml key=value ...)"),
+    "rm": ("klppo.trainer.main_rm", "train a reward model from ranked responses (--config x.yaml key=value ...)"),
     "demo": ("klppo.trainer.demo", "build a task and a tiny model, warm-start it, train it with PPO"),
     "report": ("klppo.monitoring.report", "plots, guard events and a diagnosis of a run (RUN_DIR [--format html])"),
 }

@@ -20,8 +20,8 @@ from typing import Any, Callable, Literal, Sequence, TypeVar, Union, get_args, g
 
 import yaml
 
-from klppo.config.schema import PPOConfig, SFTConfig
-from klppo.config.validate import Problem, check_ppo, check_sft, resolve_ppo, resolve_sft
+from klppo.config.schema import PPOConfig, RMConfig, SFTConfig
+from klppo.config.validate import Problem, check_ppo, check_rm, check_sft, resolve_ppo, resolve_sft
 from klppo.errors import UserError
 
 C = TypeVar("C")
@@ -61,6 +61,11 @@ def load_ppo_config(path: str | None, overrides: Sequence[str] = ()) -> PPOConfi
 def load_sft_config(path: str | None, overrides: Sequence[str] = ()) -> SFTConfig:
     """Load, resolve and validate an SFT config; same rules as ``load_ppo_config``."""
     return _load(SFTConfig, path, overrides, resolve_sft, check_sft)
+
+
+def load_rm_config(path: str | None, overrides: Sequence[str] = ()) -> RMConfig:
+    """Load, resolve and validate a reward-model training config; same rules as ``load_ppo_config``."""
+    return _load(RMConfig, path, overrides, resolve_sft, check_rm)
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

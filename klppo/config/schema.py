@@ -243,9 +243,13 @@ class RankingRewardConfig:
 
 @dataclass
 class RewardModelConfig:
-    # Score responses with a reward model (in addition to / instead of rule functions).
+    # Score responses with the reward model at model.path instead of a reward function.
     enable: bool = False
-    # Offline data with `ranking` / `rankings` / `chosen`+`rejected`: the distilled rewards.
+    # With enable: rank each prompt's rollout.n responses by the reward model's scores and
+    # distil the ranking into rewards (method below) instead of using the raw scores.
+    rank_responses: bool = False
+    # How rankings become rewards: of offline data with `ranking` / `rankings` /
+    # `chosen`+`rejected`, and of responses ranked by the reward model (rank_responses).
     ranking: RankingRewardConfig = field(default_factory=RankingRewardConfig)
     model: RewardModelInnerConfig = field(default_factory=RewardModelInnerConfig)
     # Samples per reward-model forward.
@@ -434,3 +438,61 @@ class SFTConfig:
     model: SFTModelConfig = field(default_factory=SFTModelConfig)
     optim: SFTOptimConfig = field(default_factory=_sft_optim)
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+
+
+# ---- reward-model training (klppo rm) ----
+
+
+@dataclass
+class RMDataConfig:
+    # Ranked-response Parquet file(s): prompt, responses and ranking / rankings / scores /
+    # chosen+rejected (klppo.data.ranked).
+    train_files: Union[str, list[str]] = ""
+    # Ranked Parquet for pairwise accuracy; None disables validation.
+    val_files: Optional[Union[str, list[str]]] = None
+    # Column of the prompt's chat messages.
+    prompt_key: str = "prompt"
+    # Longest prompt in tokens.
+    max_prompt_length: int = 512
+    # Longest response in tokens (longer ones are cut).
+    max_response_length: int = 512
+    # Prompts per optimiser step (each with all its ranked responses).
+    train_batch_size: int = 64
+    # Prompts per forward/backward; None = the whole batch.
+    micro_batch_size_per_gpu: Optional[int] = None
+    # What to do with an over-long prompt: error, `left` cuts its start, `right` its end.
+    truncation: Literal["error", "left", "right"] = "error"
+    # Drop prompts longer than max_prompt_length instead of truncating them.
+    filter_overlong_prompts: bool = False
+    # Shuffle each epoch.
+    shuffle: bool = True
+    # Seed of the data order and of the new score head.
+    seed: int = 1
+
+
+@dataclass
+class RMModelConfig:
+    # Local Hugging Face folder to start from (a causal LM: its backbone gets a score head).
+    partial_pretrain: str = ""
+    # Recompute activations in the backward pass.
+    enable_gradient_checkpointing: bool = False
+
+
+@dataclass
+class RMLossConfig:
+    # bradley_terry: -log sigmoid(r_better - r_worse) over every pair a ranking implies;
+    # plackett_luce: the listwise likelihood of each full ranking.
+    type: Literal["bradley_terry", "plackett_luce"] = "bradley_terry"
+
+
+def _rm_optim() -> SFTOptimConfig:
+    return SFTOptimConfig(lr=1e-5)
+
+
+@dataclass
+class RMConfig:
+    data: RMDataConfig = field(default_factory=RMDataConfig)
+    model: RMModelConfig = field(default_factory=RMModelConfig)
+    optim: SFTOptimConfig = field(default_factory=_rm_optim)
+    loss: RMLossConfig = field(default_factory=RMLossConfig)
+    trainer: SFTTrainerConfig = field(default_factory=lambda: SFTTrainerConfig(project_name="klppo-rm"))

@@ -20,6 +20,7 @@ from klppo.config.schema import (
     FSDPConfig,
     OptimConfig,
     PPOConfig,
+    RMConfig,
     RolloutConfig,
     SFTConfig,
     SFTTrainerConfig,
@@ -141,8 +142,22 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
     _check_trainer(cfg.trainer, out)
     _check_guard(cfg.trainer.guard, out)
     _positive(out, "reward_model.ranking.scale", cfg.reward_model.ranking.scale)
+    _check_reward_model(cfg, out)
     out += not_yet_supported_ppo(cfg)
     return out
+
+
+def _check_reward_model(cfg: PPOConfig, out: list[Problem]) -> None:
+    rm = cfg.reward_model
+    if rm.enable and not rm.model.path:
+        out.append(Problem(("reward_model.model.path",), "reward_model.enable = true needs reward_model.model.path: "
+                           "a local folder written by `klppo rm` (or any one-label sequence-classification model)"))
+    if rm.rank_responses and not rm.enable:
+        out.append(Problem(("reward_model.rank_responses",), "reward_model.rank_responses = true ranks responses by a "
+                           "reward model: set reward_model.enable = true and reward_model.model.path"))
+    if rm.rank_responses and cfg.actor_rollout_ref.rollout.n < 2:
+        out.append(Problem(("reward_model.rank_responses", "actor_rollout_ref.rollout.n"), "reward_model.rank_responses "
+                           "ranks each prompt's responses against each other: set actor_rollout_ref.rollout.n >= 2"))
 
 
 def _check_guard(guard, out: list[Problem]) -> None:
@@ -372,8 +387,28 @@ def not_yet_supported_ppo(cfg: PPOConfig) -> list[Problem]:
     _refuse_multi_process(out, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
     if arf.rollout.name == "vllm":
         out.append(Problem((f"{ROLLOUT}.name",), f"{ROLLOUT}.name = 'vllm' needs CUDA and the vllm package and is not supported yet; use 'hf' (generate with the model) or 'offline' (responses from the data)"))
-    if cfg.reward_model.enable:
-        out.append(Problem(("reward_model.enable",), "reward_model.enable = true: reward-model scoring is not supported yet; set it to false and score with a reward function (custom_reward_function.path or the built-in rules)"))
+    _refuse_loggers(out, cfg.trainer.logger)
+    return out
+
+
+def check_rm(cfg: RMConfig) -> list[Problem]:
+    """All value problems of a reward-model training config."""
+    out: list[Problem] = []
+    data = cfg.data
+    _check_files(out, "data.train_files", data.train_files, required=True)
+    _check_files(out, "data.val_files", data.val_files, required=False)
+    if not cfg.model.partial_pretrain:
+        key = "model.partial_pretrain"
+        out.append(Problem((key,), f"{key} is required: set it to a local Hugging Face model folder"))
+    for key in ("max_prompt_length", "max_response_length", "train_batch_size", "micro_batch_size_per_gpu"):
+        _positive(out, f"data.{key}", getattr(data, key))
+    if data.micro_batch_size_per_gpu and data.train_batch_size % data.micro_batch_size_per_gpu:
+        out.append(Problem(("data.micro_batch_size_per_gpu",), f"data.micro_batch_size_per_gpu = "
+                           f"{data.micro_batch_size_per_gpu} does not divide data.train_batch_size = "
+                           f"{data.train_batch_size}; pick a divisor"))
+    _check_optim(cfg.optim, "optim", out)
+    _check_trainer_common(cfg.trainer, out)
+    _refuse_multi_process(out, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
     _refuse_loggers(out, cfg.trainer.logger)
     return out
 

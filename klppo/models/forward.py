@@ -241,3 +241,22 @@ def response_values(
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
     """(B, T') -> (B, width), zeros on the right."""
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def sequence_scores(reward_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) reward-model scores read at each sequence's last real token.
+
+    The backbone's hidden states go through the model's score head at every position and the
+    last real one is picked here, so padding on either side (and pad == eos tokenizers) cannot
+    move the read-out as Hugging Face's pad-token search would.
+    """
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state  # (B, L, H)
+    last = attention_mask.shape[1] - 1 - attention_mask.long().flip(1).argmax(1)  # (B,) last True
+    picked = hidden[torch.arange(len(hidden), device=hidden.device), last]  # (B, H)
+    return reward_model.score(picked).squeeze(-1).float()

@@ -15,6 +15,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
@@ -109,3 +110,22 @@ def check_same_tokenizer(reference: PreTrainedTokenizerBase, path: str, key: str
             f"{key}: the tokenizer in '{path}' differs from the actor's ({len(other)} vs {len(reference)} tokens); "
             "it would read the actor's token ids as other words: use a model trained with the actor's tokenizer"
         )
+
+
+def load_reward_model(
+    path: str, *, key: str, device: torch.device, gradient_checkpointing: bool = False, seed: int = 0
+) -> PreTrainedModel:
+    """A one-output ``AutoModelForSequenceClassification``: a trained reward model, or (to train
+    one) a causal LM's backbone with a fresh score head initialised from ``seed``."""
+    folder = check_model_folder(path, key)
+    config = AutoConfig.from_pretrained(folder)
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(folder, config=config, dtype=torch.float32)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.to(device)

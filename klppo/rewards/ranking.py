@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
+
 from klppo.algo.ranking import (
     bradley_terry_strengths,
     comparisons_from_annotators,
@@ -32,6 +34,25 @@ def ranking_rewards(
     else:
         strengths = plackett_luce_strengths(rankings, n_responses)
     return scalar_rewards_from_strengths(strengths, scale=scale, center=center).tolist()
+
+
+def group_ranking_rewards(
+    scores: torch.Tensor, group_index: torch.Tensor, method: Literal["bradley_terry", "plackett_luce"],
+    *, scale: float = 1.0, center: bool = True,
+) -> torch.Tensor:
+    """(B,) reward-model scores -> (B,) rewards distilled from each group's ranking by score.
+
+    Within a group (one prompt's responses) the responses are ranked by descending score,
+    equal scores tied, and the ranking is distilled as recorded rankings are.
+    """
+    rewards = torch.zeros_like(scores, dtype=torch.float32)
+    for group in group_index.unique().tolist():
+        rows = (group_index == group).nonzero().squeeze(-1)
+        values = scores[rows].tolist()
+        tiers = [[i for i, v in enumerate(values) if v == level] for level in sorted(set(values), reverse=True)]
+        ranking = [tier if len(tier) > 1 else tier[0] for tier in tiers]
+        rewards[rows] = torch.tensor(ranking_rewards([ranking], len(values), method, scale=scale, center=center))
+    return rewards
 
 
 def with_ranking_rewards(

@@ -24,7 +24,7 @@ from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
 from klppo.data.sampler import PromptBatches
 from klppo.errors import UserError
 from klppo.models.forward import use_packed_attention
-from klppo.models.load import check_same_tokenizer, load_causal_lm, load_critic, load_tokenizer
+from klppo.models.load import check_same_tokenizer, load_causal_lm, load_critic, load_reward_model, load_tokenizer
 from klppo.rewards.ranking import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.hf import SamplingParams
@@ -46,6 +46,7 @@ class PPOParts:
     actor_optimizer: torch.optim.Optimizer
     actor_scheduler: torch.optim.lr_scheduler.LRScheduler
     ref: Optional[torch.nn.Module]
+    reward_model: Optional[torch.nn.Module]
     critic: Optional[torch.nn.Module]
     critic_optimizer: Optional[torch.optim.Optimizer]
     critic_scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
@@ -187,10 +188,11 @@ def load_datasets(
         train = load_rl_dataset(data.train_files, tokenizer, require_responses=offline, **common)
     if offline:
         check_enough_responses(train, cfg.actor_rollout_ref.rollout.n)
-    if not (offline and all(r.scores is not None for r in train)):  # recorded scores need no reward function
+    rule_scored = not cfg.reward_model.enable  # else the reward model scores every response
+    if rule_scored and not (offline and all(r.scores is not None for r in train)):  # recorded scores need none
         check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in train], "data.train_files")
     val = load_rl_dataset(data.val_files, tokenizer, **common) if data.val_files else None
-    if val is not None:
+    if val is not None and rule_scored:
         check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in val], "data.val_files")
     if len(train) < data.train_batch_size:
         raise UserError(
@@ -245,6 +247,11 @@ def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
         for model in (actor, ref):
             if model is not None:
                 use_packed_attention(model)
+    reward_model = None
+    if cfg.reward_model.enable:
+        path, rm_key = cfg.reward_model.model.path, "reward_model.model.path"
+        check_same_tokenizer(tokenizer, path, rm_key)
+        reward_model = load_reward_model(path, key=rm_key, device=device).eval().requires_grad_(False)
     critic = critic_optimizer = critic_scheduler = None
     if uses_critic(cfg):
         check_same_tokenizer(tokenizer, cfg.critic.model.path, "critic.model.path")
@@ -256,7 +263,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
     kl = cfg.algorithm.kl_ctrl
     return PPOParts(
         cfg=cfg, run_dir=Path(trainer.default_local_dir), device=device, tokenizer=tokenizer,
-        actor=actor, actor_optimizer=actor_optimizer, actor_scheduler=actor_scheduler, ref=ref,
+        actor=actor, actor_optimizer=actor_optimizer, actor_scheduler=actor_scheduler, ref=ref, reward_model=reward_model,
         critic=critic, critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         kl_ctrl=build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon), reward_fn=reward_fn,
         train_records=train, val_records=val, batches=batches, total_steps=total_steps,

@@ -34,6 +34,7 @@ from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch
 from klppo.rollout.hf import hf_rollout
 from klppo.rollout.offline import offline_rollout
+from klppo.rewards.ranking import group_ranking_rewards
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.trainer import run_state
 from klppo.trainer.build import (
@@ -45,7 +46,7 @@ from klppo.trainer.build import (
     sampling_params,
 )
 from klppo.trainer.guards import Action, RunGuard
-from klppo.trainer.score import compute_log_prob, compute_scores, compute_values
+from klppo.trainer.score import compute_log_prob, compute_rm_scores, compute_scores, compute_values
 from klppo.trainer.update import update_actor, update_critic
 from klppo.trainer.validate import validate
 
@@ -166,10 +167,21 @@ class PPOTrainer:
             with timer.phase("values"):
                 batch.values = compute_values(p.critic, batch, **asdict(f["values"]))
         with timer.phase("reward"):
-            if batch.recorded_scores is not None:  # offline data with recorded scores: they are the reward
-                batch.token_level_scores = scores_at_last_token(batch.recorded_scores.to(p.device), batch.response_mask)
-            else:
-                batch.token_level_scores = compute_scores(batch, p.tokenizer, p.reward_fn)
+            batch.token_level_scores = self._token_scores(batch)
+
+    def _token_scores(self, batch: RolloutBatch, validation: bool = False) -> torch.Tensor:
+        """(B, T) scores at the last response tokens: recorded offline scores, else the reward
+        model's (raw, or distilled from each prompt's ranking), else the reward function's."""
+        p, rm = self.p, self.cfg.reward_model
+        if batch.recorded_scores is not None:
+            return scores_at_last_token(batch.recorded_scores.to(p.device), batch.response_mask)
+        if p.reward_model is None:
+            return compute_scores(batch, p.tokenizer, p.reward_fn)
+        scores = compute_rm_scores(p.reward_model, batch, micro_batch_rows=rm.micro_batch_size_per_gpu)
+        if rm.rank_responses and not validation:
+            scores = group_ranking_rewards(scores, batch.group_index, rm.ranking.method,
+                                           scale=rm.ranking.scale, center=rm.ranking.center)
+        return scores_at_last_token(scores, batch.response_mask)
 
     def _shape_rewards(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
         algo = self.cfg.algorithm
@@ -230,7 +242,8 @@ class PPOTrainer:
 
     def _validate(self) -> dict[str, float]:
         params = sampling_params(self.cfg, validation=True)
-        return validate(self.p.actor, self.p.val_records, self.p.tokenizer, self.p.reward_fn, params,
+        return validate(self.p.actor, self.p.val_records, self.p.tokenizer,
+                        lambda batch: self._token_scores(batch, validation=True), params,
                         batch_size=self.cfg.data.val_batch_size)
 
     def _log_events(self) -> None:

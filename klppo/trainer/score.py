@@ -8,11 +8,11 @@ from typing import Callable
 import torch
 
 from klppo.data.batching import restore_order
-from klppo.models.forward import response_logprobs, response_values
+from klppo.models.forward import response_logprobs, response_values, sequence_scores
 from klppo.rewards.score import score_responses
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.update import micro_batches
+from klppo.trainer.update import chunks, micro_batches
 
 
 @dataclass(frozen=True)
@@ -90,3 +90,14 @@ def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable) -> torch
     scores = score_responses(reward_fn, batch.data_sources, texts, batch.ground_truths, batch.extra_infos)
     scores = torch.tensor(scores, dtype=torch.float32, device=batch.response_mask.device)
     return scores_at_last_token(scores, batch.response_mask)
+
+
+@torch.no_grad()
+def compute_rm_scores(reward_model, batch: RolloutBatch, *, micro_batch_rows: int | None) -> torch.Tensor:
+    """(B,) reward-model scores of prompt + response, read at each response's last token."""
+    reward_model.eval()
+    parts = []
+    for idx in chunks(len(batch), micro_batch_rows or len(batch)):
+        micro = batch.select(idx)
+        parts.append(sequence_scores(reward_model, micro.input_ids, micro.attention_mask))
+    return torch.cat(parts)

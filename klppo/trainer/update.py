@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -23,6 +24,10 @@ from klppo.algo import agg_loss, compute_policy_loss, compute_value_loss, kl_los
 from klppo.data.batching import token_budget_micro_batches
 from klppo.models.forward import response_logprobs, response_values
 from klppo.rollout.batch import RolloutBatch
+
+ReduceCounts = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ReduceStats = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+MaxOverRanks = Callable[[int], int]
 
 ACTOR_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 CRITIC_BUDGET_KEY = "critic.ppo_max_token_len_per_gpu"
@@ -65,16 +70,22 @@ def chunks(n_rows: int, size: int) -> list[torch.Tensor]:
 
 
 def micro_batches(
-    batch: RolloutBatch, micro_rows: int | None, max_token_len: int | None, budget_key: str
+    batch: RolloutBatch, micro_rows: int | None, max_token_len: int | None, budget_key: str,
+    max_over_ranks: Callable[[int], int] | None = None,
 ) -> list[list[int]]:
     """Row indices of each micro-batch: ``micro_rows`` consecutive rows, or a token budget's partition.
 
     The budget counts real tokens (prompt + response), as verl's ``rearrange_micro_batches``.
+    ``max_over_ranks`` (``klppo.dist.all_reduce_max_int``) makes every rank split its shard into
+    the largest count any rank needs, so FSDP's per-forward collectives line up.
     """
     if max_token_len is None:
         return [c.tolist() for c in chunks(len(batch), micro_rows or len(batch))]
     seq_lens = batch.attention_mask.sum(-1).tolist()  # host-device sync
-    return token_budget_micro_batches(seq_lens, max_token_len, budget_key=budget_key)
+    plan = token_budget_micro_batches(seq_lens, max_token_len, budget_key=budget_key)
+    if max_over_ranks is not None and (n := max_over_ranks(len(plan))) > len(plan):
+        plan = token_budget_micro_batches(seq_lens, max_token_len, min_num_micro_batches=n, budget_key=budget_key)
+    return plan
 
 
 def _counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,16 +96,24 @@ def _counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def optimizer_step(model, optimizer, grad_clip: float) -> torch.Tensor:
     """Clip, then step unless the gradient norm is not finite (the step is skipped then)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of per-rank partial norms
+        grad_norm = grad_norm.full_tensor()
     if torch.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.detach()
 
 
-def _run_updates(model, optimizer, batch, *, mini_rows, split, epochs, grad_clip, micro_loss, prefix):
+def _run_updates(model, optimizer, batch, *, mini_rows, split, epochs, grad_clip, micro_loss, prefix,
+                 reduce_counts: ReduceCounts | None = None, reduce_stats: ReduceStats | None = None):
     """ppo_epochs x mini-batches x micro-batches of ``micro_loss``, one optimiser step per mini-batch.
 
     ``split(mini) -> list[list[int]]`` gives the rows of each micro-batch of a mini-batch.
+
+    Data parallel (``klppo.dist``): ``reduce_counts`` sums the token and sequence counts over
+    ranks, so each rank's loss is its share of the global mini-batch's loss and the summed
+    gradients are the global gradient (torchtitan's global token normalisation);
+    ``reduce_stats`` sums the per-rank metric shares, which are additive for the same reason.
 
     ``micro_loss(micro, tokens, seqs) -> (loss, sums, means)``: ``sums`` are the micro-batch's
     shares of mini-batch losses (they add up), ``means`` are its own token means (weighted here
@@ -106,6 +125,8 @@ def _run_updates(model, optimizer, batch, *, mini_rows, split, epochs, grad_clip
         for mini_idx in chunks(len(batch), mini_rows):
             mini = batch.select(mini_idx)
             tokens, seqs = _counts(mini.response_mask)
+            if reduce_counts is not None:
+                tokens, seqs = reduce_counts(tokens, seqs)
             stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
             for micro_idx in split(mini):
                 micro = mini.select(micro_idx)
@@ -116,17 +137,24 @@ def _run_updates(model, optimizer, batch, *, mini_rows, split, epochs, grad_clip
                     stats[k] = stats[k] + v
                 for k, v in means.items():
                     stats[k] = stats[k] + v * weight
+            if reduce_stats is not None:
+                stats = reduce_stats(stats)
             stats[f"{prefix}/grad_norm"] = optimizer_step(model, optimizer, grad_clip)
             for k, v in stats.items():
                 per_update[k].append(v)
     return {k: torch.stack(v).mean() for k, v in per_update.items()}
 
 
-def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings) -> dict[str, torch.Tensor]:
-    """One PPO actor update over ``batch``; returns metrics averaged over optimiser steps."""
+def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings, *,
+                 reduce_counts: ReduceCounts | None = None,
+                 reduce_stats: ReduceStats | None = None,
+                 max_over_ranks: MaxOverRanks | None = None) -> dict[str, torch.Tensor]:
+    """One PPO actor update over ``batch`` (this rank's shard); returns metrics averaged over optimiser steps."""
     return _run_updates(
-        actor, optimizer, batch, mini_rows=s.mini_batch_rows,
-        split=lambda mini: micro_batches(mini, s.micro_batch_rows, s.max_token_len, ACTOR_BUDGET_KEY),
+        actor, optimizer, batch, mini_rows=s.mini_batch_rows, reduce_counts=reduce_counts, reduce_stats=reduce_stats,
+        split=lambda mini: micro_batches(
+            mini, s.micro_batch_rows, s.max_token_len, ACTOR_BUDGET_KEY, max_over_ranks,
+        ),
         epochs=s.ppo_epochs, grad_clip=s.grad_clip, prefix="actor",
         micro_loss=lambda micro, tokens, seqs: _actor_micro_loss(actor, micro, s, tokens, seqs),
     )
@@ -157,8 +185,11 @@ def _actor_micro_loss(actor, micro: RolloutBatch, s: ActorUpdateSettings, tokens
     return loss, sums, means
 
 
-def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSettings) -> dict[str, torch.Tensor]:
-    """One clipped value-loss update of the critic over ``batch``."""
+def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSettings, *,
+                  reduce_counts: ReduceCounts | None = None,
+                  reduce_stats: ReduceStats | None = None,
+                  max_over_ranks: MaxOverRanks | None = None) -> dict[str, torch.Tensor]:
+    """One clipped value-loss update of the critic over ``batch`` (this rank's shard)."""
 
     def micro_loss(micro: RolloutBatch, tokens, seqs):
         vpreds = response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length,
@@ -173,6 +204,9 @@ def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSetting
 
     return _run_updates(
         critic, optimizer, batch, mini_rows=s.mini_batch_rows,
-        split=lambda mini: micro_batches(mini, s.micro_batch_rows, s.max_token_len, CRITIC_BUDGET_KEY),
+        split=lambda mini: micro_batches(
+            mini, s.micro_batch_rows, s.max_token_len, CRITIC_BUDGET_KEY, max_over_ranks,
+        ),
         epochs=s.ppo_epochs, grad_clip=s.grad_clip, micro_loss=micro_loss, prefix="critic",
+        reduce_counts=reduce_counts, reduce_stats=reduce_stats,
     )

@@ -8,15 +8,15 @@ from typing import Callable
 import torch
 
 from klppo.data.rl_dataset import PromptRecord
+from klppo.rollout.batch import RolloutBatch
 from klppo.rollout.hf import SamplingParams, hf_rollout
-from klppo.trainer.score import compute_scores
 
 
 def validate(
     actor,
     records: list[PromptRecord],
     tokenizer,
-    reward_fn: Callable,
+    scorer: Callable[[RolloutBatch], torch.Tensor],
     params: SamplingParams,
     *,
     batch_size: int | None = None,
@@ -33,7 +33,7 @@ def validate(
         torch.manual_seed(0)
         for start in range(0, len(records), batch_size or len(records)):
             batch = hf_rollout(actor, records[start : start + (batch_size or len(records))], tokenizer, params)
-            scores = compute_scores(batch, tokenizer, reward_fn).sum(-1)
+            scores = scorer(batch).sum(-1)  # (B,) from the (B, T) token-level scores
             for source, score in zip(batch.data_sources, scores.tolist()):
                 per_source[source].append(score)
             lengths.extend(batch.response_mask.sum(-1).tolist())

@@ -171,7 +171,7 @@ def test_misplaced_key_suggests_its_full_path():
 
 def test_unknown_key_without_a_near_one_lists_the_valid_keys():
     message = errors_of("reward_model.zzzzzzzz=1")
-    assert "unknown key 'reward_model.zzzzzzzz'; valid keys under 'reward_model' are: enable, ranking, model, micro_batch_size_per_gpu" in message
+    assert "unknown key 'reward_model.zzzzzzzz'; valid keys under 'reward_model' are: enable, rank_responses, ranking, model, micro_batch_size_per_gpu" in message
 
 
 # ---- interpolation ----

@@ -238,11 +238,19 @@ def test_fsdp_options_are_refused_on_single_process_runs(override):
     assert "which klppo does not support yet" in problems[0]
 
 
-def test_multi_process_vllm_and_reward_model_are_refused():
-    problems = problems_of("trainer.n_gpus_per_node=8", "actor_rollout_ref.rollout.name=vllm", "reward_model.enable=true")
+def test_multi_process_and_vllm_are_refused():
+    problems = problems_of("trainer.n_gpus_per_node=8", "actor_rollout_ref.rollout.name=vllm")
     assert "multi-process runs are not supported yet" in problems[0]
     assert "needs CUDA and the vllm package and is not supported yet" in problems[1]
-    assert "reward-model scoring is not supported yet" in problems[2]
+
+
+def test_a_reward_model_needs_its_path_and_ranking_needs_groups():
+    problems = problems_of("reward_model.enable=true")
+    assert len(problems) == 1 and "reward_model.model.path" in problems[0]
+    problems = problems_of("reward_model.rank_responses=true")
+    assert len(problems) == 2 and "reward_model.enable" in problems[0] and "rollout.n >= 2" in problems[1]
+    load("reward_model.enable=true", "reward_model.model.path=rm", "reward_model.rank_responses=true",
+         "actor_rollout_ref.rollout.n=4")
 
 
 def test_unknown_loggers_are_refused_with_the_nearest_one():

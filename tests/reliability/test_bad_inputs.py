@@ -142,6 +142,7 @@ def _model_cases(tmp_path, tiny_model_dir):
         ([f"actor_rollout_ref.model.path={no_config}"], "config.json"),
         ([f"actor_rollout_ref.model.path={classifier}"], "ForCausalLM"),
         ([f"critic.model.path={other_tokenizer}"], "critic.model.path"),
+        (["reward_model.enable=true", f"reward_model.model.path={other_tokenizer}"], "reward_model.model.path"),
         ([f"custom_reward_function.path={tmp_path / 'no_reward.py'}"], "custom_reward_function.path"),
     ]
 
@@ -157,4 +158,4 @@ def test_bad_model_folders_and_reward_files(capsys, tmp_path, tiny_model_dir, ru
 
 
 def test_the_corpus_has_at_least_30_cases():
-    assert len(PARQUET_CASES) + len(CONFIG_CASES) + 2 + 6 >= 30
+    assert len(PARQUET_CASES) + len(CONFIG_CASES) + 2 + 7 >= 30

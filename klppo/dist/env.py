@@ -1,0 +1,119 @@
+"""The process group: who this rank is, on which device, and the few collectives the trainer needs.
+
+Everything comes from the environment ``torchrun`` sets (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT). With WORLD_SIZE unset or 1 no process group is created and every
+collective here is the identity, so a single process runs the same code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int  # global rank, 0 .. world_size - 1
+    world_size: int  # number of processes in the run
+    local_rank: int  # rank on this node; picks the GPU
+    device: torch.device  # where this rank's models and batches live
+    is_distributed: bool  # True when a process group was created (world_size > 1)
+
+
+def _device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+        return torch.device("cuda", local_rank)
+    if device != "cpu":
+        raise ValueError(f"trainer.device must be auto, cpu or cuda, not '{device}'")
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto") -> DistEnv:
+    """This process's ``DistEnv``; joins torchrun's process group (gloo on CPU, nccl on CUDA)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _device(device, local_rank)
+    if world_size == 1:
+        return DistEnv(rank=0, world_size=1, local_rank=0, device=dev, is_distributed=False)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                device_id=dev if dev.type == "cuda" else None)
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, is_distributed=True)
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t`` over all ranks (a new tensor; ``t`` itself is left alone)."""
+    out = t.detach().clone()
+    if _active():
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_reduce_max_int(n: int, device: torch.device | None = None) -> int:
+    """The largest ``n`` over all ranks (e.g. the number of micro-batches every rank must run)."""
+    if not _active():
+        return int(n)
+    t = torch.tensor([int(n)], dtype=torch.int64, device=device or _comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())  # host-device sync
+
+
+def reduce_counts(tokens: torch.Tensor, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global token and sequence counts of a mini-batch from each rank's own (one all-reduce)."""
+    both = all_reduce_sum(torch.stack([tokens, seqs]).to(torch.int64))
+    return both[0], both[1]
+
+
+def reduce_stats(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each additive per-rank metric share summed over ranks (one all-reduce, keys sorted)."""
+    keys = sorted(stats)
+    if not keys or not _active():
+        return dict(stats)
+    summed = all_reduce_sum(torch.stack([stats[k].detach().float().reshape(()) for k in keys]))
+    return dict(zip(keys, summed.unbind()))
+
+
+def shard_range(n_items: int, env: DistEnv) -> slice:
+    """This rank's contiguous, equal share of ``n_items`` (rank r gets block r)."""
+    if n_items % env.world_size:
+        raise ValueError(
+            f"{n_items} items do not split evenly over {env.world_size} ranks; make the batch size "
+            f"(data.train_batch_size * rollout.n) a multiple of the number of ranks"
+        )
+    size = n_items // env.world_size
+    return slice(env.rank * size, (env.rank + 1) * size)
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op in one process)."""
+    if _active():
+        dist.barrier()
+
+
+def close(env: DistEnv) -> None:
+    """Barrier, then leave the process group; safe to call twice or without one."""
+    if env.is_distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _comm_device() -> torch.device:
+    """The device collectives of the current backend run on (CUDA for nccl)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

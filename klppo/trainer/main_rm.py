@@ -1,0 +1,167 @@
+"""``klppo rm`` / ``python -m klppo.trainer.main_rm``: train a reward model from ranked responses.
+
+Each prompt's responses are scored by a sequence-classification model (a causal LM's backbone
+with a one-output head), and the scores are fitted to the rankings with the Bradley-Terry loss
+over every pair a ranking implies, or the Plackett-Luce loss over each whole ranking. Pairwise
+accuracy (the better response scored higher) is reported on ``data.val_files``. The result is
+written to ``<trainer.default_local_dir>/hf``, usable as PPO's ``reward_model.model.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from klppo.algo import bradley_terry_loss, plackett_luce_loss
+from klppo.cli_support import quiet_libraries, run_cli
+from klppo.config import RMConfig, format_config, load_rm_config
+from klppo.data.ranked import RankedRecord
+from klppo.models.forward import sequence_scores
+from klppo.rollout.batch import right_pad
+from klppo.trainer.update import chunks, optimizer_step
+
+
+def _tiers(ranking: list) -> list[list[int]]:
+    """A ranking (best first; an entry may be a list of tied items) as a list of tiers."""
+    return [list(entry) if isinstance(entry, (list, tuple)) else [entry] for entry in ranking]
+
+
+def ranked_pairs(rankings: list[list]) -> list[tuple[int, int]]:
+    """(better, worse) for every pair of differently ranked responses, per annotator; ties give none."""
+    pairs = []
+    for ranking in rankings:
+        tiers = _tiers(ranking)
+        for a, upper in enumerate(tiers):
+            pairs += [(i, j) for lower in tiers[a + 1 :] for i in upper for j in lower]
+    return pairs
+
+
+def score_records(model, records: list[RankedRecord], tokenizer, max_response_length: int) -> list[torch.Tensor]:
+    """One (K_i,) score tensor per record: every recorded response after its prompt."""
+    sequences, sizes = [], []
+    for record in records:
+        for text in record.responses:
+            response = tokenizer(text, add_special_tokens=False)["input_ids"][: max_response_length - 1]
+            sequences.append(record.prompt_ids + response + [tokenizer.eos_token_id])
+        sizes.append(len(record.responses))
+    ids, mask = right_pad(sequences, tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    return list(sequence_scores(model, ids.to(device), mask.to(device)).split(sizes))
+
+
+def ranking_loss(scores: list[torch.Tensor], records: list[RankedRecord], loss_type: str) -> tuple[torch.Tensor, int]:
+    """Summed loss over the records' pairs (BT) or rankings (PL), and how many terms it holds."""
+    if loss_type == "bradley_terry":
+        better, worse = [], []
+        for s, record in zip(scores, records):
+            for i, j in ranked_pairs(record.rankings):
+                better.append(s[i])
+                worse.append(s[j])
+        if not better:
+            return scores[0].sum() * 0.0, 0
+        return bradley_terry_loss(torch.stack(better), torch.stack(worse)) * len(better), len(better)
+    terms = []
+    for s, record in zip(scores, records):
+        for ranking in record.rankings:  # Plackett-Luce on the listed (strict) order of each ranking
+            order = [i for tier in _tiers(ranking) for i in tier]
+            terms.append(plackett_luce_loss(s[order].unsqueeze(0)))
+    return torch.stack(terms).sum(), len(terms)
+
+
+def pair_accuracy(scores: list[torch.Tensor], records: list[RankedRecord]) -> tuple[int, int]:
+    """(pairs ordered right, pairs) over every pair the rankings imply."""
+    right = total = 0
+    for s, record in zip(scores, records):
+        for i, j in ranked_pairs(record.rankings):
+            right += int(s[i] > s[j])
+            total += 1
+    return right, total
+
+
+@torch.no_grad()
+def evaluate(model, records, tokenizer, cfg: RMConfig) -> dict[str, float]:
+    model.eval()
+    right = total = 0
+    for idx in chunks(len(records), cfg.data.micro_batch_size_per_gpu or cfg.data.train_batch_size):
+        part = [records[i] for i in idx.tolist()]
+        r, t = pair_accuracy(score_records(model, part, tokenizer, cfg.data.max_response_length), part)
+        right, total = right + r, total + t
+    return {"val/pair_accuracy": right / max(total, 1)}
+
+
+def rm_step(model, optimizer, records, tokenizer, cfg: RMConfig) -> dict[str, torch.Tensor | float]:
+    """One optimiser step over ``records``: micro-batch losses normalised by the batch's term count."""
+    model.train()
+    micro = cfg.data.micro_batch_size_per_gpu or len(records)
+    parts = [[records[i] for i in idx.tolist()] for idx in chunks(len(records), micro)]
+    n_terms = sum(len(ranked_pairs(r.rankings)) if cfg.loss.type == "bradley_terry" else len(r.rankings)
+                  for r in records)
+    loss_sum, right, total = torch.zeros(()), 0, 0
+    for part in parts:
+        scores = score_records(model, part, tokenizer, cfg.data.max_response_length)
+        loss, _ = ranking_loss(scores, part, cfg.loss.type)
+        (loss / max(n_terms, 1)).backward()
+        loss_sum += loss.detach().cpu() / max(n_terms, 1)
+        r, t = pair_accuracy([s.detach() for s in scores], part)
+        right, total = right + r, total + t
+    grad_norm = optimizer_step(model, optimizer, cfg.optim.clip_grad)
+    return {"train/loss": loss_sum, "train/pair_accuracy": right / max(total, 1), "train/grad_norm": grad_norm}
+
+
+def run_rm(cfg: RMConfig, print_fn=print) -> Path:
+    """Train the reward model and save it; returns the Hugging Face folder written."""
+    from klppo.checkpoint.state import export_hf
+    from klppo.data.ranked import load_ranked_dataset
+    from klppo.data.sampler import PromptBatches
+    from klppo.models.load import load_reward_model, load_tokenizer
+    from klppo.monitoring.logger import MetricsLogger
+    from klppo.trainer.build import build_optimizer_and_scheduler, resolve_device, seed_everything
+
+    quiet_libraries()
+    seed_everything(cfg.data.seed)
+    data, trainer, key = cfg.data, cfg.trainer, "model.partial_pretrain"
+    device = resolve_device(trainer.device)
+    tokenizer = load_tokenizer(cfg.model.partial_pretrain, key=key)
+    common = dict(prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
+                  filter_overlong_prompts=data.filter_overlong_prompts, log=print_fn)
+    train = load_ranked_dataset(data.train_files, tokenizer, **common)
+    val = load_ranked_dataset(data.val_files, tokenizer, **common) if data.val_files else None
+    model = load_reward_model(cfg.model.partial_pretrain, key=key, device=device, seed=data.seed,
+                              gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
+    batches = PromptBatches(len(train), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
+    optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optim, total_steps)
+    run_dir = Path(trainer.default_local_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)  # only once data and model have loaded
+    (run_dir / "config.yaml").write_text(format_config(cfg))
+    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn,
+                           console_keys=("train/loss", "train/pair_accuracy", "val/pair_accuracy"))
+    every = max(1, total_steps // 10)
+    for step in range(1, total_steps + 1):
+        metrics = rm_step(model, optimizer, [train[i] for i in batches.next_batch()], tokenizer, cfg)
+        metrics["train/lr"] = scheduler.get_last_lr()[0]
+        scheduler.step()
+        shown = step % every == 0 or step == total_steps
+        if val is not None and shown:
+            metrics.update(evaluate(model, val, tokenizer, cfg))
+        logger.console = "console" in trainer.logger and shown
+        logger.log(step, metrics, total=total_steps)
+    logger.close()
+    out = export_hf(model, tokenizer, run_dir / "hf")
+    print_fn(f"reward model saved to {out} (use it as reward_model.model.path)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="klppo rm", description="Train a reward model from ranked responses.")
+    parser.add_argument("--config", "-c", help="YAML config")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    args = parser.parse_args(argv)
+    return run_cli(lambda: run_rm(load_rm_config(args.config, args.overrides)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""PPO scored by a reward model: raw scores, or each prompt's responses ranked by the reward model
+and the ranking distilled into rewards."""
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from klppo.rewards.ranking import group_ranking_rewards
+from klppo.trainer.main_ppo import run_ppo
+
+
+def quiet(*args, **kwargs) -> None:
+    """A print_fn that prints nothing."""
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tiny_model_dir, tmp_path_factory):
+    """A one-label sequence-classification model on the tiny backbone (with the same tokenizer)."""
+    out = tmp_path_factory.mktemp("rm")
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (out / name).write_bytes((tiny_model_dir / name).read_bytes())
+    return out
+
+
+def test_group_ranking_rewards_rank_within_each_prompt():
+    scores = torch.tensor([0.3, 2.0, -1.0, 5.0, 5.0, 1.0])
+    rewards = group_ranking_rewards(scores, torch.tensor([0, 0, 0, 1, 1, 1]), "bradley_terry")
+    assert rewards[1] > rewards[0] > rewards[2]  # group 0 ranked 1 > 0 > 2
+    assert rewards[3] == pytest.approx(rewards[4].item()) and rewards[3] > rewards[5]  # a tie stays a tie
+    assert rewards[:3].sum() == pytest.approx(0.0, abs=1e-5) and rewards[3:].sum() == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("rank", [False, True])
+def test_hf_run_scored_by_a_reward_model(ppo_overrides, task_dir, reward_model_dir, rank):
+    overrides = ppo_overrides(**{
+        "data.train_files": task_dir / "train.parquet", "actor_rollout_ref.rollout.name": "hf",
+        "reward_model.enable": "true", "reward_model.model.path": reward_model_dir,
+        "reward_model.rank_responses": str(rank).lower(), "trainer.total_training_steps": 1,
+    })
+    record = run_ppo(None, overrides, print_fn=quiet)[-1]
+    assert record["critic/score/max"] > record["critic/score/min"]  # the reward model tells responses apart
+    if rank:  # distilled within each prompt: rewards are centred per group
+        assert record["critic/score/mean"] == pytest.approx(0.0, abs=1e-5)
