@@ -189,3 +189,18 @@ def load_ranked_dataset(
         _, messages, responses, rankings, scores, source, truth, extra = checked[position]
         records.append(RankedRecord(len(records), messages, ids, responses, rankings, scores, source, truth, extra))
     return records
+
+
+def ranking_tiers(ranking: list) -> list[list[int]]:
+    """A ranking (best first; an entry may be a list of tied items) as a list of tiers."""
+    return [list(entry) if isinstance(entry, (list, tuple)) else [entry] for entry in ranking]
+
+
+def ranked_pairs(rankings: list[list]) -> list[tuple[int, int]]:
+    """(better, worse) for every pair of differently ranked responses, per annotator; ties give none."""
+    pairs = []
+    for ranking in rankings:
+        tiers = ranking_tiers(ranking)
+        for a, upper in enumerate(tiers):
+            pairs += [(i, j) for lower in tiers[a + 1 :] for i in upper for j in lower]
+    return pairs

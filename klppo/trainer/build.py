@@ -19,7 +19,7 @@ from klppo.algo import AdaptiveKLController, FixedKLController
 from klppo.config import PPOConfig
 from klppo.config.schema import GuardConfig
 from klppo.data.parquet import parquet_columns
-from klppo.data.ranked import load_ranked_dataset
+from klppo.data.ranked import RankedRecord, load_ranked_dataset
 from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
 from klppo.data.sampler import PromptBatches
 from klppo.errors import UserError
@@ -54,6 +54,7 @@ class PPOParts:
     reward_fn: Callable
     train_records: list[PromptRecord]
     val_records: Optional[list[PromptRecord]]
+    val_ranked: Optional[list[RankedRecord]]
     batches: PromptBatches
     total_steps: int
 
@@ -169,9 +170,8 @@ def forward_settings(cfg: PPOConfig) -> dict[str, ForwardSettings]:
     }
 
 
-def load_datasets(
-    cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable
-) -> tuple[list[PromptRecord], Optional[list[PromptRecord]]]:
+def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable):
+    """(train prompts, validation prompts or None, held-out ranked records or None)."""
     data, offline = cfg.data, cfg.actor_rollout_ref.rollout.name == "offline"
     common = dict(
         prompt_key=data.prompt_key,
@@ -191,15 +191,33 @@ def load_datasets(
     rule_scored = not cfg.reward_model.enable  # else the reward model scores every response
     if rule_scored and not (offline and all(r.scores is not None for r in train)):  # recorded scores need none
         check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in train], "data.train_files")
-    val = load_rl_dataset(data.val_files, tokenizer, **common) if data.val_files else None
+    val, val_ranked = load_val_datasets(cfg, tokenizer, common)
     if val is not None and rule_scored:
-        check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in val], "data.val_files")
+        try:
+            check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in val], "data.val_files")
+        except UserError as exc:
+            if val_ranked is None:
+                raise
+            log(f"validation generates nothing ({exc}); it measures preference agreement only")
+            val = None
     if len(train) < data.train_batch_size:
         raise UserError(
             f"data.train_batch_size={data.train_batch_size} is larger than the {len(train)} usable prompts "
             "in data.train_files; lower it or add data"
         )
-    return train, val
+    return train, val, val_ranked
+
+
+def load_val_datasets(cfg: PPOConfig, tokenizer, common: dict):
+    """Prompts to generate for, and held-out rankings (when data.val_files has ranking columns)."""
+    files = cfg.data.val_files
+    if not files:
+        return None, None
+    if not RANKING_COLUMNS & parquet_columns(files):
+        return load_rl_dataset(files, tokenizer, **common), None
+    ranked = load_ranked_dataset(files, tokenizer, **common)
+    ranking = cfg.reward_model.ranking
+    return with_ranking_rewards(ranked, ranking.method, scale=ranking.scale, center=ranking.center), ranked
 
 
 def check_enough_responses(records: list[PromptRecord], n: int) -> None:
@@ -233,7 +251,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
     model_cfg, trainer = cfg.actor_rollout_ref.model, cfg.trainer
     reward_fn = make_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     tokenizer = load_tokenizer(model_cfg.path)
-    train, val = load_datasets(cfg, tokenizer, reward_fn, log)
+    train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log)
     batches = PromptBatches(len(train), cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
     key = "actor_rollout_ref.model.path"
@@ -266,5 +284,5 @@ def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
         actor=actor, actor_optimizer=actor_optimizer, actor_scheduler=actor_scheduler, ref=ref, reward_model=reward_model,
         critic=critic, critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         kl_ctrl=build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon), reward_fn=reward_fn,
-        train_records=train, val_records=val, batches=batches, total_steps=total_steps,
+        train_records=train, val_records=val, val_ranked=val_ranked, batches=batches, total_steps=total_steps,
     )

@@ -18,25 +18,10 @@ import torch
 from klppo.algo import bradley_terry_loss, plackett_luce_loss
 from klppo.cli_support import quiet_libraries, run_cli
 from klppo.config import RMConfig, format_config, load_rm_config
-from klppo.data.ranked import RankedRecord
+from klppo.data.ranked import RankedRecord, ranked_pairs, ranking_tiers
 from klppo.models.forward import sequence_scores
 from klppo.rollout.batch import right_pad
 from klppo.trainer.update import chunks, optimizer_step
-
-
-def _tiers(ranking: list) -> list[list[int]]:
-    """A ranking (best first; an entry may be a list of tied items) as a list of tiers."""
-    return [list(entry) if isinstance(entry, (list, tuple)) else [entry] for entry in ranking]
-
-
-def ranked_pairs(rankings: list[list]) -> list[tuple[int, int]]:
-    """(better, worse) for every pair of differently ranked responses, per annotator; ties give none."""
-    pairs = []
-    for ranking in rankings:
-        tiers = _tiers(ranking)
-        for a, upper in enumerate(tiers):
-            pairs += [(i, j) for lower in tiers[a + 1 :] for i in upper for j in lower]
-    return pairs
 
 
 def score_records(model, records: list[RankedRecord], tokenizer, max_response_length: int) -> list[torch.Tensor]:
@@ -66,7 +51,7 @@ def ranking_loss(scores: list[torch.Tensor], records: list[RankedRecord], loss_t
     terms = []
     for s, record in zip(scores, records):
         for ranking in record.rankings:  # Plackett-Luce on the listed (strict) order of each ranking
-            order = [i for tier in _tiers(ranking) for i in tier]
+            order = [i for tier in ranking_tiers(ranking) for i in tier]
             terms.append(plackett_luce_loss(s[order].unsqueeze(0)))
     return torch.stack(terms).sum(), len(terms)
 

@@ -48,7 +48,7 @@ from klppo.trainer.build import (
 from klppo.trainer.guards import Action, RunGuard
 from klppo.trainer.score import compute_log_prob, compute_rm_scores, compute_scores, compute_values
 from klppo.trainer.update import update_actor, update_critic
-from klppo.trainer.validate import validate
+from klppo.trainer.validate import preference_agreement, validate
 
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
@@ -96,7 +96,8 @@ class PPOTrainer:
 
     def _train_to_the_end(self) -> list[dict[str, float]]:
         trainer, records = self.cfg.trainer, []
-        if self.p.val_records and trainer.val_before_train and self.step == 0:
+        has_val = bool(self.p.val_records or self.p.val_ranked)
+        if has_val and trainer.val_before_train and self.step == 0:
             records.append(self.logger.log(0, self._validate(), total=self.p.total_steps))
         while self.step < self.p.total_steps:
             self.step += 1
@@ -105,7 +106,7 @@ class PPOTrainer:
             if action is Action.ROLLBACK:
                 self._rollback()
             if action is Action.CONTINUE:
-                if self.p.val_records and trainer.test_freq > 0 and (self.step % trainer.test_freq == 0 or last):
+                if has_val and trainer.test_freq > 0 and (self.step % trainer.test_freq == 0 or last):
                     metrics.update(self._validate())
                 if last or (trainer.save_freq > 0 and self.step % trainer.save_freq == 0):
                     self.save()
@@ -241,10 +242,15 @@ class PPOTrainer:
         return metrics
 
     def _validate(self) -> dict[str, float]:
-        params = sampling_params(self.cfg, validation=True)
-        return validate(self.p.actor, self.p.val_records, self.p.tokenizer,
-                        lambda batch: self._token_scores(batch, validation=True), params,
-                        batch_size=self.cfg.data.val_batch_size)
+        p, metrics = self.p, {}
+        if p.val_records:
+            metrics.update(validate(p.actor, p.val_records, p.tokenizer,
+                                    lambda batch: self._token_scores(batch, validation=True),
+                                    sampling_params(self.cfg, validation=True), batch_size=self.cfg.data.val_batch_size))
+        if p.val_ranked:
+            metrics.update(preference_agreement(p.actor, p.val_ranked, p.tokenizer,
+                                                self.cfg.actor_rollout_ref.rollout.response_length))
+        return metrics
 
     def _log_events(self) -> None:
         for event in self.guard.drain_events():

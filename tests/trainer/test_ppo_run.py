@@ -54,6 +54,7 @@ def test_online_hf_run_generates_and_changes_the_actor(ppo_overrides, task_dir, 
     assert records[0]["step"] == 0 and "val-core/openai/gsm8k/reward/mean@1" in records[0]
     assert records[-1]["response_length/mean"] > 0
     assert "val-core/openai/gsm8k/reward/mean@1" in records[-1]
+    assert 0.0 <= records[-1]["val-aux/bleu"] <= 1.0 and 0.0 <= records[-1]["val-aux/rougeL"] <= 1.0
     assert _changed(_weights(tiny_model_dir), _weights(tmp_path / "run" / "actor_hf"))
 
 

@@ -56,3 +56,41 @@ def test_offline_ppo_from_rankings_prefers_the_better_responses(ppo_overrides, t
     assert records[-1]["critic/score/max"] > 0.5
     rows = pq.read_table(data).to_pylist()
     assert _margin(tmp_path / "run" / "actor_hf", rows) > _margin(tiny_model_dir, rows) + 1.0
+
+
+WORDS = ["great", "good", "fine", "bad"]  # best first: a preference that generalises across prompts
+
+
+def _word_ranked(path, n, seed):
+    import random
+
+    import pyarrow as pa
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(20), rng.randrange(20)
+        order = rng.sample(range(4), 4)
+        rows.append({"prompt": [{"role": "user", "content": f"Rate {a} and {b}."}],
+                     "responses": [f"{a} + {b} is {WORDS[k]}" for k in order],
+                     "ranking": sorted(range(4), key=lambda j: order[j])})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_preference_agreement_on_held_out_rankings_rises(ppo_overrides, tmp_path):
+    overrides = ppo_overrides(**{
+        "data.train_files": _word_ranked(tmp_path / "train.parquet", 16, 0),
+        "data.val_files": _word_ranked(tmp_path / "held_out.parquet", 8, 1),
+        "data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": "false",
+        "actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.actor.optim.lr": 3e-3,
+        "trainer.total_training_steps": 8, "trainer.test_freq": 8,
+    })
+    printed = []
+    records = run_ppo(None, overrides, print_fn=printed.append)
+    before, after = records[0]["val-core/preference_agreement"], records[-1]["val-core/preference_agreement"]
+    assert after > before and after >= 0.8, (before, after)
+    # Rows without a data_source cannot be scored by a rule, so validation only measures agreement.
+    assert any("preference agreement only" in line for line in printed)
+    assert not any(k.startswith("val-core/") and "reward" in k for k in records[-1])

@@ -12,7 +12,8 @@ from klppo.models.forward import sequence_scores
 from klppo.models.load import load_reward_model
 from klppo.monitoring.logger import read_metrics
 from klppo.rollout.batch import right_pad
-from klppo.trainer.main_rm import ranked_pairs, run_rm
+from klppo.data.ranked import ranked_pairs
+from klppo.trainer.main_rm import run_rm
 
 WORDS = ["great", "good", "fine", "bad"]  # best first: the preference the reward model must learn
 
