@@ -132,12 +132,14 @@ def compute_value_loss(
     """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2) (verl's compute_value_loss).
 
     vpreds (new values), returns (targets), values (values at rollout), response_mask:
-    (B, T). V_clip = values + clip(vpreds - values, -c, c). Returns the aggregated loss
+    (B, T). V_clip = clip(vpreds, values - c, values + c). Returns the aggregated loss
     (0-dim) and detached stats "critic/vf_loss", "critic/vf_clipfrac" (share of tokens
     where the clipped loss is the larger), "critic/vpred_mean".
     """
     mask = response_mask.bool()
-    vpredclipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
+    # Clamp vpreds itself (verl's form): values + clamp(vpreds - values) rounds differently with the
+    # batch split, so a prediction equal to its old value could count as clipped by chance.
+    vpredclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     vf_losses1 = (vpreds - returns) ** 2
     vf_losses2 = (vpredclipped - returns) ** 2
     vf_losses = torch.maximum(vf_losses1, vf_losses2)
