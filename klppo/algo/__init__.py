@@ -5,6 +5,8 @@ tensors (stats as 0-dim tensors). Names follow verl's `trainer/ppo/core_algos.py
 """
 
 from klppo.algo.advantages import (
+    ADV_ESTIMATORS,
+    compute_advantage,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
@@ -40,6 +42,8 @@ from klppo.algo.ranking import (
 from klppo.algo.stats import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
+    "ADV_ESTIMATORS",
+    "compute_advantage",
     "KL_PENALTY_NAMES",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",

@@ -13,7 +13,7 @@ runs under torch.no_grad. Names and conventions follow verl's
 instead of verl's per-sequence Python loop (tests check both give the same numbers).
 """
 
-from typing import Hashable, Sequence, Tuple, Union
+from typing import Hashable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -191,3 +191,32 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     adv = _zero_padding((scores - mean).unsqueeze(-1).expand_as(token_level_rewards), mask)
     advantages = _zero_padding(masked_whiten(adv, mask), mask)
     return advantages, advantages
+
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+def compute_advantage(
+    adv_estimator: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    *,
+    values: Optional[torch.Tensor] = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), each (B, T), by the named estimator; ``values`` only for "gae"."""
+    if adv_estimator == "gae":
+        return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
+    if adv_estimator == "grpo":
+        return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
+                                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+    if adv_estimator == "rloo":
+        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+    if adv_estimator == "reinforce_plus_plus":
+        return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
+    if adv_estimator == "reinforce_plus_plus_baseline":
+        return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index)
+    raise ValueError(f"unknown adv_estimator {adv_estimator!r}; use one of {', '.join(ADV_ESTIMATORS)}")

@@ -14,15 +14,7 @@ from typing import Callable
 
 import torch
 
-from klppo.algo import (
-    apply_kl_penalty,
-    compute_gae_advantage_return,
-    compute_grpo_outcome_advantage,
-    compute_reinforce_plus_plus_baseline_outcome_advantage,
-    compute_reinforce_plus_plus_outcome_advantage,
-    compute_rloo_outcome_advantage,
-)
-from klppo.algo import masked_mean
+from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.config import config_to_dict
 from klppo.checkpoint.state import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
@@ -48,24 +40,10 @@ from klppo.trainer.build import (
 from klppo.trainer.guards import Action, RunGuard
 from klppo.trainer.score import compute_log_prob, compute_rm_scores, compute_scores, compute_values
 from klppo.trainer.update import update_actor, update_critic
-from klppo.trainer.validate import preference_agreement, validate
+from klppo.trainer.validate import preference_agreement, sampled_kl_to_ref, validate
 
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
-
-
-def compute_advantages(batch: RolloutBatch, estimator: str, gamma: float, lam: float, norm_by_std: bool):
-    """(advantages, returns), each (B, T), by the configured estimator."""
-    rewards, mask, index = batch.token_level_rewards, batch.response_mask, batch.group_index
-    if estimator == "gae":
-        return compute_gae_advantage_return(rewards, batch.values, mask, gamma, lam)
-    if estimator == "grpo":
-        return compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=norm_by_std)
-    if estimator == "rloo":
-        return compute_rloo_outcome_advantage(rewards, mask, index)
-    if estimator == "reinforce_plus_plus":
-        return compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma)
-    return compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, index)
 
 
 class PPOTrainer:
@@ -134,8 +112,10 @@ class PPOTrainer:
             metrics = self._shape_rewards(batch)
             # step 5. advantages
             with timer.phase("adv"):
-                batch.advantages, batch.returns = compute_advantages(
-                    batch, algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo)
+                batch.advantages, batch.returns = compute_advantage(
+                    algo.adv_estimator, batch.token_level_rewards, batch.response_mask, batch.group_index,
+                    values=batch.values, gamma=algo.gamma, lam=algo.lam,
+                    norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
             # step 6. guard: KL of the sampling policy to the reference, finite rewards
             action = self._guard_before_update(batch)
             # step 7. update: critic, then actor
@@ -247,6 +227,9 @@ class PPOTrainer:
             metrics.update(validate(p.actor, p.val_records, p.tokenizer,
                                     lambda batch: self._token_scores(batch, validation=True),
                                     sampling_params(self.cfg, validation=True), batch_size=self.cfg.data.val_batch_size))
+            if p.ref is not None:
+                metrics.update(sampled_kl_to_ref(p.actor, p.ref, p.val_records, p.tokenizer, sampling_params(self.cfg),
+                                                 batch_size=self.cfg.data.val_batch_size))
         if p.val_ranked:
             metrics.update(preference_agreement(p.actor, p.val_ranked, p.tokenizer,
                                                 self.cfg.actor_rollout_ref.rollout.response_length))

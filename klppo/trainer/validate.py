@@ -87,3 +87,22 @@ def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_resp
             agree += int(loglik[better] > loglik[worse])
             total += 1
     return {"val-core/preference_agreement": agree / max(total, 1)}
+
+
+def sampled_kl_to_ref(
+    actor, ref, records: list[PromptRecord], tokenizer, params: SamplingParams, *, batch_size: int | None = None
+) -> dict[str, float]:
+    """``val-aux/kl_to_ref``: KL(policy || reference) per token, estimated on responses *sampled
+    from the policy* (k1 is unbiased only there; on recorded offline responses it is not a KL)."""
+    total, tokens = 0.0, 0
+    step = batch_size or len(records)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        for start in range(0, len(records), step):
+            batch = hf_rollout(actor, records[start : start + step], tokenizer, params)
+            batch = batch.to(next(actor.parameters()).device)
+            log_ratio = (compute_log_prob(actor, batch, micro_batch_rows=None, temperature=params.temperature)
+                         - compute_log_prob(ref, batch, micro_batch_rows=None, temperature=params.temperature))
+            total += float((log_ratio * batch.response_mask).sum())  # host sync
+            tokens += int(batch.response_mask.sum())
+    return {"val-aux/kl_to_ref": total / max(tokens, 1)}

@@ -202,3 +202,16 @@ def test_estimators_do_not_track_gradients():
     rewards = rewards.clone().requires_grad_(True)
     adv, _ = compute_grpo_outcome_advantage(rewards, mask, index)
     assert not adv.requires_grad
+
+
+def test_compute_advantage_dispatches_by_name_and_refuses_unknown_names():
+    from klppo.algo import compute_advantage, compute_grpo_outcome_advantage
+
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 2.0], [1.0, 0.0]])
+    mask = torch.ones_like(rewards, dtype=torch.bool)
+    index = [0, 0, 1, 1]
+    got = compute_advantage("grpo", rewards, mask, index)
+    want = compute_grpo_outcome_advantage(rewards, mask, index)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="grpo"):
+        compute_advantage("ppo", rewards, mask, index)
