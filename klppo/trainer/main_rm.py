@@ -21,6 +21,7 @@ from klppo.config import RMConfig, format_config, load_rm_config
 from klppo.data.ranked import RankedRecord, ranked_pairs, ranking_tiers
 from klppo.models.forward import sequence_scores
 from klppo.rollout.batch import right_pad
+from klppo.trainer.main_sft import supervised_loop
 from klppo.trainer.update import chunks, optimizer_step
 
 
@@ -124,17 +125,10 @@ def run_rm(cfg: RMConfig, print_fn=print) -> Path:
     (run_dir / "config.yaml").write_text(format_config(cfg))
     logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn,
                            console_keys=("train/loss", "train/pair_accuracy", "val/pair_accuracy"))
-    every = max(1, total_steps // 10)
-    for step in range(1, total_steps + 1):
-        metrics = rm_step(model, optimizer, [train[i] for i in batches.next_batch()], tokenizer, cfg)
-        metrics["train/lr"] = scheduler.get_last_lr()[0]
-        scheduler.step()
-        shown = step % every == 0 or step == total_steps
-        if val is not None and shown:
-            metrics.update(evaluate(model, val, tokenizer, cfg))
-        logger.console = "console" in trainer.logger and shown
-        logger.log(step, metrics, total=total_steps)
-    logger.close()
+    supervised_loop(
+        total_steps, lambda: rm_step(model, optimizer, [train[i] for i in batches.next_batch()], tokenizer, cfg),
+        (lambda: evaluate(model, val, tokenizer, cfg)) if val is not None else None, scheduler, logger, trainer.logger,
+    )
     out = export_hf(model, tokenizer, run_dir / "hf")
     print_fn(f"reward model saved to {out} (use it as reward_model.model.path)")
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -63,6 +64,25 @@ def sft_step(model, optimizer, batch, micro_batch_rows: int, clip_grad: float) -
     return loss_sum, optimizer_step(model, optimizer, clip_grad)
 
 
+def supervised_loop(total_steps: int, train_step: Callable[[], dict], evaluate: Optional[Callable[[], dict]],
+                    scheduler, logger, backends: list[str]) -> None:
+    """``total_steps`` optimiser steps of ``train_step``; validation and console ten times a run.
+
+    Shared by SFT and reward-model training; ``train_step`` returns the step's metrics.
+    """
+    every = max(1, total_steps // 10)
+    for step in range(1, total_steps + 1):
+        metrics = train_step()
+        metrics["train/lr"] = scheduler.get_last_lr()[0]
+        scheduler.step()
+        shown = step % every == 0 or step == total_steps
+        if evaluate is not None and shown:
+            metrics.update(evaluate())
+        logger.console = "console" in backends and shown
+        logger.log(step, metrics, total=total_steps)
+    logger.close()
+
+
 def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
     """Train and save; returns the Hugging Face folder written."""
     from klppo.checkpoint.state import export_hf
@@ -92,17 +112,16 @@ def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
     logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn,
                            console_keys=("train/loss", "val/loss", "train/lr", "train/grad_norm"))
     micro_rows = data.micro_batch_size_per_gpu or data.train_batch_size
-    every = max(1, total_steps // 10)  # console and validation cadence: ten times a run
-    for step in range(1, total_steps + 1):
+
+    def train_step() -> dict:
         batch = collate_sft([train[i] for i in batches.next_batch()], tokenizer.pad_token_id)
         loss, grad_norm = sft_step(model, optimizer, [t.to(device) for t in batch], micro_rows, cfg.optim.clip_grad)
-        metrics = {"train/loss": loss, "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": grad_norm}
-        scheduler.step()
-        shown = step % every == 0 or step == total_steps
-        if val is not None and shown:
-            metrics["val/loss"] = _evaluate(model, val, tokenizer.pad_token_id, micro_rows)
-        logger.console = "console" in trainer.logger and shown
-        logger.log(step, metrics, total=total_steps)
+        return {"train/loss": loss, "train/grad_norm": grad_norm}
+
+    def evaluate() -> dict:
+        return {"val/loss": _evaluate(model, val, tokenizer.pad_token_id, micro_rows)}
+
+    supervised_loop(total_steps, train_step, evaluate if val is not None else None, scheduler, logger, trainer.logger)
     out = export_hf(model, tokenizer, run_dir / "hf")
     print_fn(f"SFT model saved to {out}")
     return out
