@@ -351,15 +351,21 @@ def _check_trainer(trainer: TrainerConfig, out: list[Problem]) -> None:
 # ---- SFT ----
 
 
+def _check_supervised_inputs(cfg: SFTConfig | RMConfig, out: list[Problem]) -> None:
+    """The data files and the starting model of SFT and reward-model training."""
+    _check_files(out, "data.train_files", cfg.data.train_files, required=True)
+    _check_files(out, "data.val_files", cfg.data.val_files, required=False)
+    if not cfg.model.partial_pretrain:
+        key = "model.partial_pretrain"
+        out.append(Problem((key,), f"{key} is required: set it to a local Hugging Face model folder, "
+                           f"e.g. {key}=models/Qwen2.5-0.5B"))
+
+
 def check_sft(cfg: SFTConfig) -> list[Problem]:
     """All value problems of a resolved SFT config (``resolve_sft`` has run)."""
     out: list[Problem] = []
     data = cfg.data
-    _check_files(out, "data.train_files", data.train_files, required=True)
-    _check_files(out, "data.val_files", data.val_files, required=False)
-    if not cfg.model.partial_pretrain:
-        key = "model.partial_pretrain"
-        out.append(Problem((key,), f"{key} is required: set it to a local Hugging Face model folder, e.g. {key}=models/Qwen2.5-0.5B"))
+    _check_supervised_inputs(cfg, out)
     _positive(out, "data.max_length", data.max_length, "number of tokens")
     _positive(out, "data.train_batch_size", data.train_batch_size, "number of examples")
     _positive(out, "data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu, "number of examples")
@@ -395,11 +401,7 @@ def check_rm(cfg: RMConfig) -> list[Problem]:
     """All value problems of a reward-model training config."""
     out: list[Problem] = []
     data = cfg.data
-    _check_files(out, "data.train_files", data.train_files, required=True)
-    _check_files(out, "data.val_files", data.val_files, required=False)
-    if not cfg.model.partial_pretrain:
-        key = "model.partial_pretrain"
-        out.append(Problem((key,), f"{key} is required: set it to a local Hugging Face model folder"))
+    _check_supervised_inputs(cfg, out)
     for key in ("max_prompt_length", "max_response_length", "train_batch_size", "micro_batch_size_per_gpu"):
         _positive(out, f"data.{key}", getattr(data, key))
     if data.micro_batch_size_per_gpu and data.train_batch_size % data.micro_batch_size_per_gpu:
