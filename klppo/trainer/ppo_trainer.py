@@ -83,13 +83,15 @@ class PPOTrainer:
             metrics, action = self.train_step()
             if action is Action.ROLLBACK:
                 self._rollback()
-            if action is Action.CONTINUE:
-                if has_val and trainer.test_freq > 0 and (self.step % trainer.test_freq == 0 or last):
-                    metrics.update(self._validate())
-                if last or (trainer.save_freq > 0 and self.step % trainer.save_freq == 0):
-                    self.save()
+            if action is Action.CONTINUE and has_val and trainer.test_freq > 0 and (
+                    self.step % trainer.test_freq == 0 or last):
+                metrics.update(self._validate())
+            # Log before saving: a crash in between leaves a logged step that resume truncates and
+            # repeats, never a checkpointed step whose metrics were lost.
             self._log_events()
             records.append(self.logger.log(self.step, metrics, total=self.p.total_steps))
+            if action is Action.CONTINUE and (last or (trainer.save_freq > 0 and self.step % trainer.save_freq == 0)):
+                self.save()
             self.progress.advance(postfix={name: records[-1][k] for name, k in PROGRESS_KEYS.items() if k in records[-1]})
             if action is Action.STOP:
                 self.print(f"run stopped by its guard at step {self.step}; the newest checkpoint holds good weights")

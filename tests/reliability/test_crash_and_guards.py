@@ -25,9 +25,12 @@ def _comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/"))}
 
 
-def _train_cli(overrides, **popen):
+def _train_cli(overrides):
+    # One thread per process: multi-threaded CPU kernels may sum in a different order when the
+    # cores are contended, and this test compares two processes' numbers exactly.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "klppo.trainer.main_ppo", *overrides],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 240.0) -> None:
@@ -44,12 +47,12 @@ def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_o
     changes = {"trainer.total_training_steps": 6, "trainer.save_freq": 1, "actor_rollout_ref.rollout.name": "offline"}
     full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
     full = _train_cli(ppo_overrides(full_dir, **changes))
+    assert full.wait(timeout=300) == 0, full.stderr.read()
     kill_at = random.Random(os.getpid()).randint(2, 4)
     victim = _train_cli(ppo_overrides(killed_dir, **changes))
     _wait_for_step(killed_dir, kill_at, victim)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    assert full.wait(timeout=300) == 0, full.stderr.read()
     resumed = _train_cli(ppo_overrides(killed_dir, **changes))
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     expected = [_comparable(r) for r in read_metrics(full_dir)]
