@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 from klppo.config.schema import (
@@ -380,17 +380,16 @@ def check_sft(cfg: SFTConfig) -> list[Problem]:
 
 # ---- not supported yet: delete a line here when its feature lands ----
 
-_FSDP = "FSDP2 options take effect on multi-process runs, which klppo does not support yet"
+_OFFLOAD = "moving parameters or optimiser state between phases is not supported yet; fsdp_config.offload_policy: true keeps them on CPU with FSDP2's CPUOffloadPolicy"
 
 
 def not_yet_supported_ppo(cfg: PPOConfig) -> list[Problem]:
     """Knobs of later work, refused when set: left alone they would silently do nothing."""
     out: list[Problem] = []
     arf = cfg.actor_rollout_ref
-    _refuse_fsdp_options(out, f"{ACTOR}.fsdp_config", arf.actor.fsdp_config)
-    _refuse_fsdp_options(out, f"{ARF}.ref.fsdp_config", arf.ref.fsdp_config)
-    _refuse_fsdp_options(out, "critic.model.fsdp_config", cfg.critic.model.fsdp_config)
-    _refuse_multi_process(out, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
+    _refuse_offload_between_phases(out, f"{ACTOR}.fsdp_config", arf.actor.fsdp_config)
+    _refuse_offload_between_phases(out, f"{ARF}.ref.fsdp_config", arf.ref.fsdp_config)
+    _refuse_offload_between_phases(out, "critic.model.fsdp_config", cfg.critic.model.fsdp_config)
     if arf.rollout.name == "vllm":
         out.append(Problem((f"{ROLLOUT}.name",), f"{ROLLOUT}.name = 'vllm' needs CUDA and the vllm package and is not supported yet; use 'hf' (generate with the model) or 'offline' (responses from the data)"))
     _refuse_loggers(out, cfg.trainer.logger)
@@ -423,13 +422,11 @@ def not_yet_supported_sft(cfg: SFTConfig) -> list[Problem]:
     return out
 
 
-def _refuse_fsdp_options(out: list[Problem], prefix: str, fsdp: FSDPConfig) -> None:
-    default = FSDPConfig()
-    for f in fields(FSDPConfig):
-        value = getattr(fsdp, f.name)
-        if value != getattr(default, f.name):
-            key = f"{prefix}.{f.name}"
-            out.append(Problem((key,), f"{key} = {_yaml(value)}: {_FSDP}; remove it or set it to {_yaml(getattr(default, f.name))}"))
+def _refuse_offload_between_phases(out: list[Problem], prefix: str, fsdp: FSDPConfig) -> None:
+    for name in ("param_offload", "optimizer_offload"):
+        if getattr(fsdp, name):
+            key = f"{prefix}.{name}"
+            out.append(Problem((key,), f"{key} = true: {_OFFLOAD}; remove it or set it to false"))
 
 
 def _yaml(value: object) -> str:

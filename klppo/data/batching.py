@@ -137,6 +137,31 @@ def balance_across_ranks(seq_lens: Sequence[int], world_size: int) -> list[list[
     return sorted(parts, key=lambda p: min(p, default=-1))
 
 
+def rank_shards(seq_lens: Sequence[int], world_size: int, chunk_rows: int, balance: bool) -> list[list[int]]:
+    """Rows of the global batch each rank scores and trains on, mini-batch by mini-batch.
+
+    The batch is cut into consecutive chunks of ``chunk_rows`` (a mini-batch, or the common
+    divisor of the actor's and critic's mini-batch rows) and every chunk is split evenly over
+    the ranks, contiguously or, with ``balance``, by ``balance_across_ranks``. Rank r's rows
+    are its share of chunk 0, then of chunk 1, ...; so its k-th local mini-batch holds exactly
+    its share of the global k-th mini-batch, and the ranks together train on the same
+    mini-batches as one process would.
+    """
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for start in range(0, len(seq_lens), chunk_rows):
+        chunk = list(range(start, min(start + chunk_rows, len(seq_lens))))
+        if len(chunk) % world_size:
+            raise ValueError(f"a mini-batch of {len(chunk)} rows does not split evenly over {world_size} ranks")
+        if balance:
+            parts = [[chunk[i] for i in part] for part in balance_across_ranks([seq_lens[i] for i in chunk], world_size)]
+        else:
+            size = len(chunk) // world_size
+            parts = [chunk[r * size : (r + 1) * size] for r in range(world_size)]
+        for shard, part in zip(shards, parts):
+            shard.extend(part)
+    return shards
+
+
 def seqlen_balance_metrics(
     seq_lens: Sequence[int], partitions: list[list[int]], prefix: str = "global_seqlen"
 ) -> dict[str, float]:

@@ -1,7 +1,11 @@
-"""The only user of ``torch.distributed``: process group, collectives, device mesh, FSDP2."""
+"""The only user of ``torch.distributed``: process group, collectives, device mesh, FSDP2, DCP."""
 
+from klppo.dist.checkpoint import load_sharded, load_training_state, save_sharded, training_state
 from klppo.dist.env import (
     DistEnv,
+    abandon,
+    all_gather_padded,
+    all_gather_rows,
     all_reduce_max_int,
     all_reduce_sum,
     barrier,
@@ -11,9 +15,11 @@ from klppo.dist.env import (
     reduce_stats,
     shard_range,
 )
-from klppo.dist.fsdp import apply_fsdp2, build_mesh, full_state_dict
+from klppo.dist.fsdp import apply_fsdp2, build_mesh, full_state_dict, gather_full_model, is_sharded
 
 __all__ = [
-    "DistEnv", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2", "barrier", "build_mesh", "close", "full_state_dict",
-    "init_distributed", "reduce_counts", "reduce_stats", "shard_range",
+    "DistEnv", "abandon", "all_gather_padded", "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2",
+    "barrier", "build_mesh", "close", "full_state_dict", "gather_full_model", "init_distributed", "is_sharded",
+    "load_sharded", "load_training_state", "reduce_counts", "reduce_stats", "save_sharded", "shard_range",
+    "training_state",
 ]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from klppo.errors import UserError
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -28,32 +30,48 @@ def _device(device: str, local_rank: int) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+            raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
         return torch.device("cuda", local_rank)
     if device != "cpu":
-        raise ValueError(f"trainer.device must be auto, cpu or cuda, not '{device}'")
+        raise UserError(f"trainer.device must be auto, cpu or cuda, not '{device}'")
     return torch.device("cpu")
 
 
-def init_distributed(device: str = "auto") -> DistEnv:
-    """This process's ``DistEnv``; joins torchrun's process group (gloo on CPU, nccl on CUDA)."""
+def init_distributed(device: str = "auto", *, group_of_one: bool = False) -> DistEnv:
+    """This process's ``DistEnv``; joins torchrun's process group (gloo on CPU, nccl on CUDA).
+
+    A single process gets no process group, unless ``group_of_one`` asks for a group of one
+    rank (FSDP2 needs one, e.g. for bf16 mixed precision or CPU offload on one device).
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _device(device, local_rank)
-    if world_size == 1:
+    if world_size == 1 and not group_of_one:
         return DistEnv(rank=0, world_size=1, local_rank=0, device=dev, is_distributed=False)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                device_id=dev if dev.type == "cuda" else None)
+        device_id = dev if dev.type == "cuda" else None
+        if world_size == 1:  # no rendezvous needed: an in-memory store
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+        else:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, device_id=device_id)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, is_distributed=True)
 
 
 def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def abandon(env: DistEnv) -> None:
+    """After an error: leave the process group without waiting for the other ranks.
+
+    torchrun sees this rank fail and stops the others; a barrier here would hang instead.
+    """
+    if env.is_distributed and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -86,6 +104,27 @@ def reduce_stats(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(stats)
     summed = all_reduce_sum(torch.stack([stats[k].detach().float().reshape(()) for k in keys]))
     return dict(zip(keys, summed.unbind()))
+
+
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` (the same shape on every rank) stacked along dim 0 in rank order."""
+    if not _active():
+        return t
+    dtype = t.dtype
+    local = t.to(_comm_device(), torch.uint8 if dtype == torch.bool else dtype).contiguous()  # gloo has no bool
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return torch.cat(parts).to(t.device, dtype)
+
+
+def all_gather_padded(t: torch.Tensor, pad_value: int | float) -> torch.Tensor:
+    """(b, w_r) tensors of equal ``b`` but their own widths: right-padded to the widest, then stacked."""
+    if not _active():
+        return t
+    width = all_reduce_max_int(t.shape[1])
+    padded = torch.nn.functional.pad(t.to(torch.int64) if t.dtype == torch.bool else t, (0, width - t.shape[1]),
+                                     value=pad_value)
+    return all_gather_rows(padded).to(t.dtype)
 
 
 def shard_range(n_items: int, env: DistEnv) -> slice:

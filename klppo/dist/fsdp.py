@@ -7,10 +7,13 @@ per-rank gradients is the gradient of the global mini-batch, whatever the world 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def build_mesh(world_size: int, fsdp_size: int = -1, device_type: str = "cpu") -> DeviceMesh:
@@ -42,6 +45,9 @@ def apply_fsdp2(
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     if not block_names:
         raise ValueError(f"{type(model).__name__} names no _no_split_modules; cannot tell its decoder blocks")
+    # Hugging Face value heads return views; klppo never modifies model outputs in place (the
+    # 2-rank == 1-process tests compare the resulting gradients), so FSDP2's warning is noise.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -63,3 +69,25 @@ def apply_fsdp2(
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole (unsharded) parameters on CPU, on rank 0 (an empty dict elsewhere); call on every rank."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True for a model wrapped by ``apply_fsdp2``."""
+    return isinstance(model, FSDPModule)
+
+
+def gather_full_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A plain, unsharded CPU copy of a Hugging Face model on rank 0 (None elsewhere); collective.
+
+    ``fully_shard`` swaps the model's class for an ``FSDP<Name>`` subclass, which
+    ``save_pretrained`` would record as the architecture; the copy has the original class.
+    """
+    state = full_state_dict(model)
+    if dist.get_rank() != 0:
+        return None
+    plain_class = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    plain = plain_class(model.config)
+    plain.load_state_dict(state)
+    if getattr(model, "generation_config", None) is not None:
+        plain.generation_config = model.generation_config
+    return plain

@@ -21,8 +21,12 @@ class SamplingParams:
 
 
 @torch.no_grad()
-def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingParams) -> RolloutBatch:
+def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingParams, *,
+               synced_gpus: bool = False) -> RolloutBatch:
     """Sample ``params.n`` responses per prompt; rows grouped by prompt as in ``offline_rollout``.
+
+    ``synced_gpus`` (sharded models): every rank keeps running forwards until all ranks have
+    finished, so FSDP2's per-forward collectives line up.
 
     Tokens after a response's first EOS are replaced by padding and masked out. Sampling
     draws from torch's global RNG, which checkpoints save and restore, so a resumed run
@@ -45,6 +49,7 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         use_cache=True,
+        synced_gpus=synced_gpus,
         **sampling,
     )
     model.train(was_training)

@@ -17,11 +17,12 @@ import torch
 
 from klppo.algo import AdaptiveKLController, FixedKLController
 from klppo.config import PPOConfig
-from klppo.config.schema import GuardConfig
+from klppo.config.schema import FSDPConfig, GuardConfig
 from klppo.data.parquet import parquet_columns
 from klppo.data.ranked import RankedRecord, load_ranked_dataset
 from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
 from klppo.data.sampler import PromptBatches
+from klppo.dist import DistEnv, apply_fsdp2, build_mesh, init_distributed
 from klppo.errors import UserError
 from klppo.models.forward import use_packed_attention
 from klppo.models.load import check_same_tokenizer, load_causal_lm, load_critic, load_reward_model, load_tokenizer
@@ -40,7 +41,7 @@ CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus
 class PPOParts:
     cfg: PPOConfig
     run_dir: Path
-    device: torch.device
+    env: DistEnv  # this rank, the world, and the device
     tokenizer: object
     actor: torch.nn.Module
     actor_optimizer: torch.optim.Optimizer
@@ -57,6 +58,67 @@ class PPOParts:
     val_ranked: Optional[list[RankedRecord]]
     batches: PromptBatches
     total_steps: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+
+PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # None: no mixed precision
+
+
+def fsdp_sections(cfg: PPOConfig) -> dict[str, FSDPConfig]:
+    arf = cfg.actor_rollout_ref
+    return {"actor_rollout_ref.actor.fsdp_config": arf.actor.fsdp_config,
+            "actor_rollout_ref.ref.fsdp_config": arf.ref.fsdp_config,
+            "critic.model.fsdp_config": cfg.critic.model.fsdp_config}
+
+
+def wants_fsdp_options(cfg: PPOConfig) -> bool:
+    """True when an ``fsdp_config`` asks for something only FSDP2 does (then even one process shards)."""
+    return any(section != FSDPConfig() for section in fsdp_sections(cfg).values())
+
+
+def start_processes(cfg: PPOConfig) -> DistEnv:
+    """Join torchrun's process group (or a group of one, for FSDP2 options) and check the world."""
+    env = init_distributed(cfg.trainer.device, group_of_one=wants_fsdp_options(cfg))
+    check_world(cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes, env.world_size)
+    return env
+
+
+def check_world(n_gpus_per_node: int, nnodes: int, world_size: int) -> None:
+    if n_gpus_per_node * nnodes != world_size:
+        raise UserError(
+            f"trainer.n_gpus_per_node x trainer.nnodes = {n_gpus_per_node} x {nnodes} = {n_gpus_per_node * nnodes}, "
+            f"but this run has {world_size} process(es); launch with torchrun --nnodes {nnodes} --nproc_per_node "
+            f"{n_gpus_per_node}, or set the two keys to the world you launch"
+        )
+
+
+def check_divisible_over_ranks(cfg: PPOConfig, world_size: int) -> None:
+    """Prompts and every mini-batch must split evenly over the ranks (verl's rule too)."""
+    arf = cfg.actor_rollout_ref
+    sizes = {"data.train_batch_size": cfg.data.train_batch_size,
+             "actor_rollout_ref.actor.ppo_mini_batch_size": arf.actor.ppo_mini_batch_size * arf.rollout.n}
+    if uses_critic(cfg):
+        sizes["critic.ppo_mini_batch_size"] = cfg.critic.ppo_mini_batch_size * arf.rollout.n
+    for key, size in sizes.items():
+        if size % world_size:
+            raise UserError(f"{key} gives {size} rows per batch, which do not split evenly over {world_size} ranks; "
+                            f"make it a multiple of {world_size}")
+
+
+def shard(model: torch.nn.Module, fsdp: FSDPConfig, env: DistEnv, meshes: dict) -> torch.nn.Module:
+    """FSDP2 over the ranks when the run has a process group; the model as it is otherwise."""
+    if not env.is_distributed:
+        return model
+    if fsdp.fsdp_size not in meshes:
+        try:
+            meshes[fsdp.fsdp_size] = build_mesh(env.world_size, fsdp.fsdp_size, env.device.type)
+        except ValueError as exc:
+            raise UserError(f"fsdp_config.fsdp_size: {exc}") from None
+    return apply_fsdp2(model, meshes[fsdp.fsdp_size], param_dtype=PARAM_DTYPES[fsdp.dtype],
+                       reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.offload_policy)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -244,10 +306,17 @@ def build_optimizer_and_scheduler(model, optim, total_steps: int):
     return optimizer, scheduler
 
 
-def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
-    """Load data and models and build optimisers, schedules, KL controller and reward function."""
-    seed_everything(cfg.data.seed)
-    device = resolve_device(cfg.trainer.device)
+def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None) -> PPOParts:
+    """Load data and models and build optimisers, schedules, KL controller and reward function.
+
+    ``env`` (from ``start_processes``) says which rank this is; each model is sharded with
+    FSDP2 over the ranks when there is a process group. Every rank reads the data and draws
+    the same batches; rank r samples from its own random stream (seed + r).
+    """
+    env = env or start_processes(cfg)
+    check_divisible_over_ranks(cfg, env.world_size)
+    seed_everything(cfg.data.seed + env.rank)
+    device, meshes, fsdp = env.device, {}, fsdp_sections(cfg)
     model_cfg, trainer = cfg.actor_rollout_ref.model, cfg.trainer
     reward_fn = make_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     tokenizer = load_tokenizer(model_cfg.path)
@@ -257,7 +326,6 @@ def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
     key = "actor_rollout_ref.model.path"
     actor = load_causal_lm(model_cfg.path, key=key, device=device,
                            gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
-    actor_optimizer, actor_scheduler = build_optimizer_and_scheduler(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
     ref = None
     if uses_reference(cfg):
         ref = load_causal_lm(model_cfg.path, key=key, device=device).eval().requires_grad_(False)
@@ -265,22 +333,28 @@ def build_ppo(cfg: PPOConfig, log: Callable = print) -> PPOParts:
         for model in (actor, ref):
             if model is not None:
                 use_packed_attention(model)
+    actor = shard(actor, fsdp["actor_rollout_ref.actor.fsdp_config"], env, meshes)
+    actor_optimizer, actor_scheduler = build_optimizer_and_scheduler(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
+    if ref is not None:
+        ref = shard(ref, fsdp["actor_rollout_ref.ref.fsdp_config"], env, meshes)
     reward_model = None
     if cfg.reward_model.enable:
         path, rm_key = cfg.reward_model.model.path, "reward_model.model.path"
         check_same_tokenizer(tokenizer, path, rm_key)
         reward_model = load_reward_model(path, key=rm_key, device=device).eval().requires_grad_(False)
+        reward_model = shard(reward_model, fsdp["actor_rollout_ref.ref.fsdp_config"], env, meshes)
     critic = critic_optimizer = critic_scheduler = None
     if uses_critic(cfg):
         check_same_tokenizer(tokenizer, cfg.critic.model.path, "critic.model.path")
         critic = load_critic(cfg.critic.model.path, key="critic.model.path", device=device, seed=cfg.data.seed,
                              gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing)
-        critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
         if cfg.critic.model.use_remove_padding:
             use_packed_attention(critic)
+        critic = shard(critic, fsdp["critic.model.fsdp_config"], env, meshes)
+        critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
     kl = cfg.algorithm.kl_ctrl
     return PPOParts(
-        cfg=cfg, run_dir=Path(trainer.default_local_dir), device=device, tokenizer=tokenizer,
+        cfg=cfg, run_dir=Path(trainer.default_local_dir), env=env, tokenizer=tokenizer,
         actor=actor, actor_optimizer=actor_optimizer, actor_scheduler=actor_scheduler, ref=ref, reward_model=reward_model,
         critic=critic, critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         kl_ctrl=build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon), reward_fn=reward_fn,

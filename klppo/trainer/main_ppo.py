@@ -1,4 +1,9 @@
-"""``python -m klppo.trainer.main_ppo --config x.yaml [key.path=value ...]``: one PPO run."""
+"""``python -m klppo.trainer.main_ppo --config x.yaml [key.path=value ...]``: one PPO run.
+
+The same command runs under ``torchrun --nproc_per_node N -m klppo.trainer.main_ppo ...``:
+every process joins the process group, trains its share, and leaves it cleanly; a process
+that fails leaves at once, and torchrun stops the others.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,30 @@ from klppo.config import format_config, load_ppo_config
 
 def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> list[dict]:
     """Validate the config, build everything, train; returns the logged metrics records."""
-    from klppo.trainer.build import build_ppo
+    from klppo.dist import abandon, barrier, close
+    from klppo.trainer.build import build_ppo, start_processes
     from klppo.trainer.ppo_trainer import PPOTrainer
 
     cfg = load_ppo_config(config_path, overrides)
     quiet_libraries()
-    parts = build_ppo(cfg, log=print_fn)  # every user error surfaces here, before anything is written
-    parts.run_dir.mkdir(parents=True, exist_ok=True)
-    (parts.run_dir / "config.yaml").write_text(format_config(cfg))
-    return PPOTrainer(parts, print_fn=print_fn).fit()
+    env = start_processes(cfg)
+    try:
+        parts = build_ppo(cfg, log=print_fn if env.rank == 0 else _silent, env=env)  # user errors surface here
+        if env.rank == 0:
+            parts.run_dir.mkdir(parents=True, exist_ok=True)
+            (parts.run_dir / "config.yaml").write_text(format_config(cfg))
+        barrier()
+        records = PPOTrainer(parts, print_fn=print_fn).fit()
+    except BaseException:
+        abandon(env)
+        raise
+    del parts
+    close(env)
+    return records
+
+
+def _silent(*args, **kwargs) -> None:
+    """Ranks other than 0 keep their notes to themselves (rank 0 says the same)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

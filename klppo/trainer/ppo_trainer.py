@@ -7,6 +7,8 @@ lives in ``run_state`` and the guards' decisions in ``guards``.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -16,14 +18,16 @@ import torch
 
 from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.config import config_to_dict
-from klppo.checkpoint.state import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir
+from klppo.checkpoint.state import export_hf, latest_checkpoint, step_dir
+from klppo.data.batching import rank_shards, restore_order, seqlen_balance_metrics
+from klppo.dist import all_gather_padded, all_gather_rows, all_reduce_max_int, barrier, reduce_counts, reduce_stats, shard_range
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics
 from klppo.monitoring.progress import Progress
 from klppo.monitoring.timer import PhaseTimer
-from klppo.rollout.batch import RolloutBatch
+from klppo.rollout.batch import RolloutBatch, assemble_batch
 from klppo.rollout.hf import hf_rollout
 from klppo.rollout.offline import offline_rollout
 from klppo.rewards.ranking import group_ranking_rewards
@@ -46,24 +50,52 @@ from klppo.trainer.validate import preference_agreement, sampled_kl_to_ref, vali
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
 
 
+@dataclasses.dataclass(frozen=True)
+class StepShards:
+    """Which rows of the step's global batch each rank scores and trains on (``rank_shards``)."""
+
+    rows: list[list[int]]  # global row indices, per rank
+    rank: int
+
+    @property
+    def mine(self) -> list[int]:
+        return self.rows[self.rank]
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's per-row ``local`` results (for its ``mine`` rows) in the global batch's order."""
+        return restore_order(all_gather_rows(local), [i for rows in self.rows for i in rows])
+
+
+def per_rank(settings, world_size: int):
+    """Update settings for one rank's share: its mini-batches hold 1/world of the global rows."""
+    return dataclasses.replace(settings, mini_batch_rows=settings.mini_batch_rows // world_size)
+
+
 class PPOTrainer:
     """Runs ``parts.total_steps`` PPO iterations, resuming from the latest checkpoint if asked."""
 
     def __init__(self, parts: PPOParts, print_fn: Callable = print) -> None:
-        self.p, self.cfg, self.print = parts, parts.cfg, print_fn
+        self.p, self.cfg, self.env = parts, parts.cfg, parts.env
+        self.print = print_fn if self.env.rank == 0 else (lambda *args, **kwargs: None)
         trainer = self.cfg.trainer
-        self.logger = MetricsLogger(parts.run_dir, trainer.logger, print_fn=print_fn, project_name=trainer.project_name,
-                                    experiment_name=trainer.experiment_name, config=config_to_dict(self.cfg))
+        self.logger = MetricsLogger(parts.run_dir, trainer.logger, print_fn=self.print, rank=self.env.rank,
+                                    project_name=trainer.project_name, experiment_name=trainer.experiment_name,
+                                    config=config_to_dict(self.cfg))
         self.progress = None
         self.guard = RunGuard(guard_settings(self.cfg))
-        self.actor_settings, self.step = actor_settings(self.cfg), 0
+        world = self.env.world_size
+        self.actor_settings, self.step = per_rank(actor_settings(self.cfg), world), 0
         self.forwards = forward_settings(self.cfg)  # how old/ref log-probs and values split the batch
-        self.critic_settings = critic_settings(self.cfg) if parts.critic is not None else None
+        self.critic_settings = per_rank(critic_settings(self.cfg), world) if parts.critic is not None else None
+        # Rows are dealt to ranks in chunks that are whole mini-batches of both the actor and the critic.
+        global_rows = [s.mini_batch_rows * world for s in (self.actor_settings, self.critic_settings) if s is not None]
+        self.shard_chunk_rows = math.gcd(*global_rows)
 
     def fit(self) -> list[dict[str, float]]:
         """Train to the last step (or until a guard stops the run); returns the metrics logged."""
         self._resume()
-        self.progress = Progress(total=self.p.total_steps, initial=self.step, desc="ppo")
+        self.progress = Progress(total=self.p.total_steps, initial=self.step, desc="ppo",
+                                 quiet=None if self.env.rank == 0 else True)
         if self.print is print:  # console lines go above the bar
             self.logger.print_fn = self.print = self.progress.write
         try:
@@ -96,7 +128,7 @@ class PPOTrainer:
             if action is Action.STOP:
                 self.print(f"run stopped by its guard at step {self.step}; the newest checkpoint holds good weights")
                 return records
-        export_hf(self.p.actor, self.p.tokenizer, self.p.run_dir / "actor_hf")
+        export_hf(self.p.actor, self.p.tokenizer, self.p.run_dir / "actor_hf", self.env)
         self.print(f"actor exported to {self.p.run_dir / 'actor_hf'}")
         return records
 
@@ -108,8 +140,10 @@ class PPOTrainer:
             # step 2. responses
             with timer.phase("gen"):
                 batch = self._rollout(records).to(p.device)
+            # Every rank holds the whole batch; each scores and trains on its own rows.
+            shards = self._shards(batch)
             # step 3. score: old and reference log-probs, values, rewards
-            self._score(batch, timer)
+            self._score(batch, shards, timer)
             # step 4. shape: token rewards = scores - beta * KL(old || ref)
             metrics = self._shape_rewards(batch)
             # step 5. advantages
@@ -122,46 +156,69 @@ class PPOTrainer:
             action = self._guard_before_update(batch)
             # step 7. update: critic, then actor
             if action is Action.CONTINUE:
-                metrics.update(self._update(batch, timer))
+                metrics.update(self._update(batch.select(shards.mine), timer))
                 action = self._guard_after_update(metrics)
         # step 8. metrics
         metrics.update(compute_data_metrics(batch, self.cfg.actor_rollout_ref.rollout.response_length))
         metrics.update(timer.metrics())
-        metrics.update(compute_throughput_metrics(batch, timer.seconds["step"]))
-        metrics.update(self._efficiency_metrics(batch, timer.seconds))
+        metrics.update(compute_throughput_metrics(batch, timer.seconds["step"], n_devices=self.env.world_size))
+        metrics.update(self._efficiency_metrics(batch.select(shards.mine), timer.seconds))
+        if self.cfg.trainer.balance_batch:
+            metrics.update(seqlen_balance_metrics(batch.attention_mask.sum(-1).tolist(), shards.rows))
         metrics.update({"training/epoch": p.batches.epoch, "guard/rollbacks": self.guard.rollbacks})
         return metrics, action
 
     def _rollout(self, records) -> RolloutBatch:
-        rollout = self.cfg.actor_rollout_ref.rollout
+        """The step's whole batch, on every rank: recorded responses, or each rank samples for its
+        share of the prompts and the responses are gathered."""
+        rollout, tokenizer = self.cfg.actor_rollout_ref.rollout, self.p.tokenizer
         if rollout.name == "offline":
-            return offline_rollout(records, n=rollout.n, tokenizer=self.p.tokenizer,
-                                   max_response_length=rollout.response_length)
-        return hf_rollout(self.p.actor, records, self.p.tokenizer, sampling_params(self.cfg))
+            return offline_rollout(records, n=rollout.n, tokenizer=tokenizer, max_response_length=rollout.response_length)
+        mine = records[shard_range(len(records), self.env)]
+        local = hf_rollout(self.p.actor, mine, tokenizer, sampling_params(self.cfg), synced_gpus=self.env.is_distributed)
+        if not self.env.is_distributed:
+            return local
+        return assemble_batch(records, rollout.n, tokenizer.pad_token_id,
+                              all_gather_padded(local.response_ids, tokenizer.pad_token_id),
+                              all_gather_padded(local.response_mask, 0))
 
-    def _score(self, batch: RolloutBatch, timer: PhaseTimer) -> None:
+    def _shards(self, batch: RolloutBatch) -> StepShards:
+        lengths = batch.attention_mask.sum(-1).tolist()  # host sync
+        rows = rank_shards(lengths, self.env.world_size, self.shard_chunk_rows, self.cfg.trainer.balance_batch)
+        return StepShards(rows, self.env.rank)
+
+    def _score(self, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer) -> None:
+        """Each rank runs the forwards for its rows; the results are gathered into ``batch``."""
         p, f, temperature = self.p, self.forwards, self.actor_settings.temperature
+        mine, sync = batch.select(shards.mine), {"max_over_ranks": all_reduce_max_int}
         with timer.phase("old_log_prob"):
-            batch.old_log_prob = compute_log_prob(p.actor, batch, temperature=temperature, **asdict(f["old_log_prob"]))
+            batch.old_log_prob = shards.gather(
+                compute_log_prob(p.actor, mine, temperature=temperature, **asdict(f["old_log_prob"]), **sync))
         if p.ref is not None:
             with timer.phase("ref"):
-                batch.ref_log_prob = compute_log_prob(p.ref, batch, temperature=temperature, **asdict(f["ref"]))
+                batch.ref_log_prob = shards.gather(
+                    compute_log_prob(p.ref, mine, temperature=temperature, **asdict(f["ref"]), **sync))
         if p.critic is not None:
             with timer.phase("values"):
-                batch.values = compute_values(p.critic, batch, **asdict(f["values"]))
+                batch.values = shards.gather(compute_values(p.critic, mine, **asdict(f["values"]), **sync))
         with timer.phase("reward"):
-            batch.token_level_scores = self._token_scores(batch)
+            scores = shards.gather(self._sequence_scores(mine))
+            batch.token_level_scores = self._token_scores(batch, scores)
 
-    def _token_scores(self, batch: RolloutBatch, validation: bool = False) -> torch.Tensor:
-        """(B, T) scores at the last response tokens: recorded offline scores, else the reward
-        model's (raw, or distilled from each prompt's ranking), else the reward function's."""
+    def _sequence_scores(self, batch: RolloutBatch) -> torch.Tensor:
+        """(B,) one score per response: recorded offline scores, else the reward model's, else the reward function's."""
         p, rm = self.p, self.cfg.reward_model
         if batch.recorded_scores is not None:
-            return scores_at_last_token(batch.recorded_scores.to(p.device), batch.response_mask)
+            return batch.recorded_scores.to(p.device)
         if p.reward_model is None:
             return compute_scores(batch, p.tokenizer, p.reward_fn)
-        scores = compute_rm_scores(p.reward_model, batch, micro_batch_rows=rm.micro_batch_size_per_gpu)
-        if rm.rank_responses and not validation:
+        return compute_rm_scores(p.reward_model, batch, micro_batch_rows=rm.micro_batch_size_per_gpu)
+
+    def _token_scores(self, batch: RolloutBatch, scores: torch.Tensor, validation: bool = False) -> torch.Tensor:
+        """(B, T) the scores at the last response tokens; reward-model scores of training batches
+        are first distilled from each prompt's ranking when ``reward_model.rank_responses``."""
+        rm = self.cfg.reward_model
+        if self.p.reward_model is not None and batch.recorded_scores is None and rm.rank_responses and not validation:
             scores = group_ranking_rewards(scores, batch.group_index, rm.ranking.method,
                                            scale=rm.ranking.scale, center=rm.ranking.center)
         return scores_at_last_token(scores, batch.response_mask)
@@ -180,13 +237,16 @@ class PPOTrainer:
 
     def _update(self, batch: RolloutBatch, timer: PhaseTimer) -> dict[str, torch.Tensor | float]:
         p, metrics = self.p, {}
+        # Losses normalised by global counts, metric shares summed, equal micro-batch counts: the
+        # ranks together make the update one process would make on the whole batch.
+        sync = dict(reduce_counts=reduce_counts, reduce_stats=reduce_stats, max_over_ranks=all_reduce_max_int)
         if p.critic is not None:
             with timer.phase("update_critic"):
-                metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.critic_settings))
+                metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.critic_settings, **sync))
             metrics["critic/lr"] = p.critic_scheduler.get_last_lr()[0]
             p.critic_scheduler.step()
         with timer.phase("update_actor"):
-            metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.actor_settings))
+            metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.actor_settings, **sync))
         metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]
         p.actor_scheduler.step()
         return metrics
@@ -226,12 +286,15 @@ class PPOTrainer:
     def _validate(self) -> dict[str, float]:
         p, metrics = self.p, {}
         if p.val_records:
+            # Every rank validates on the whole set (the same private random stream), in step.
+            sync = self.env.is_distributed
             metrics.update(validate(p.actor, p.val_records, p.tokenizer,
-                                    lambda batch: self._token_scores(batch, validation=True),
-                                    sampling_params(self.cfg, validation=True), batch_size=self.cfg.data.val_batch_size))
+                                    lambda b: self._token_scores(b, self._sequence_scores(b), validation=True),
+                                    sampling_params(self.cfg, validation=True), batch_size=self.cfg.data.val_batch_size,
+                                    synced_gpus=sync))
             if p.ref is not None:
                 metrics.update(sampled_kl_to_ref(p.actor, p.ref, p.val_records, p.tokenizer, sampling_params(self.cfg),
-                                                 batch_size=self.cfg.data.val_batch_size))
+                                                 batch_size=self.cfg.data.val_batch_size, synced_gpus=sync))
         if p.val_ranked:
             metrics.update(preference_agreement(p.actor, p.val_ranked, p.tokenizer,
                                                 self.cfg.actor_rollout_ref.rollout.response_length))
@@ -239,14 +302,14 @@ class PPOTrainer:
 
     def _log_events(self) -> None:
         for event in self.guard.drain_events():
-            append_jsonl(self.p.run_dir / EVENTS_FILE, event.to_record())
+            if self.env.rank == 0:
+                append_jsonl(self.p.run_dir / EVENTS_FILE, event.to_record())
             self.print(f"[guard] step {event.step}: {event.message}")
 
     # ---- checkpoints, resume, rollback ----
 
     def save(self) -> Path:
-        folder = save_checkpoint(self.p.run_dir, self.step, run_state.capture(self.p, self.step, self.guard),
-                                 keep=self.cfg.trainer.max_actor_ckpt_to_keep)
+        folder = run_state.save(self.p, self.step, self.guard, keep=self.cfg.trainer.max_actor_ckpt_to_keep)
         self.guard.checkpoint_saved(self.step)
         return folder
 
@@ -258,7 +321,7 @@ class PPOTrainer:
         if target is None:
             run_state.restore_initial_actor(self.p)
         else:
-            run_state.restore(self.p, load_checkpoint(step_dir(self.p.run_dir, target)), self.guard, weights_only=True)
+            run_state.restore(self.p, step_dir(self.p.run_dir, target), self.guard, weights_only=True)
         run_state.apply_lr_override(self.p, self.guard.lr_override)
 
     def _resume(self) -> None:
@@ -269,14 +332,17 @@ class PPOTrainer:
         elif trainer.resume_mode == "resume_path":
             folder = Path(trainer.resume_from_path)
         if folder is None:
-            self._set_aside_old_logs()
+            if self.env.rank == 0:
+                self._set_aside_old_logs()
+            barrier()
             return
-        self.step = run_state.restore(self.p, load_checkpoint(folder), self.guard)
+        self.step = run_state.restore(self.p, folder, self.guard)
         if self.guard.lr_override is not None:
             run_state.apply_lr_override(self.p, self.guard.lr_override)
         # Steps the interrupted run logged after this checkpoint will be run (and logged) again.
-        for name in (METRICS_FILE, EVENTS_FILE):
-            truncate_jsonl(run_dir / name, self.step)
+        if self.env.rank == 0:
+            for name in (METRICS_FILE, EVENTS_FILE):
+                truncate_jsonl(run_dir / name, self.step)
         self.print(f"resumed from {folder} at step {self.step}")
 
     def _set_aside_old_logs(self) -> None:

@@ -1,5 +1,10 @@
 """The state of a PPO run: what a checkpoint holds, and how it goes back into the parts.
 
+A checkpoint has three parts (``klppo.checkpoint.state``): the models and optimisers, sharded
+as the models are (every rank saves and loads its own shards); the run's shared state (step,
+schedules, KL controller, data position, guard record), the same on every rank; and each
+rank's RNG states.
+
 ``restore(..., weights_only=True)`` is what a rollback uses: models, optimisers and the KL
 controller come back from the checkpoint, while the step, data position, RNG and guard record
 move on, so the run's step counter and data stay monotonic.
@@ -8,49 +13,66 @@ move on, so the run's step counter and data stay monotonic.
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
-from klppo.checkpoint.state import rng_state, set_rng_state
+from klppo.checkpoint.state import (
+    load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint, set_rng_state,
+)
+from klppo.dist import load_training_state, training_state
 from klppo.trainer.build import PPOParts
 from klppo.trainer.guards import RunGuard
 
 
-def capture(parts: PPOParts, step: int, guard: RunGuard) -> dict:
-    """Everything a resumed run needs to continue as if never stopped."""
-    state = {
-        "step": step,
-        "actor": parts.actor.state_dict(),
-        "actor_optimizer": parts.actor_optimizer.state_dict(),
-        "actor_scheduler": parts.actor_scheduler.state_dict(),
-        "kl_ctrl": parts.kl_ctrl.state_dict(),
-        "data": parts.batches.state_dict(),
-        "rng": rng_state(),
-        "guard": guard.state_dict(),
-    }
+def _trained(parts: PPOParts) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
+    pairs = [("actor", parts.actor, parts.actor_optimizer)]
     if parts.critic is not None:
-        state.update(critic=parts.critic.state_dict(), critic_optimizer=parts.critic_optimizer.state_dict(),
-                     critic_scheduler=parts.critic_scheduler.state_dict())
+        pairs.append(("critic", parts.critic, parts.critic_optimizer))
+    return pairs
+
+
+def _sharded_state(parts: PPOParts) -> dict:
+    """Models and optimisers as DCP saves and loads them: {"actor": ..., "actor_optimizer": ...}."""
+    state = {}
+    for name, model, optimizer in _trained(parts):
+        state[name], state[f"{name}_optimizer"] = training_state(model, optimizer)
     return state
 
 
-def restore(parts: PPOParts, state: dict, guard: RunGuard, *, weights_only: bool = False) -> int:
-    """Load ``state`` into ``parts`` (and ``guard``); returns the step to continue after."""
-    parts.actor.load_state_dict(state["actor"])
-    parts.actor_optimizer.load_state_dict(state["actor_optimizer"])
+def save(parts: PPOParts, step: int, guard: RunGuard, keep: int | None) -> Path:
+    """Checkpoint everything a resumed run needs to continue as if never stopped; every rank calls this."""
+    shared = {
+        "step": step,
+        "actor_scheduler": parts.actor_scheduler.state_dict(),
+        "kl_ctrl": parts.kl_ctrl.state_dict(),
+        "data": parts.batches.state_dict(),
+        "guard": guard.state_dict(),
+    }
     if parts.critic is not None:
-        parts.critic.load_state_dict(state["critic"])
-        parts.critic_optimizer.load_state_dict(state["critic_optimizer"])
-    parts.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        shared["critic_scheduler"] = parts.critic_scheduler.state_dict()
+    return save_checkpoint(parts.run_dir, step, shared, sharded=_sharded_state(parts),
+                           rank_state={"rng": rng_state()}, env=parts.env, keep=keep)
+
+
+def restore(parts: PPOParts, folder: Path, guard: RunGuard, *, weights_only: bool = False) -> int:
+    """Load checkpoint ``folder`` into ``parts`` (and ``guard``); returns the step to continue after."""
+    shared = load_checkpoint(folder)
+    rank_state = None if weights_only else load_rank_state(folder, parts.env)  # refuses another world size
+    sharded = _sharded_state(parts)
+    load_sharded_state(folder, sharded)
+    for name, model, optimizer in _trained(parts):
+        load_training_state(model, optimizer, sharded[name], sharded[f"{name}_optimizer"])
+    parts.kl_ctrl.load_state_dict(shared["kl_ctrl"])
     if weights_only:
         return -1
-    parts.actor_scheduler.load_state_dict(state["actor_scheduler"])
+    parts.actor_scheduler.load_state_dict(shared["actor_scheduler"])
     if parts.critic is not None:
-        parts.critic_scheduler.load_state_dict(state["critic_scheduler"])
-    parts.batches.load_state_dict(state["data"])
-    set_rng_state(state["rng"])
-    guard.load_state_dict(state["guard"])
-    return state["step"]
+        parts.critic_scheduler.load_state_dict(shared["critic_scheduler"])
+    parts.batches.load_state_dict(shared["data"])
+    set_rng_state(rank_state["rng"])
+    guard.load_state_dict(shared["guard"])
+    return shared["step"]
 
 
 def restore_initial_actor(parts: PPOParts) -> None:

@@ -10,7 +10,6 @@ import torch
 from klppo.data.batching import restore_order
 from klppo.models.forward import response_logprobs, response_values, sequence_scores
 from klppo.rewards.score import score_responses
-from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.update import chunks, micro_batches
 
@@ -25,9 +24,14 @@ class ForwardSettings:
     budget_key: str = "log_prob_max_token_len_per_gpu"  # config key an over-long sequence error names
 
 
-def _forward_in_parts(batch: RolloutBatch, forward: Callable, micro_batch_rows, max_token_len, budget_key) -> torch.Tensor:
-    """``forward(micro) -> (b, T)`` over the batch's micro-batches, rows back in the batch's order."""
-    plan = micro_batches(batch, micro_batch_rows, max_token_len, budget_key)
+def _forward_in_parts(batch: RolloutBatch, forward: Callable, micro_batch_rows, max_token_len, budget_key,
+                      max_over_ranks: Callable[[int], int] | None = None) -> torch.Tensor:
+    """``forward(micro) -> (b, T)`` over the batch's micro-batches, rows back in the batch's order.
+
+    ``max_over_ranks`` (``klppo.dist.all_reduce_max_int``) gives every rank the same number of
+    forwards, which FSDP2's collectives need.
+    """
+    plan = micro_batches(batch, micro_batch_rows, max_token_len, budget_key, max_over_ranks)
     parts = [forward(batch.select(idx)) for idx in plan]
     return restore_order(torch.cat(parts), [i for idx in plan for i in idx])
 
@@ -42,6 +46,7 @@ def compute_log_prob(
     max_token_len: int | None = None,
     use_remove_padding: bool = False,
     budget_key: str = "log_prob_max_token_len_per_gpu",
+    max_over_ranks: Callable[[int], int] | None = None,
 ) -> torch.Tensor:
     """(B, T) response log-probs under ``model``, a micro-batch (rows or token budget) at a time."""
     model.eval()
@@ -53,7 +58,7 @@ def compute_log_prob(
         )
         return log_prob
 
-    return _forward_in_parts(batch, forward, micro_batch_rows, max_token_len, budget_key)
+    return _forward_in_parts(batch, forward, micro_batch_rows, max_token_len, budget_key, max_over_ranks)
 
 
 @torch.no_grad()
@@ -65,6 +70,7 @@ def compute_values(
     max_token_len: int | None = None,
     use_remove_padding: bool = False,
     budget_key: str = "critic.ppo_max_token_len_per_gpu",
+    max_over_ranks: Callable[[int], int] | None = None,
 ) -> torch.Tensor:
     """(B, T) critic values, a micro-batch (rows or token budget) at a time."""
     critic.eval()
@@ -73,7 +79,7 @@ def compute_values(
         return response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length,
                                packed=use_remove_padding, max_tokens=max_token_len)
 
-    return _forward_in_parts(batch, forward, micro_batch_rows, max_token_len, budget_key)
+    return _forward_in_parts(batch, forward, micro_batch_rows, max_token_len, budget_key, max_over_ranks)
 
 
 def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
@@ -85,11 +91,10 @@ def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
 
 
 def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable) -> torch.Tensor:
-    """(B, T) token-level scores: each response's rule reward at its last token."""
+    """(B,) each response's rule reward."""
     texts = decode_responses(batch, tokenizer)
     scores = score_responses(reward_fn, batch.data_sources, texts, batch.ground_truths, batch.extra_infos)
-    scores = torch.tensor(scores, dtype=torch.float32, device=batch.response_mask.device)
-    return scores_at_last_token(scores, batch.response_mask)
+    return torch.tensor(scores, dtype=torch.float32, device=batch.response_mask.device)
 
 
 @torch.no_grad()

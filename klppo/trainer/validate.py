@@ -31,6 +31,7 @@ def validate(
     params: SamplingParams,
     *,
     batch_size: int | None = None,
+    synced_gpus: bool = False,
 ) -> dict[str, float]:
     """Mean reward per data source over ``params.n`` responses per prompt, and text similarity.
 
@@ -47,7 +48,7 @@ def validate(
         torch.manual_seed(0)
         for start in range(0, len(records), step):
             part = records[start : start + step]
-            batch = hf_rollout(actor, part, tokenizer, params)
+            batch = hf_rollout(actor, part, tokenizer, params, synced_gpus=synced_gpus)
             scores = scorer(batch).sum(-1)  # (B,) from the (B, T) token-level scores
             for source, score in zip(batch.data_sources, scores.tolist()):
                 per_source[source].append(score)
@@ -90,7 +91,8 @@ def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_resp
 
 
 def sampled_kl_to_ref(
-    actor, ref, records: list[PromptRecord], tokenizer, params: SamplingParams, *, batch_size: int | None = None
+    actor, ref, records: list[PromptRecord], tokenizer, params: SamplingParams, *, batch_size: int | None = None,
+    synced_gpus: bool = False,
 ) -> dict[str, float]:
     """``val-aux/kl_to_ref``: KL(policy || reference) per token, estimated on responses *sampled
     from the policy* (k1 is unbiased only there; on recorded offline responses it is not a KL)."""
@@ -99,7 +101,7 @@ def sampled_kl_to_ref(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         for start in range(0, len(records), step):
-            batch = hf_rollout(actor, records[start : start + step], tokenizer, params)
+            batch = hf_rollout(actor, records[start : start + step], tokenizer, params, synced_gpus=synced_gpus)
             batch = batch.to(next(actor.parameters()).device)
             log_ratio = (compute_log_prob(actor, batch, micro_batch_rows=None, temperature=params.temperature)
                          - compute_log_prob(ref, batch, micro_batch_rows=None, temperature=params.temperature))

@@ -225,23 +225,26 @@ def getattr_dotted(obj, key: str):
     return obj
 
 
+def test_fsdp_options_and_multi_process_worlds_are_accepted():
+    load(f"{ACTOR}.fsdp_config.dtype=bfloat16", "actor_rollout_ref.ref.fsdp_config.reshard_after_forward=false",
+         "critic.model.fsdp_config.fsdp_size=2", f"{ACTOR}.fsdp_config.offload_policy=true",
+         "trainer.n_gpus_per_node=8", "trainer.nnodes=2")
+
+
 @pytest.mark.parametrize("override", [
     f"{ACTOR}.fsdp_config.param_offload=true",
-    f"{ACTOR}.fsdp_config.dtype=bfloat16",
-    "actor_rollout_ref.ref.fsdp_config.reshard_after_forward=false",
-    "critic.model.fsdp_config.fsdp_size=2",
+    "critic.model.fsdp_config.optimizer_offload=true",
 ])
-def test_fsdp_options_are_refused_on_single_process_runs(override):
+def test_offload_between_phases_is_refused_with_the_working_alternative(override):
     problems = problems_of(override)
     assert len(problems) == 1
-    assert problems[0].startswith(override.replace("=", " = ").replace("= bfloat16", "= 'bfloat16'"))
-    assert "which klppo does not support yet" in problems[0]
+    assert problems[0].startswith(override.replace("=", " = "))
+    assert "offload_policy: true" in problems[0]
 
 
-def test_multi_process_and_vllm_are_refused():
-    problems = problems_of("trainer.n_gpus_per_node=8", "actor_rollout_ref.rollout.name=vllm")
-    assert "multi-process runs are not supported yet" in problems[0]
-    assert "needs CUDA and the vllm package and is not supported yet" in problems[1]
+def test_vllm_is_refused():
+    problems = problems_of("actor_rollout_ref.rollout.name=vllm")
+    assert "needs CUDA and the vllm package and is not supported yet" in problems[0]
 
 
 def test_a_reward_model_needs_its_path_and_ranking_needs_groups():
@@ -271,7 +274,7 @@ def test_sft_refuses_multi_process_runs_and_unknown_loggers():
 def test_several_errors_are_reported_together_with_a_summary():
     with pytest.raises(UserError) as info:
         load_ppo_config(None, ["actor_rollout_ref.actor.clip_ration=0.3", "data.train_batch_size=abc",
-                               "actor_rollout_ref.rollout.top_p=2", "trainer.nnodes=2"])
+                               "actor_rollout_ref.rollout.top_p=2", "trainer.nnodes=0"])
     lines = str(info.value).splitlines()
     assert lines[0] == "config (defaults) + 4 overrides has 6 errors:"
     text = "\n".join(lines)

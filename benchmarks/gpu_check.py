@@ -1,0 +1,275 @@
+"""GPU check: tokens/s/GPU and MFU of the actor update of a ~0.5B Qwen2 model under FSDP2.
+
+    python benchmarks/gpu_check.py                                   # 1 GPU (a few minutes)
+    torchrun --nproc_per_node 8 benchmarks/gpu_check.py              # N GPUs, one rank each
+    python benchmarks/gpu_check.py --device cpu --size tiny --batch 8   # CPU smoke run (seconds)
+
+Workload: a Qwen2-shaped model built from a config (Qwen2.5-0.5B's shape, random weights), the
+actor and a frozen reference each wrapped by ``klppo.dist.apply_fsdp2`` (bf16 parameters, fp32
+gradient reduction and master weights), a synthetic batch per rank of uniform prompt lengths
+and log-normal response lengths (``throughput.synthetic_batch``), and a few GRPO-style PPO
+iterations over it: old log-probs, reference log-probs, group advantages from the synthetic
+scores, one actor update (ppo_epochs 1, one optimiser step, micro-batches under a token budget,
+each run as one packed row). The first iteration is a warm-up, left out of the figures.
+
+MFU is ``model_flops(config, lengths, training=True)`` of the actor update over its wall time
+and the device's dense peak (``klppo.monitoring.flops``): verl's FLOP count, which counts the
+LM head (twice: embedding + head) for every token, so it is higher than the FLOPs the update
+runs, where the head is applied only at response positions. Target: MFU >= 45%.
+
+Each rank draws its own synthetic batch (seed + rank); ``max_over_ranks`` gives every rank the
+same number of micro-batches, as in training. A single process runs FSDP2 over a group of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from klppo.algo import compute_grpo_outcome_advantage
+from klppo.dist import (
+    DistEnv, all_reduce_max_int, apply_fsdp2, build_mesh, close, init_distributed, reduce_counts, reduce_stats,
+)
+from klppo.models.forward import use_packed_attention
+from klppo.models.tiny import tiny_model_config
+from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
+from klppo.monitoring.timer import PhaseTimer
+from klppo.rollout.batch import RolloutBatch
+from klppo.trainer.score import compute_log_prob
+from klppo.trainer.update import ActorUpdateSettings, update_actor
+from throughput import synthetic_batch
+
+MFU_TARGET = 0.45
+GROUP_SIZE = 8  # responses per prompt (rollout.n) for the group advantages
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--size", choices=["0.5b", "tiny"], default="0.5b",
+                   help="0.5b: Qwen2.5-0.5B's shape (GPU); tiny: 2 layers, hidden 64 (CPU smoke run)")
+    p.add_argument("--attn", choices=["sdpa", "flash_attention_2"], default="sdpa",
+                   help="attention; sdpa runs klppo's packed sdpa, flash_attention_2 needs the flash_attn package")
+    p.add_argument("--batch", type=int, default=64, help="sequences per rank per iteration")
+    p.add_argument("--prompt-len", type=int, default=512, help="longest prompt; lengths are uniform in [half, all] of it")
+    p.add_argument("--max-response-len", type=int, default=1024,
+                   help="longest response; lengths are log-normal, median a quarter of it, sigma 1, clipped")
+    p.add_argument("--iterations", type=int, default=3, help="PPO iterations; the first is a warm-up, not counted")
+    p.add_argument("--token-budget", type=int, default=16384,
+                   help="tokens per micro-batch (ppo_max_token_len_per_gpu, also used for the log-prob forwards)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                   help="FSDP2 parameter dtype in forward/backward; master weights and gradient reduction stay fp32")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block's activations")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="also write the figures to this file (rank 0)")
+    return p.parse_args(argv)
+
+
+def request_problem(args, device_type: str) -> str | None:
+    """Why this request cannot run here, in one line, or None."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return "--device cuda but no CUDA device is visible; on CPU run with --device cpu --size tiny"
+    if device_type == "cpu" and args.size == "0.5b":
+        return ("the default 0.5b model is the GPU configuration; on CPU run "
+                "`python benchmarks/gpu_check.py --device cpu --size tiny --batch 8`")
+    if args.attn == "flash_attention_2" and (device_type != "cuda" or importlib.util.find_spec("flash_attn") is None):
+        return "--attn flash_attention_2 needs a CUDA device and the flash_attn package; use --attn sdpa"
+    if args.iterations < 2:
+        return f"--iterations {args.iterations}: the first iteration is a warm-up, so at least 2 are needed"
+    if args.prompt_len + args.max_response_len > args.token_budget:
+        return (f"--token-budget {args.token_budget} cannot hold the longest sequence "
+                f"({args.prompt_len} + {args.max_response_len} tokens); raise it or shorten the lengths")
+    return None
+
+
+def requested_device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+# ---- models ----
+
+
+def model_config(size: str, max_len: int) -> Qwen2Config:
+    """Qwen2.5-0.5B's shape (494M parameters with the tied embedding), or a tiny one for CPU."""
+    if size == "tiny":
+        return tiny_model_config(1024, hidden_size=64, num_hidden_layers=2, max_position_embeddings=max_len)
+    return Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6,
+        pad_token_id=0, use_cache=False,
+    )
+
+
+def build_models(config: Qwen2Config, args, env: DistEnv):
+    """Actor and a frozen reference with the actor's initial weights, each FSDP2-wrapped.
+
+    The reference is a second FSDP2 model, not the actor's weights: klppo's trainer holds a
+    separate reference too, so memory and the reference forward (its own all-gathers) are
+    those of a real run, and after the first update the two differ as they would in training.
+    """
+    mesh = build_mesh(env.world_size, device_type=env.device.type)
+    with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []), env.device:
+        torch.manual_seed(args.seed)  # the same weights on every rank before sharding
+        actor = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn, dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn, dtype=torch.float32)
+    ref.load_state_dict(actor.state_dict())
+    ref.requires_grad_(False).eval()
+    if args.gradient_checkpointing:
+        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    param_dtype = DTYPES[args.dtype] if args.dtype != "float32" else None
+    for model in (actor, ref):
+        model.config.use_cache = False
+        use_packed_attention(model)  # sdpa -> packed sdpa; flash_attention_2 is kept (it reads cu_seq_lens)
+        apply_fsdp2(model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
+    return actor, ref
+
+
+# ---- one iteration ----
+
+
+def workload(args, vocab_size: int, env: DistEnv) -> RolloutBatch:
+    """``throughput.synthetic_batch`` at this check's lengths (this rank's own draw), in groups of ``GROUP_SIZE``."""
+    spec = argparse.Namespace(
+        batch_size=args.batch, prompt_min=max(1, args.prompt_len // 2), prompt_max=args.prompt_len,
+        response_min=min(16, args.max_response_len), response_max=args.max_response_len,
+        response_median=args.max_response_len / 4, response_sigma=1.0, seed=args.seed + env.rank,
+    )
+    batch = synthetic_batch(spec, vocab_size)
+    batch.group_index = torch.arange(len(batch)) // GROUP_SIZE
+    return batch.to(env.device)
+
+
+def actor_settings(args) -> ActorUpdateSettings:
+    """One optimiser step over the whole batch, micro-batches under the token budget, packed."""
+    return ActorUpdateSettings(
+        mini_batch_rows=args.batch, micro_batch_rows=args.batch, ppo_epochs=1, clip_ratio_low=0.2,
+        clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=True,
+        kl_loss_coef=0.001, kl_loss_type="low_var_kl", grad_clip=1.0, temperature=1.0,
+        max_token_len=args.token_budget, use_remove_padding=True,
+    )
+
+
+def ppo_iteration(actor, ref, optimizer, batch: RolloutBatch, args) -> PhaseTimer:
+    """Score, advantages, actor update; PhaseTimer synchronises CUDA at the end of each phase."""
+    forward = dict(micro_batch_rows=None, max_token_len=args.token_budget, use_remove_padding=True,
+                   max_over_ranks=all_reduce_max_int)
+    timer = PhaseTimer()
+    with timer.phase("step"):
+        # step 1. old log-probs: the actor before the update
+        with timer.phase("old_log_prob"):
+            batch.old_log_prob = compute_log_prob(actor, batch, temperature=1.0, **forward)
+        # step 2. reference log-probs, for the KL loss
+        with timer.phase("ref"):
+            batch.ref_log_prob = compute_log_prob(ref, batch, temperature=1.0, **forward)
+        # step 3. GRPO advantages from the synthetic outcome scores
+        with timer.phase("advantages"):
+            batch.advantages, batch.returns = compute_grpo_outcome_advantage(
+                batch.token_level_scores, batch.response_mask, batch.group_index)
+        # step 4. one actor update: clipped surrogate + low-var KL loss
+        with timer.phase("update_actor"):
+            update_actor(actor, optimizer, batch, actor_settings(args), reduce_counts=reduce_counts,
+                         reduce_stats=reduce_stats, max_over_ranks=all_reduce_max_int)
+    return timer
+
+
+# ---- figures ----
+
+
+def figures(args, env: DistEnv, config, n_params: int, batch: RolloutBatch, timers: list[PhaseTimer]) -> dict:
+    """Per-GPU tokens/s and MFU over the timed iterations, from rank 0's batch and times."""
+    seq_lens = batch.attention_mask.sum(-1).tolist()  # host-device sync
+    tokens = sum(seq_lens)
+    update_s = sum(t.seconds["update_actor"] for t in timers)
+    step_s = sum(t.seconds["step"] for t in timers)
+    peak = peak_flops(env.device, DTYPES[args.dtype])
+    update_mfu = mfu(model_flops(config, seq_lens, training=True) * len(timers), update_s, peak)
+    device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+    return {
+        "device": device_name, "world_size": env.world_size, "size": args.size, "params_b": n_params / 1e9,
+        "dtype": args.dtype, "attn": args.attn, "gradient_checkpointing": args.gradient_checkpointing,
+        "sequences_per_gpu": len(seq_lens), "tokens_per_iteration_per_gpu": tokens,
+        "response_tokens_per_iteration_per_gpu": int(batch.response_mask.sum()),
+        "median_sequence_tokens": statistics.median(seq_lens), "token_budget": args.token_budget,
+        "timed_iterations": len(timers),
+        "actor_update_tokens_per_s_per_gpu": tokens * len(timers) / update_s,
+        "actor_update_mfu": update_mfu,
+        "iteration_tokens_per_s_per_gpu": tokens * len(timers) / step_s,
+        "peak_memory_gb": max_memory_gb(env.device),
+        "peak_memory_kind": "torch.cuda.max_memory_allocated" if env.device.type == "cuda" else "process peak RSS",
+        "mfu_target": MFU_TARGET,
+        "meets_target": None if update_mfu is None else update_mfu >= MFU_TARGET,
+        "phase_seconds_mean": {name: statistics.mean(t.seconds[name] for t in timers) for name in timers[0].seconds},
+    }
+
+
+def print_table(f: dict) -> None:
+    mfu_text = "n/a (no known peak for this device)" if f["actor_update_mfu"] is None else f"{100 * f['actor_update_mfu']:.1f}"
+    target = "n/a" if f["meets_target"] is None else ("yes" if f["meets_target"] else "no")
+    rows = [
+        ("device", f["device"]),
+        ("world size", f["world_size"]),
+        ("params (B)", f"{f['params_b']:.3g}"),
+        ("dtype", f"{f['dtype']} ({f['attn']}{', grad ckpt' if f['gradient_checkpointing'] else ''})"),
+        ("tokens per iteration per GPU", f"{f['tokens_per_iteration_per_gpu']} ({f['sequences_per_gpu']} sequences)"),
+        ("actor update tokens/s/GPU", f"{f['actor_update_tokens_per_s_per_gpu']:.0f}"),
+        ("actor update MFU (%)", mfu_text),
+        ("iteration tokens/s/GPU", f"{f['iteration_tokens_per_s_per_gpu']:.0f}"),
+        ("peak memory (GB)", f"{f['peak_memory_gb']:.2f} ({f['peak_memory_kind']})"),
+        (f"MFU >= {100 * f['mfu_target']:.0f}% target", target),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print("phase seconds (mean of timed iterations): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in f["phase_seconds_mean"].items()))
+
+
+def run(args, env: DistEnv) -> dict:
+    config = model_config(args.size, args.prompt_len + args.max_response_len)
+    actor, ref = build_models(config, args, env)
+    n_params = sum(p.numel() for p in actor.parameters())  # DTensor numel is the full size
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6, weight_decay=0.01)
+    batch = workload(args, config.vocab_size, env)
+    timers = []
+    for i in range(args.iterations):
+        timer = ppo_iteration(actor, ref, optimizer, dataclasses.replace(batch), args)
+        if env.rank == 0:
+            print(f"iteration {i}{' (warm-up)' if i == 0 else ''}: {timer.seconds['step']:.2f} s, "
+                  f"actor update {timer.seconds['update_actor']:.2f} s", flush=True)
+        if i > 0:
+            timers.append(timer)
+    return figures(args, env, config, n_params, batch, timers)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    problem = request_problem(args, requested_device_type(args.device))
+    if problem is not None:
+        print(f"gpu_check.py: {problem}", file=sys.stderr)
+        return 2
+    env = init_distributed(args.device, group_of_one=True)  # FSDP2 needs a process group, even of one
+    try:
+        result = run(args, env)
+        if env.rank == 0:
+            print()
+            print_table(result)
+            if args.json is not None:
+                args.json.write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        close(env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""PPO runs on several ranks, launched as users launch them: ``torchrun ... -m klppo.trainer.main_ppo``.
+
+The strongest checks are equivalences: two ranks (and an HSDP mesh of four) train exactly as
+one process does on the same global batch, and a 2-rank run saved and resumed in new
+processes repeats the uninterrupted run. Every process runs one thread, so the float results
+do not depend on how the two CPU cores are shared.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from klppo.errors import UserError
+from klppo.monitoring.logger import read_metrics
+from klppo.trainer.main_ppo import run_ppo
+
+ROOT = Path(__file__).parents[2]
+STEPS = 4
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def launch(overrides: list[str], nproc: int | None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node N -m klppo.trainer.main_ppo ...`` (or plain python)."""
+    runner = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [sys.executable, *runner, "-m", "klppo.trainer.main_ppo", *overrides]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def run_ok(overrides: list[str], nproc: int | None) -> None:
+    done = launch(overrides, nproc)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/", "global_seqlen/"))}  # rank loads differ
+
+
+def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        ra, rb = _comparable(ra), _comparable(rb)
+        assert ra.keys() == rb.keys()
+        for key in ra:
+            assert math.isclose(ra[key], rb[key], rel_tol=1e-4, abs_tol=1e-5), (ra["step"], key, ra[key], rb[key])
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(folder).state_dict()
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.fixture(scope="module")
+def exact_overrides(tiny_model_dir, task_dir):
+    """An offline GAE run that exercises every cross-rank path: two mini-batches per step, token-budget
+    micro-batches with packing, balanced ranks, adaptive KL in the reward, and a critic."""
+
+    def overrides(run_dir: Path, world: int, **changes) -> list[str]:
+        settings = {
+            "data.train_files": task_dir / "offline.parquet",
+            "data.max_prompt_length": 64, "data.max_response_length": 16, "data.train_batch_size": 8,
+            "actor_rollout_ref.model.path": tiny_model_dir,
+            "actor_rollout_ref.model.use_remove_padding": "true",
+            "actor_rollout_ref.rollout.name": "offline", "actor_rollout_ref.rollout.n": 2,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+            "actor_rollout_ref.actor.use_dynamic_bsz": "true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 128,
+            "actor_rollout_ref.actor.optim.lr": 1e-3, "critic.optim.lr": 1e-3,
+            "algorithm.use_kl_in_reward": "true", "algorithm.kl_ctrl.type": "adaptive",
+            "trainer.total_training_steps": STEPS, "trainer.save_freq": 2, "trainer.balance_batch": "true",
+            "trainer.logger": "[]", "trainer.device": "cpu", "trainer.n_gpus_per_node": world,
+            "trainer.default_local_dir": run_dir,
+        }
+        settings.update(changes)
+        return [f"{k}={v}" for k, v in settings.items()]
+
+    return overrides
+
+
+@pytest.fixture(scope="module")
+def runs(exact_overrides, tmp_path_factory):
+    """One process, two ranks, and two ranks stopped at step 2 then resumed in new processes."""
+    out = tmp_path_factory.mktemp("ranks")
+    run_ok(exact_overrides(out / "one", 1), None)
+    run_ok(exact_overrides(out / "two", 2), 2)
+    run_ok(exact_overrides(out / "resumed", 2, **{"trainer.total_training_steps": 2}), 2)
+    run_ok(exact_overrides(out / "resumed", 2), 2)
+    return out
+
+
+def test_two_ranks_train_exactly_as_one_process(runs):
+    one, two = read_metrics(runs / "one"), read_metrics(runs / "two")
+    assert len(one) == STEPS and "global_seqlen/minmax_diff" in two[-1]
+    assert_same_metrics(one, two)
+    assert_same_weights(runs / "one" / "actor_hf", runs / "two" / "actor_hf")
+
+
+def test_a_two_rank_run_resumed_in_new_processes_repeats_the_uninterrupted_run(runs):
+    resumed = read_metrics(runs / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert_same_metrics(read_metrics(runs / "two"), resumed)
+    assert_same_weights(runs / "two" / "actor_hf", runs / "resumed" / "actor_hf")
+    step_2 = runs / "resumed" / "global_step_2"
+    assert sorted(p.name for p in step_2.glob("rank_*.pt")) == ["rank_0.pt", "rank_1.pt"]
+    assert (step_2 / "weights" / ".metadata").is_file()
+
+
+def test_the_exported_actor_is_a_plain_transformers_model(runs):
+    config = json.loads((runs / "two" / "actor_hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    exported = AutoModelForCausalLM.from_pretrained(runs / "two" / "actor_hf")
+    reference = AutoModelForCausalLM.from_pretrained(runs / "one" / "actor_hf")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_resuming_with_another_number_of_ranks_is_refused(exact_overrides, runs):
+    done = launch(exact_overrides(runs / "two", 1, **{"trainer.total_training_steps": STEPS + 1}), None)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "was not saved by 1 rank" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_hsdp_mesh_of_four_ranks_trains_as_one_process(exact_overrides, runs, tmp_path):
+    fsdp = "actor_rollout_ref.actor.fsdp_config.fsdp_size"
+    hsdp = {fsdp: 2, "critic.model.fsdp_config.fsdp_size": 2, "trainer.total_training_steps": 2, "trainer.save_freq": -1}
+    run_ok(exact_overrides(tmp_path / "four", 4, **hsdp), 4)
+    assert_same_metrics(read_metrics(runs / "one")[:2], read_metrics(tmp_path / "four"))
+
+
+def test_bf16_online_run_with_validation_on_two_ranks(ppo_overrides, task_dir, tmp_path):
+    """Sampling with synced ranks, validation on every rank, bf16 mixed precision, CPU offload."""
+    fsdp = "actor_rollout_ref.actor.fsdp_config"
+    overrides = ppo_overrides(**{
+        "data.train_files": task_dir / "train.parquet", "data.val_files": task_dir / "val.parquet",
+        "actor_rollout_ref.rollout.name": "hf", "trainer.test_freq": 1, "trainer.n_gpus_per_node": 2,
+        f"{fsdp}.dtype": "bfloat16", f"{fsdp}.offload_policy": "true", f"{fsdp}.reshard_after_forward": "false",
+        "critic.model.fsdp_config.dtype": "bfloat16",
+    })
+    run_ok(overrides, 2)
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(math.isfinite(records[-1][k]) for k in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm"))
+    assert "val-core/openai/gsm8k/reward/mean@1" in records[-1]
+
+
+def test_one_process_with_fsdp_options_shards_over_a_group_of_one(ppo_overrides, tmp_path):
+    run_ok(ppo_overrides(**{"actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16",
+                            "trainer.total_training_steps": 1}), None)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]
+
+
+def test_a_failure_on_one_rank_stops_every_rank_with_the_error_shown(ppo_overrides, tmp_path):
+    reward = tmp_path / "flaky_reward.py"
+    reward.write_text(
+        "import os\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise RuntimeError('the reward service is unreachable from rank 1')\n"
+        "    return 0.0\n"
+    )
+    overrides = ppo_overrides(**{"custom_reward_function.path": reward, "trainer.n_gpus_per_node": 2})
+    done = launch(overrides, 2, timeout=120)  # a hang would time out here
+    assert done.returncode != 0
+    assert "the reward service is unreachable from rank 1" in done.stderr + done.stdout
+
+
+def test_a_world_that_differs_from_the_config_is_a_clear_error(ppo_overrides):
+    with pytest.raises(UserError, match="trainer.n_gpus_per_node x trainer.nnodes = 2 x 1 = 2, but this run has 1"):
+        run_ppo(None, ppo_overrides(**{"trainer.n_gpus_per_node": 2}), print_fn=lambda *a: None)
