@@ -44,11 +44,11 @@ class DataConfig:
 
 @dataclass
 class FSDPConfig:
-    # Keep parameters on CPU between phases (FSDP2; multi-process runs).
+    # Keep parameters on CPU between the phases that use them (a no-op on CPU runs).
     param_offload: bool = False
-    # Keep optimiser state on CPU between phases (FSDP2; multi-process runs).
+    # Keep optimiser state on CPU between updates (a no-op on CPU runs).
     optimizer_offload: bool = False
-    # Use FSDP2's CPUOffloadPolicy.
+    # FSDP2's CPUOffloadPolicy: parameters, gradients and optimiser state live on CPU.
     offload_policy: bool = False
     # Free gathered parameters after each forward (FSDP2).
     reshard_after_forward: bool = True
@@ -228,6 +228,10 @@ class CriticConfig:
 class RewardModelInnerConfig:
     # Local folder of a sequence-classification reward model.
     path: Optional[str] = None
+    # Further reward models (same tokenizer). Their raw scores are averaged with path's; with
+    # rank_responses each model's ranking of a prompt's responses counts as one annotator's,
+    # and the rankings are distilled together (method below).
+    extra_paths: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -17,7 +17,6 @@ from typing import Optional
 from klppo.config.schema import (
     ActorConfig,
     CriticConfig,
-    FSDPConfig,
     OptimConfig,
     PPOConfig,
     RMConfig,
@@ -143,6 +142,12 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
     _check_guard(cfg.trainer.guard, out)
     _positive(out, "reward_model.ranking.scale", cfg.reward_model.ranking.scale)
     _check_reward_model(cfg, out)
+    for prefix, fsdp in ((f"{ACTOR}.fsdp_config", cfg.actor_rollout_ref.actor.fsdp_config),
+                         (f"{ARF}.ref.fsdp_config", cfg.actor_rollout_ref.ref.fsdp_config),
+                         ("critic.model.fsdp_config", cfg.critic.model.fsdp_config)):
+        if fsdp.fsdp_size != -1 and fsdp.fsdp_size < 1:
+            out.append(Problem((f"{prefix}.fsdp_size",), f"{prefix}.fsdp_size = {fsdp.fsdp_size}: use -1 (shard over "
+                               "every rank) or a number of ranks that divides the world"))
     out += not_yet_supported_ppo(cfg)
     return out
 
@@ -152,6 +157,9 @@ def _check_reward_model(cfg: PPOConfig, out: list[Problem]) -> None:
     if rm.enable and not rm.model.path:
         out.append(Problem(("reward_model.model.path",), "reward_model.enable = true needs reward_model.model.path: "
                            "a local folder written by `klppo rm` (or any one-label sequence-classification model)"))
+    if rm.model.extra_paths and not rm.enable:
+        out.append(Problem(("reward_model.model.extra_paths",), "reward_model.model.extra_paths are further reward "
+                           "models: set reward_model.enable = true and reward_model.model.path"))
     if rm.rank_responses and not rm.enable:
         out.append(Problem(("reward_model.rank_responses",), "reward_model.rank_responses = true ranks responses by a "
                            "reward model: set reward_model.enable = true and reward_model.model.path"))
@@ -380,16 +388,12 @@ def check_sft(cfg: SFTConfig) -> list[Problem]:
 
 # ---- not supported yet: delete a line here when its feature lands ----
 
-_OFFLOAD = "moving parameters or optimiser state between phases is not supported yet; fsdp_config.offload_policy: true keeps them on CPU with FSDP2's CPUOffloadPolicy"
 
 
 def not_yet_supported_ppo(cfg: PPOConfig) -> list[Problem]:
     """Knobs of later work, refused when set: left alone they would silently do nothing."""
     out: list[Problem] = []
     arf = cfg.actor_rollout_ref
-    _refuse_offload_between_phases(out, f"{ACTOR}.fsdp_config", arf.actor.fsdp_config)
-    _refuse_offload_between_phases(out, f"{ARF}.ref.fsdp_config", arf.ref.fsdp_config)
-    _refuse_offload_between_phases(out, "critic.model.fsdp_config", cfg.critic.model.fsdp_config)
     if arf.rollout.name == "vllm":
         out.append(Problem((f"{ROLLOUT}.name",), f"{ROLLOUT}.name = 'vllm' needs CUDA and the vllm package and is not supported yet; use 'hf' (generate with the model) or 'offline' (responses from the data)"))
     _refuse_loggers(out, cfg.trainer.logger)
@@ -420,18 +424,6 @@ def not_yet_supported_sft(cfg: SFTConfig) -> list[Problem]:
     _refuse_multi_process(out, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
     _refuse_loggers(out, cfg.trainer.logger)
     return out
-
-
-def _refuse_offload_between_phases(out: list[Problem], prefix: str, fsdp: FSDPConfig) -> None:
-    for name in ("param_offload", "optimizer_offload"):
-        if getattr(fsdp, name):
-            key = f"{prefix}.{name}"
-            out.append(Problem((key,), f"{key} = true: {_OFFLOAD}; remove it or set it to false"))
-
-
-def _yaml(value: object) -> str:
-    """A scalar as the user would write it in YAML (true, not True)."""
-    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _refuse_multi_process(out: list[Problem], n_gpus_per_node: int, nnodes: int) -> None:

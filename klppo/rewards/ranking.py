@@ -36,22 +36,29 @@ def ranking_rewards(
     return scalar_rewards_from_strengths(strengths, scale=scale, center=center).tolist()
 
 
+def _ranking_by_score(values: list[float]) -> list:
+    """Indices best first; equal scores form a tie (a list of indices)."""
+    tiers = [[i for i, v in enumerate(values) if v == level] for level in sorted(set(values), reverse=True)]
+    return [tier if len(tier) > 1 else tier[0] for tier in tiers]
+
+
 def group_ranking_rewards(
     scores: torch.Tensor, group_index: torch.Tensor, method: Literal["bradley_terry", "plackett_luce"],
     *, scale: float = 1.0, center: bool = True,
 ) -> torch.Tensor:
-    """(B,) reward-model scores -> (B,) rewards distilled from each group's ranking by score.
+    """(B,) or (B, K) scores of K reward models -> (B,) rewards distilled from each group's rankings.
 
-    Within a group (one prompt's responses) the responses are ranked by descending score,
-    equal scores tied, and the ranking is distilled as recorded rankings are.
+    Within a group (one prompt's responses) each reward model ranks the responses by
+    descending score, equal scores tied; the K rankings are several annotators' rankings of
+    the group, distilled together as recorded rankings are.
     """
-    rewards = torch.zeros_like(scores, dtype=torch.float32)
+    by_model = scores.reshape(len(scores), -1)  # (B, K)
+    rewards = torch.zeros(len(scores), dtype=torch.float32, device=scores.device)
     for group in group_index.unique().tolist():
         rows = (group_index == group).nonzero().squeeze(-1)
-        values = scores[rows].tolist()
-        tiers = [[i for i, v in enumerate(values) if v == level] for level in sorted(set(values), reverse=True)]
-        ranking = [tier if len(tier) > 1 else tier[0] for tier in tiers]
-        rewards[rows] = torch.tensor(ranking_rewards([ranking], len(values), method, scale=scale, center=center))
+        rankings = [_ranking_by_score(column) for column in by_model[rows].T.tolist()]
+        rewards[rows] = torch.tensor(ranking_rewards(rankings, len(rows), method, scale=scale, center=center),
+                                     device=scores.device)
     return rewards
 
 

@@ -29,6 +29,7 @@ from klppo.models.load import check_same_tokenizer, load_causal_lm, load_critic,
 from klppo.rewards.ranking import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.hf import SamplingParams
+from klppo.trainer.offload import Offloader
 from klppo.trainer.optim import build_lr_scheduler, build_optimizer
 from klppo.trainer.score import ForwardSettings
 from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings
@@ -47,7 +48,7 @@ class PPOParts:
     actor_optimizer: torch.optim.Optimizer
     actor_scheduler: torch.optim.lr_scheduler.LRScheduler
     ref: Optional[torch.nn.Module]
-    reward_model: Optional[torch.nn.Module]
+    reward_models: list[torch.nn.Module]  # reward_model.model.path, then its extra_paths; [] without one
     critic: Optional[torch.nn.Module]
     critic_optimizer: Optional[torch.optim.Optimizer]
     critic_scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
@@ -58,6 +59,7 @@ class PPOParts:
     val_ranked: Optional[list[RankedRecord]]
     batches: PromptBatches
     total_steps: int
+    offloader: Offloader  # param_offload / optimizer_offload: models on CPU between their phases
 
     @property
     def device(self) -> torch.device:
@@ -337,12 +339,15 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     actor_optimizer, actor_scheduler = build_optimizer_and_scheduler(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
     if ref is not None:
         ref = shard(ref, fsdp["actor_rollout_ref.ref.fsdp_config"], env, meshes)
-    reward_model = None
+    reward_models = []
     if cfg.reward_model.enable:
-        path, rm_key = cfg.reward_model.model.path, "reward_model.model.path"
-        check_same_tokenizer(tokenizer, path, rm_key)
-        reward_model = load_reward_model(path, key=rm_key, device=device).eval().requires_grad_(False)
-        reward_model = shard(reward_model, fsdp["actor_rollout_ref.ref.fsdp_config"], env, meshes)
+        rm_paths = {"reward_model.model.path": cfg.reward_model.model.path}
+        rm_paths.update({f"reward_model.model.extra_paths[{i}]": path
+                         for i, path in enumerate(cfg.reward_model.model.extra_paths)})
+        for rm_key, path in rm_paths.items():
+            check_same_tokenizer(tokenizer, path, rm_key)
+            reward_model = load_reward_model(path, key=rm_key, device=device).eval().requires_grad_(False)
+            reward_models.append(shard(reward_model, fsdp["actor_rollout_ref.ref.fsdp_config"], env, meshes))
     critic = critic_optimizer = critic_scheduler = None
     if uses_critic(cfg):
         check_same_tokenizer(tokenizer, cfg.critic.model.path, "critic.model.path")
@@ -352,11 +357,23 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
             use_packed_attention(critic)
         critic = shard(critic, fsdp["critic.model.fsdp_config"], env, meshes)
         critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
+    offloader = Offloader(device)
+    actor_fsdp, ref_fsdp = fsdp["actor_rollout_ref.actor.fsdp_config"], fsdp["actor_rollout_ref.ref.fsdp_config"]
+    offloader.register("actor", actor, param_offload=actor_fsdp.param_offload, optimizer=actor_optimizer,
+                       optimizer_offload=actor_fsdp.optimizer_offload)
+    for role, model in (("ref", ref), *((f"reward_model_{i}", rm) for i, rm in enumerate(reward_models))):
+        if model is not None:
+            offloader.register(role, model, param_offload=ref_fsdp.param_offload)
+    if critic is not None:
+        critic_fsdp = fsdp["critic.model.fsdp_config"]
+        offloader.register("critic", critic, param_offload=critic_fsdp.param_offload, optimizer=critic_optimizer,
+                           optimizer_offload=critic_fsdp.optimizer_offload)
     kl = cfg.algorithm.kl_ctrl
     return PPOParts(
         cfg=cfg, run_dir=Path(trainer.default_local_dir), env=env, tokenizer=tokenizer,
-        actor=actor, actor_optimizer=actor_optimizer, actor_scheduler=actor_scheduler, ref=ref, reward_model=reward_model,
+        actor=actor, actor_optimizer=actor_optimizer, actor_scheduler=actor_scheduler, ref=ref, reward_models=reward_models,
         critic=critic, critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         kl_ctrl=build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon), reward_fn=reward_fn,
         train_records=train, val_records=val, val_ranked=val_ranked, batches=batches, total_steps=total_steps,
+        offloader=offloader,
     )

@@ -25,6 +25,7 @@ from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics
+from klppo.monitoring.overlap import OverlapMeasure, profiled
 from klppo.monitoring.progress import Progress
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, assemble_batch
@@ -128,7 +129,8 @@ class PPOTrainer:
             if action is Action.STOP:
                 self.print(f"run stopped by its guard at step {self.step}; the newest checkpoint holds good weights")
                 return records
-        export_hf(self.p.actor, self.p.tokenizer, self.p.run_dir / "actor_hf", self.env)
+        with self.p.offloader.resident("actor"):
+            export_hf(self.p.actor, self.p.tokenizer, self.p.run_dir / "actor_hf", self.env)
         self.print(f"actor exported to {self.p.run_dir / 'actor_hf'}")
         return records
 
@@ -175,7 +177,8 @@ class PPOTrainer:
         if rollout.name == "offline":
             return offline_rollout(records, n=rollout.n, tokenizer=tokenizer, max_response_length=rollout.response_length)
         mine = records[shard_range(len(records), self.env)]
-        local = hf_rollout(self.p.actor, mine, tokenizer, sampling_params(self.cfg), synced_gpus=self.env.is_distributed)
+        with self.p.offloader.resident("actor"):
+            local = hf_rollout(self.p.actor, mine, tokenizer, sampling_params(self.cfg), synced_gpus=self.env.is_distributed)
         if not self.env.is_distributed:
             return local
         return assemble_batch(records, rollout.n, tokenizer.pad_token_id,
@@ -190,37 +193,46 @@ class PPOTrainer:
     def _score(self, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer) -> None:
         """Each rank runs the forwards for its rows; the results are gathered into ``batch``."""
         p, f, temperature = self.p, self.forwards, self.actor_settings.temperature
-        mine, sync = batch.select(shards.mine), {"max_over_ranks": all_reduce_max_int}
-        with timer.phase("old_log_prob"):
+        mine, sync, resident = batch.select(shards.mine), {"max_over_ranks": all_reduce_max_int}, p.offloader.resident
+        with timer.phase("old_log_prob"), resident("actor"):
             batch.old_log_prob = shards.gather(
                 compute_log_prob(p.actor, mine, temperature=temperature, **asdict(f["old_log_prob"]), **sync))
         if p.ref is not None:
-            with timer.phase("ref"):
+            with timer.phase("ref"), resident("ref"):
                 batch.ref_log_prob = shards.gather(
                     compute_log_prob(p.ref, mine, temperature=temperature, **asdict(f["ref"]), **sync))
         if p.critic is not None:
-            with timer.phase("values"):
+            with timer.phase("values"), resident("critic"):
                 batch.values = shards.gather(compute_values(p.critic, mine, **asdict(f["values"]), **sync))
-        with timer.phase("reward"):
+        with timer.phase("reward"), resident(*self.reward_model_roles):
             scores = shards.gather(self._sequence_scores(mine))
             batch.token_level_scores = self._token_scores(batch, scores)
 
+    @property
+    def reward_model_roles(self) -> list[str]:
+        return [f"reward_model_{i}" for i in range(len(self.p.reward_models))]
+
     def _sequence_scores(self, batch: RolloutBatch) -> torch.Tensor:
-        """(B,) one score per response: recorded offline scores, else the reward model's, else the reward function's."""
+        """(B,) one score per response: recorded offline scores, or the reward function's; or
+        (B, K) the scores of K reward models."""
         p, rm = self.p, self.cfg.reward_model
         if batch.recorded_scores is not None:
             return batch.recorded_scores.to(p.device)
-        if p.reward_model is None:
+        if not p.reward_models:
             return compute_scores(batch, p.tokenizer, p.reward_fn)
-        return compute_rm_scores(p.reward_model, batch, micro_batch_rows=rm.micro_batch_size_per_gpu)
+        return torch.stack([compute_rm_scores(model, batch, micro_batch_rows=rm.micro_batch_size_per_gpu)
+                            for model in p.reward_models], dim=-1)
 
     def _token_scores(self, batch: RolloutBatch, scores: torch.Tensor, validation: bool = False) -> torch.Tensor:
-        """(B, T) the scores at the last response tokens; reward-model scores of training batches
-        are first distilled from each prompt's ranking when ``reward_model.rank_responses``."""
+        """(B, T) the scores at the last response tokens. Reward models' scores are averaged, or,
+        for training batches with ``reward_model.rank_responses``, distilled from the rankings
+        the models make of each prompt's responses."""
         rm = self.cfg.reward_model
-        if self.p.reward_model is not None and batch.recorded_scores is None and rm.rank_responses and not validation:
+        if scores.dim() == 2 and rm.rank_responses and not validation:
             scores = group_ranking_rewards(scores, batch.group_index, rm.ranking.method,
                                            scale=rm.ranking.scale, center=rm.ranking.center)
+        elif scores.dim() == 2:
+            scores = scores.mean(-1)
         return scores_at_last_token(scores, batch.response_mask)
 
     def _shape_rewards(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
@@ -240,15 +252,18 @@ class PPOTrainer:
         # Losses normalised by global counts, metric shares summed, equal micro-batch counts: the
         # ranks together make the update one process would make on the whole batch.
         sync = dict(reduce_counts=reduce_counts, reduce_stats=reduce_stats, max_over_ranks=all_reduce_max_int)
+        overlap, measured = OverlapMeasure(), self.env.is_distributed  # the profiler, on distributed runs only
         if p.critic is not None:
-            with timer.phase("update_critic"):
+            with timer.phase("update_critic"), p.offloader.resident("critic"), profiled(p.device, overlap, measured):
                 metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.critic_settings, **sync))
             metrics["critic/lr"] = p.critic_scheduler.get_last_lr()[0]
             p.critic_scheduler.step()
-        with timer.phase("update_actor"):
+        with timer.phase("update_actor"), p.offloader.resident("actor"), profiled(p.device, overlap, measured):
             metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.actor_settings, **sync))
         metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]
         p.actor_scheduler.step()
+        if measured:
+            metrics.update(overlap.metrics())
         return metrics
 
     def _guard_before_update(self, batch: RolloutBatch) -> Action:
@@ -284,6 +299,10 @@ class PPOTrainer:
         return metrics
 
     def _validate(self) -> dict[str, float]:
+        with self.p.offloader.resident("actor", "ref", *self.reward_model_roles):
+            return self._validate_resident()
+
+    def _validate_resident(self) -> dict[str, float]:
         p, metrics = self.p, {}
         if p.val_records:
             # Every rank validates on the whole set (the same private random stream), in step.
@@ -309,7 +328,8 @@ class PPOTrainer:
     # ---- checkpoints, resume, rollback ----
 
     def save(self) -> Path:
-        folder = run_state.save(self.p, self.step, self.guard, keep=self.cfg.trainer.max_actor_ckpt_to_keep)
+        with self.p.offloader.resident("actor", "critic"):
+            folder = run_state.save(self.p, self.step, self.guard, keep=self.cfg.trainer.max_actor_ckpt_to_keep)
         self.guard.checkpoint_saved(self.step)
         return folder
 
@@ -318,10 +338,11 @@ class PPOTrainer:
 
     def _rollback(self) -> None:
         target = self.guard.rollback_target(self._checkpoint_steps())
-        if target is None:
-            run_state.restore_initial_actor(self.p)
-        else:
-            run_state.restore(self.p, step_dir(self.p.run_dir, target), self.guard, weights_only=True)
+        with self.p.offloader.resident("actor", "critic", "ref"):
+            if target is None:
+                run_state.restore_initial_actor(self.p)
+            else:
+                run_state.restore(self.p, step_dir(self.p.run_dir, target), self.guard, weights_only=True)
         run_state.apply_lr_override(self.p, self.guard.lr_override)
 
     def _resume(self) -> None:
@@ -336,7 +357,8 @@ class PPOTrainer:
                 self._set_aside_old_logs()
             barrier()
             return
-        self.step = run_state.restore(self.p, folder, self.guard)
+        with self.p.offloader.resident("actor", "critic"):
+            self.step = run_state.restore(self.p, folder, self.guard)
         if self.guard.lr_override is not None:
             run_state.apply_lr_override(self.p, self.guard.lr_override)
         # Steps the interrupted run logged after this checkpoint will be run (and logged) again.

@@ -107,6 +107,7 @@ def runs(exact_overrides, tmp_path_factory):
 def test_two_ranks_train_exactly_as_one_process(runs):
     one, two = read_metrics(runs / "one"), read_metrics(runs / "two")
     assert len(one) == STEPS and "global_seqlen/minmax_diff" in two[-1]
+    assert 0.0 < two[-1]["perf/overlap_ratio"] <= 1.0 and "perf/overlap_ratio" not in one[-1]
     assert_same_metrics(one, two)
     assert_same_weights(runs / "one" / "actor_hf", runs / "two" / "actor_hf")
 
@@ -145,12 +146,13 @@ def test_an_hsdp_mesh_of_four_ranks_trains_as_one_process(exact_overrides, runs,
 
 
 def test_bf16_online_run_with_validation_on_two_ranks(ppo_overrides, task_dir, tmp_path):
-    """Sampling with synced ranks, validation on every rank, bf16 mixed precision, CPU offload."""
+    """Sampling with synced ranks, validation on every rank, bf16 mixed precision, the offload options."""
     fsdp = "actor_rollout_ref.actor.fsdp_config"
     overrides = ppo_overrides(**{
         "data.train_files": task_dir / "train.parquet", "data.val_files": task_dir / "val.parquet",
         "actor_rollout_ref.rollout.name": "hf", "trainer.test_freq": 1, "trainer.n_gpus_per_node": 2,
         f"{fsdp}.dtype": "bfloat16", f"{fsdp}.offload_policy": "true", f"{fsdp}.reshard_after_forward": "false",
+        f"{fsdp}.param_offload": "true", f"{fsdp}.optimizer_offload": "true",
         "critic.model.fsdp_config.dtype": "bfloat16",
     })
     run_ok(overrides, 2)

@@ -61,7 +61,7 @@ CONFIG_CASES = {
     "resume_path_without_path": (["trainer.resume_mode=resume_path"], "resume_from_path"),
     "override_without_equals": (["trainer.total_training_steps"], "trainer.total_training_steps"),
     "rollback_above_early_stop": (["trainer.guard.rollback_kl=0.5"], "early_stop_kl"),
-    "packing_not_yet": (["critic.model.fsdp_config.param_offload=true"], "param_offload"),
+    "fsdp_size_zero": (["critic.model.fsdp_config.fsdp_size=0"], "fsdp_size"),
 }
 
 

@@ -43,3 +43,40 @@ def test_hf_run_scored_by_a_reward_model(ppo_overrides, task_dir, reward_model_d
     assert record["critic/score/max"] > record["critic/score/min"]  # the reward model tells responses apart
     if rank:  # distilled within each prompt: rewards are centred per group
         assert record["critic/score/mean"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_several_reward_models_rank_as_several_annotators():
+    scores = torch.tensor([[3.0, 3.0], [2.0, 1.0], [1.0, 2.0]])  # model A: 0 > 1 > 2, model B: 0 > 2 > 1
+    group = torch.tensor([0, 0, 0])
+    both = group_ranking_rewards(scores, group, "bradley_terry")
+    assert both[0] > both[1] and both[1] == pytest.approx(both[2].item())  # their disagreement cancels
+    only_a = group_ranking_rewards(scores[:, 0], group, "bradley_terry")
+    assert only_a[1] > only_a[2]
+
+
+@pytest.fixture(scope="module")
+def second_reward_model_dir(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm2")
+    torch.manual_seed(1)
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (out / name).write_bytes((tiny_model_dir / name).read_bytes())
+    return out
+
+
+def test_raw_scores_of_several_reward_models_are_averaged(ppo_overrides, task_dir, reward_model_dir,
+                                                          second_reward_model_dir, tmp_path):
+    def first_step_score(name: str, path, extra: str) -> float:
+        overrides = ppo_overrides(tmp_path / name, **{
+            "data.train_files": task_dir / "train.parquet", "actor_rollout_ref.rollout.name": "hf",
+            "reward_model.enable": "true", "reward_model.model.path": path,
+            "reward_model.model.extra_paths": extra, "trainer.total_training_steps": 1,
+        })
+        return run_ppo(None, overrides, print_fn=quiet)[-1]["critic/score/mean"]
+
+    # The same seed samples the same responses in each run, so only the scoring differs.
+    a = first_step_score("a", reward_model_dir, "[]")
+    b = first_step_score("b", second_reward_model_dir, "[]")
+    both = first_step_score("both", reward_model_dir, f"[{second_reward_model_dir}]")
+    assert a != pytest.approx(b)
+    assert both == pytest.approx((a + b) / 2, rel=1e-5)

@@ -1,0 +1,67 @@
+"""``perf/overlap_ratio``: how much of a phase's compute time its communication would need.
+
+Measured from the PyTorch profiler around the update phases of distributed runs: the self
+times of collective operations (NCCL kernels on CUDA; gloo collectives and FSDP2's all-gather
+and reduce-scatter on CPU) over the self times of everything else, capped at 1. Below 1,
+FSDP2's prefetching can hide the communication behind compute; at 1 it cannot.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+COMM_MARKERS = ("nccl", "c10d::", "gloo", "FSDP::all_gather", "FSDP::post_backward_reduce", "reduce_scatter",
+                "all_reduce", "allreduce")
+NOT_COMM = ("copy",)  # FSDP::all_gather_copy_in/out are local copies
+
+
+def is_communication(name: str) -> bool:
+    return any(m in name for m in COMM_MARKERS) and not any(m in name for m in NOT_COMM)
+
+
+def comm_and_compute_seconds(times: Iterable[tuple[str, float]]) -> tuple[float, float]:
+    """(communication, compute) seconds from (operation name, self time in microseconds) pairs."""
+    comm = compute = 0.0
+    for name, micros in times:
+        if is_communication(name):
+            comm += micros
+        else:
+            compute += micros
+    return comm / 1e6, compute / 1e6
+
+
+def overlap_ratio(comm_s: float, compute_s: float) -> float:
+    return min(1.0, comm_s / compute_s) if compute_s > 0 else 1.0
+
+
+@dataclass
+class OverlapMeasure:
+    comm_s: float = 0.0
+    compute_s: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {"perf/overlap_ratio": overlap_ratio(self.comm_s, self.compute_s),
+                "perf/comm_time_s": self.comm_s, "perf/compute_time_s": self.compute_s}
+
+
+@contextmanager
+def profiled(device: torch.device, measure: OverlapMeasure, enabled: bool = True) -> Iterator[None]:
+    """Add the ``with`` block's communication and compute time to ``measure`` (device time on CUDA)."""
+    if not enabled:
+        yield
+        return
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else Kineto prints two lines per profile to stderr
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        yield
+    attr = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    comm, compute = comm_and_compute_seconds((e.key, getattr(e, attr)) for e in prof.key_averages())
+    measure.comm_s += comm
+    measure.compute_s += compute
