@@ -308,6 +308,23 @@ def build_optimizer_and_scheduler(model, optim, total_steps: int):
     return optimizer, scheduler
 
 
+def build_offloader(device, fsdp: dict[str, FSDPConfig], actor, actor_optimizer, ref, reward_models, critic,
+                    critic_optimizer) -> Offloader:
+    """Which models stay on CPU between their phases (``param_offload`` / ``optimizer_offload``)."""
+    offloader = Offloader(device)
+    actor_fsdp, ref_fsdp = fsdp["actor_rollout_ref.actor.fsdp_config"], fsdp["actor_rollout_ref.ref.fsdp_config"]
+    offloader.register("actor", actor, param_offload=actor_fsdp.param_offload, optimizer=actor_optimizer,
+                       optimizer_offload=actor_fsdp.optimizer_offload)
+    for role, model in (("ref", ref), *((f"reward_model_{i}", rm) for i, rm in enumerate(reward_models))):
+        if model is not None:
+            offloader.register(role, model, param_offload=ref_fsdp.param_offload)
+    if critic is not None:
+        critic_fsdp = fsdp["critic.model.fsdp_config"]
+        offloader.register("critic", critic, param_offload=critic_fsdp.param_offload, optimizer=critic_optimizer,
+                           optimizer_offload=critic_fsdp.optimizer_offload)
+    return offloader
+
+
 def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None) -> PPOParts:
     """Load data and models and build optimisers, schedules, KL controller and reward function.
 
@@ -357,17 +374,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
             use_packed_attention(critic)
         critic = shard(critic, fsdp["critic.model.fsdp_config"], env, meshes)
         critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
-    offloader = Offloader(device)
-    actor_fsdp, ref_fsdp = fsdp["actor_rollout_ref.actor.fsdp_config"], fsdp["actor_rollout_ref.ref.fsdp_config"]
-    offloader.register("actor", actor, param_offload=actor_fsdp.param_offload, optimizer=actor_optimizer,
-                       optimizer_offload=actor_fsdp.optimizer_offload)
-    for role, model in (("ref", ref), *((f"reward_model_{i}", rm) for i, rm in enumerate(reward_models))):
-        if model is not None:
-            offloader.register(role, model, param_offload=ref_fsdp.param_offload)
-    if critic is not None:
-        critic_fsdp = fsdp["critic.model.fsdp_config"]
-        offloader.register("critic", critic, param_offload=critic_fsdp.param_offload, optimizer=critic_optimizer,
-                           optimizer_offload=critic_fsdp.optimizer_offload)
+    offloader = build_offloader(device, fsdp, actor, actor_optimizer, ref, reward_models, critic, critic_optimizer)
     kl = cfg.algorithm.kl_ctrl
     return PPOParts(
         cfg=cfg, run_dir=Path(trainer.default_local_dir), env=env, tokenizer=tokenizer,

@@ -13,15 +13,18 @@ def quiet(*args, **kwargs) -> None:
     """A print_fn that prints nothing."""
 
 
-@pytest.fixture(scope="module")
-def reward_model_dir(tiny_model_dir, tmp_path_factory):
+def _reward_model_folder(tiny_model_dir, out, seed: int):
     """A one-label sequence-classification model on the tiny backbone (with the same tokenizer)."""
-    out = tmp_path_factory.mktemp("rm")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (out / name).write_bytes((tiny_model_dir / name).read_bytes())
     return out
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tiny_model_dir, tmp_path_factory):
+    return _reward_model_folder(tiny_model_dir, tmp_path_factory.mktemp("rm"), seed=0)
 
 
 def test_group_ranking_rewards_rank_within_each_prompt():
@@ -56,12 +59,7 @@ def test_several_reward_models_rank_as_several_annotators():
 
 @pytest.fixture(scope="module")
 def second_reward_model_dir(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rm2")
-    torch.manual_seed(1)
-    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        (out / name).write_bytes((tiny_model_dir / name).read_bytes())
-    return out
+    return _reward_model_folder(tiny_model_dir, tmp_path_factory.mktemp("rm2"), seed=1)
 
 
 def test_raw_scores_of_several_reward_models_are_averaged(ppo_overrides, task_dir, reward_model_dir,
