@@ -402,6 +402,8 @@ class SFTModelConfig:
     partial_pretrain: str = ""
     # Recompute activations in the backward pass.
     enable_gradient_checkpointing: bool = False
+    # FSDP2 options (as the PPO models'); used on torchrun ranks or, when set, on one process.
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -430,10 +432,19 @@ class SFTTrainerConfig:
     default_local_dir: Optional[str] = None
     # cpu, cuda, or auto.
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # Devices per node.
+    # Devices per node (checked against the actual world).
     n_gpus_per_node: int = 1
-    # Nodes.
+    # Nodes (checked against the actual world).
     nnodes: int = 1
+    # Save a checkpoint every this many steps (and at the end); -1 = none, only the final export.
+    save_freq: int = -1
+    # auto: continue from the latest checkpoint if there is one; disable: start fresh;
+    # resume_path: continue from resume_from_path.
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    # Checkpoint folder to resume from when resume_mode is resume_path.
+    resume_from_path: Optional[str] = None
+    # Keep only the newest N checkpoints; None keeps all.
+    max_ckpt_to_keep: Optional[int] = None
 
 
 @dataclass
@@ -480,6 +491,8 @@ class RMModelConfig:
     partial_pretrain: str = ""
     # Recompute activations in the backward pass.
     enable_gradient_checkpointing: bool = False
+    # FSDP2 options (as the PPO models'); used on torchrun ranks or, when set, on one process.
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass

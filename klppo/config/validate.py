@@ -339,15 +339,19 @@ def _check_trainer_common(trainer: TrainerConfig | SFTTrainerConfig, out: list[P
     _at_least(out, "trainer.total_training_steps", trainer.total_training_steps, 1)
     _at_least(out, "trainer.n_gpus_per_node", trainer.n_gpus_per_node, 1)
     _at_least(out, "trainer.nnodes", trainer.nnodes, 1)
+    _check_checkpointing(trainer, out)
     if not trainer.default_local_dir:
         out.append(Problem(("trainer.default_local_dir",), "trainer.default_local_dir is empty; set an output folder, or leave it unset for checkpoints/<project_name>/<experiment_name>"))
 
 
 def _check_trainer(trainer: TrainerConfig, out: list[Problem]) -> None:
     _check_trainer_common(trainer, out)
-    _freq(out, "trainer.save_freq", trainer.save_freq)
     _freq(out, "trainer.test_freq", trainer.test_freq)
     _at_least(out, "trainer.max_actor_ckpt_to_keep", trainer.max_actor_ckpt_to_keep, 1)
+
+
+def _check_checkpointing(trainer: TrainerConfig | SFTTrainerConfig, out: list[Problem]) -> None:
+    _freq(out, "trainer.save_freq", trainer.save_freq)
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         out.append(Problem(
             ("trainer.resume_mode", "trainer.resume_from_path"),
@@ -413,7 +417,6 @@ def check_rm(cfg: RMConfig) -> list[Problem]:
                            f"{data.train_batch_size}; pick a divisor"))
     _check_optim(cfg.optim, "optim", out)
     _check_trainer_common(cfg.trainer, out)
-    _refuse_multi_process(out, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
     _refuse_loggers(out, cfg.trainer.logger)
     return out
 
@@ -421,18 +424,8 @@ def check_rm(cfg: RMConfig) -> list[Problem]:
 def not_yet_supported_sft(cfg: SFTConfig) -> list[Problem]:
     """SFT knobs of later work, refused when set."""
     out: list[Problem] = []
-    _refuse_multi_process(out, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes)
     _refuse_loggers(out, cfg.trainer.logger)
     return out
-
-
-def _refuse_multi_process(out: list[Problem], n_gpus_per_node: int, nnodes: int) -> None:
-    if n_gpus_per_node >= 1 and nnodes >= 1 and n_gpus_per_node * nnodes != 1:
-        out.append(Problem(
-            ("trainer.n_gpus_per_node", "trainer.nnodes"),
-            f"trainer.n_gpus_per_node x trainer.nnodes = {n_gpus_per_node} x {nnodes}: multi-process runs are not "
-            "supported yet (single process only for now); set trainer.n_gpus_per_node=1 trainer.nnodes=1",
-        ))
 
 
 def _refuse_loggers(out: list[Problem], loggers: list[str]) -> None:

@@ -76,10 +76,11 @@ def abandon(env: DistEnv) -> None:
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """The sum of ``t`` over all ranks (a new tensor; ``t`` itself is left alone)."""
-    out = t.detach().clone()
-    if _active():
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
+    if not _active():
+        return t.detach().clone()
+    out = t.detach().to(_comm_device()).clone()  # NCCL reduces CUDA tensors only
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(t.device)
 
 
 def all_reduce_max_int(n: int, device: torch.device | None = None) -> int:

@@ -40,8 +40,15 @@ def apply_fsdp2(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    keep_root_gathered: bool = False,
 ) -> torch.nn.Module:
-    """``fully_shard`` each decoder block (``model._no_split_modules``), then the root; returns ``model``."""
+    """``fully_shard`` each decoder block (``model._no_split_modules``), then the root; returns ``model``.
+
+    ``keep_root_gathered``: the root's own parameters (embeddings, final norm, head) stay
+    gathered from forward to backward. Needed when the loss is built from an intermediate
+    output (a reward model's per-position scores) rather than the root's output, whose
+    backward hook would otherwise gather them again.
+    """
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     if not block_names:
         raise ValueError(f"{type(model).__name__} names no _no_split_modules; cannot tell its decoder blocks")
@@ -58,7 +65,7 @@ def apply_fsdp2(
         raise ValueError(f"no module of {type(model).__name__} is one of its _no_split_modules {sorted(block_names)}")
     for block in blocks:
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": reshard_after_forward and not keep_root_gathered})
     # Sum, not average: a divide factor of 1, and plain SUM collectives (gloo has no PREMUL_SUM).
     for module in [*blocks, model]:
         module.set_gradient_divide_factor(1.0)

@@ -246,17 +246,22 @@ def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
 def sequence_scores(reward_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B,) reward-model scores read at each sequence's last real token.
 
-    The backbone's hidden states go through the model's score head at every position and the
-    last real one is picked here, so padding on either side (and pad == eos tokenizers) cannot
-    move the read-out as Hugging Face's pad-token search would.
+    The model runs as a whole (so FSDP2 gathers its parameters), and the score head's output
+    at every position is taken from a hook; the last real position is picked here, so padding
+    on either side (and pad == eos tokenizers) cannot move the read-out as Hugging Face's
+    pad-token search would.
     """
-    backbone = getattr(reward_model, reward_model.base_model_prefix)
-    hidden = backbone(
-        input_ids=input_ids,
-        attention_mask=attention_mask.long(),
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state  # (B, L, H)
+    per_position = []
+    hook = reward_model.score.register_forward_hook(lambda module, args, out: per_position.append(out))
+    try:
+        reward_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask.long(),
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+    finally:
+        hook.remove()
+    scores = per_position[0][..., 0]  # (B, L): the head at every position
     last = attention_mask.shape[1] - 1 - attention_mask.long().flip(1).argmax(1)  # (B,) last True
-    picked = hidden[torch.arange(len(hidden), device=hidden.device), last]  # (B, H)
-    return reward_model.score(picked).squeeze(-1).float()
+    return scores[torch.arange(len(scores), device=scores.device), last].float()

@@ -25,3 +25,12 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
     if path.exists():
         kept = [r for r in read_jsonl(path) if r["step"] <= last_step]
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def set_aside(run_dir: Path, names: tuple[str, ...], print_fn=print) -> None:
+    """A fresh run never appends to an earlier run's logs: those are kept as ``<name>.prev``."""
+    for name in names:
+        path = Path(run_dir) / name
+        if path.exists():
+            path.replace(path.with_name(name + ".prev"))
+            print_fn(f"an earlier run's {name} was moved to {name}.prev")

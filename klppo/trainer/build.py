@@ -110,7 +110,8 @@ def check_divisible_over_ranks(cfg: PPOConfig, world_size: int) -> None:
                             f"make it a multiple of {world_size}")
 
 
-def shard(model: torch.nn.Module, fsdp: FSDPConfig, env: DistEnv, meshes: dict) -> torch.nn.Module:
+def shard(model: torch.nn.Module, fsdp: FSDPConfig, env: DistEnv, meshes: dict,
+          keep_root_gathered: bool = False) -> torch.nn.Module:
     """FSDP2 over the ranks when the run has a process group; the model as it is otherwise."""
     if not env.is_distributed:
         return model
@@ -120,7 +121,8 @@ def shard(model: torch.nn.Module, fsdp: FSDPConfig, env: DistEnv, meshes: dict) 
         except ValueError as exc:
             raise UserError(f"fsdp_config.fsdp_size: {exc}") from None
     return apply_fsdp2(model, meshes[fsdp.fsdp_size], param_dtype=PARAM_DTYPES[fsdp.dtype],
-                       reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.offload_policy)
+                       reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.offload_policy,
+                       keep_root_gathered=keep_root_gathered)
 
 
 def resolve_device(name: str) -> torch.device:

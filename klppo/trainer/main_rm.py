@@ -5,6 +5,7 @@ with a one-output head), and the scores are fitted to the rankings with the Brad
 over every pair a ranking implies, or the Plackett-Luce loss over each whole ranking. Pairwise
 accuracy (the better response scored higher) is reported on ``data.val_files``. The result is
 written to ``<trainer.default_local_dir>/hf``, usable as PPO's ``reward_model.model.path``.
+Runs under torchrun with FSDP2 and checkpoints as SFT does (``klppo.trainer.supervised``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from klppo.algo import bradley_terry_loss, plackett_luce_loss
 from klppo.cli_support import quiet_libraries, run_cli
 from klppo.config import RMConfig, format_config, load_rm_config
 from klppo.data.ranked import RankedRecord, ranked_pairs, ranking_tiers
+from klppo.dist import DistEnv, all_reduce_sum, barrier
 from klppo.models.forward import sequence_scores
 from klppo.rollout.batch import right_pad
-from klppo.trainer.main_sft import supervised_loop
 from klppo.trainer.update import chunks, optimizer_step
 
 
@@ -79,12 +80,13 @@ def evaluate(model, records, tokenizer, cfg: RMConfig) -> dict[str, float]:
 
 
 def rm_step(model, optimizer, records, tokenizer, cfg: RMConfig) -> dict[str, torch.Tensor | float]:
-    """One optimiser step over ``records``: micro-batch losses normalised by the batch's term count."""
+    """One optimiser step over this rank's ``records``: micro-batch losses normalised by the
+    term count of every rank's records; the metrics are the global batch's."""
     model.train()
     micro = cfg.data.micro_batch_size_per_gpu or len(records)
     parts = [[records[i] for i in idx.tolist()] for idx in chunks(len(records), micro)]
-    n_terms = sum(len(ranked_pairs(r.rankings)) if cfg.loss.type == "bradley_terry" else len(r.rankings)
-                  for r in records)
+    n_terms = int(all_reduce_sum(torch.tensor(sum(
+        len(ranked_pairs(r.rankings)) if cfg.loss.type == "bradley_terry" else len(r.rankings) for r in records))))
     loss_sum, right, total = torch.zeros(()), 0, 0
     for part in parts:
         scores = score_records(model, part, tokenizer, cfg.data.max_response_length)
@@ -94,42 +96,54 @@ def rm_step(model, optimizer, records, tokenizer, cfg: RMConfig) -> dict[str, to
         r, t = pair_accuracy([s.detach() for s in scores], part)
         right, total = right + r, total + t
     grad_norm = optimizer_step(model, optimizer, cfg.optim.clip_grad)
-    return {"train/loss": loss_sum, "train/pair_accuracy": right / max(total, 1), "train/grad_norm": grad_norm}
+    loss_sum, right, total = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(right)), torch.tensor(float(total))]))
+    return {"train/loss": loss_sum, "train/pair_accuracy": float(right) / max(float(total), 1.0), "train/grad_norm": grad_norm}
 
 
 def run_rm(cfg: RMConfig, print_fn=print) -> Path:
-    """Train the reward model and save it; returns the Hugging Face folder written."""
-    from klppo.checkpoint.state import export_hf
+    """Train the reward model and save it (on every rank of a torchrun launch); returns the folder written."""
+    from klppo.trainer.supervised import run_on_ranks, start_processes
+
+    quiet_libraries()
+    env = start_processes(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
+    return run_on_ranks(env, lambda log: _train_rm(cfg, env, log), print_fn)
+
+
+def _train_rm(cfg: RMConfig, env: DistEnv, print_fn) -> Path:
     from klppo.data.ranked import load_ranked_dataset
     from klppo.data.sampler import PromptBatches
     from klppo.models.load import load_reward_model, load_tokenizer
     from klppo.monitoring.logger import MetricsLogger
-    from klppo.trainer.build import build_optimizer_and_scheduler, resolve_device, seed_everything
+    from klppo.trainer.build import build_optimizer_and_scheduler, seed_everything, shard
+    from klppo.trainer.supervised import SupervisedRun, finish, supervised_loop
 
-    quiet_libraries()
-    seed_everything(cfg.data.seed)
+    seed_everything(cfg.data.seed + env.rank)
     data, trainer, key = cfg.data, cfg.trainer, "model.partial_pretrain"
-    device = resolve_device(trainer.device)
     tokenizer = load_tokenizer(cfg.model.partial_pretrain, key=key)
     common = dict(prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                   filter_overlong_prompts=data.filter_overlong_prompts, log=print_fn)
     train = load_ranked_dataset(data.train_files, tokenizer, **common)
     val = load_ranked_dataset(data.val_files, tokenizer, **common) if data.val_files else None
-    model = load_reward_model(cfg.model.partial_pretrain, key=key, device=device, seed=data.seed,
+    model = load_reward_model(cfg.model.partial_pretrain, key=key, device=env.device, seed=data.seed,
                               gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
+    # The loss reads the score head at every position (sequence_scores), not the root's output.
+    model = shard(model, cfg.model.fsdp_config, env, {}, keep_root_gathered=True)
     batches = PromptBatches(len(train), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
     total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
     optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optim, total_steps)
     run_dir = Path(trainer.default_local_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)  # only once data and model have loaded
-    (run_dir / "config.yaml").write_text(format_config(cfg))
-    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn,
+    if env.rank == 0:  # only once data and model have loaded
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(format_config(cfg))
+    barrier()
+    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn, rank=env.rank,
                            console_keys=("train/loss", "train/pair_accuracy", "val/pair_accuracy"))
+    run = SupervisedRun(env, run_dir, model, optimizer, scheduler, batches, total_steps, trainer, print_fn)
     supervised_loop(
-        total_steps, lambda: rm_step(model, optimizer, [train[i] for i in batches.next_batch()], tokenizer, cfg),
-        (lambda: evaluate(model, val, tokenizer, cfg)) if val is not None else None, scheduler, logger, trainer.logger,
+        run, lambda indices: rm_step(model, optimizer, [train[i] for i in indices], tokenizer, cfg),
+        (lambda: evaluate(model, val, tokenizer, cfg)) if val is not None else None, logger,  # every rank, in step
     )
-    out = export_hf(model, tokenizer, run_dir / "hf")
+    out = finish(run, tokenizer)
     print_fn(f"reward model saved to {out} (use it as reward_model.model.path)")
     return out
 

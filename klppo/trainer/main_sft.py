@@ -1,9 +1,10 @@
 """``klppo sft`` / ``python -m klppo.trainer.main_sft``: supervised warm start before PPO.
 
 Trains a causal LM on prompt/response Parquet with the loss on response tokens only (token
-mean over the whole batch, so micro-batching does not change the update) and writes the
-result to ``<trainer.default_local_dir>/hf``, the folder PPO's ``actor_rollout_ref.model.path``
-points at.
+mean over the whole batch, so micro-batching and the number of ranks do not change the
+update) and writes the result to ``<trainer.default_local_dir>/hf``, the folder PPO's
+``actor_rollout_ref.model.path`` points at. Runs under torchrun as PPO does
+(``klppo.trainer.supervised``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable, Optional
-
 import torch
 
 from klppo.algo import logprobs_from_logits
 from klppo.cli_support import quiet_libraries, run_cli
 from klppo.config import SFTConfig, format_config, load_sft_config
+from klppo.dist import DistEnv, all_reduce_sum, barrier
 from klppo.models.forward import position_ids_from_mask
 from klppo.trainer.update import chunks, optimizer_step
 
@@ -52,51 +52,39 @@ def _evaluate(model, examples, pad_token_id, batch_rows: int) -> float:
 
 
 def sft_step(model, optimizer, batch, micro_batch_rows: int, clip_grad: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulate the batch's loss over micro-batches, clip, step; returns (loss, grad_norm)."""
+    """Accumulate this rank's share of the batch loss over micro-batches, clip, step; returns
+    (the global batch's loss, grad_norm). Normalised by the tokens of every rank's share."""
     model.train()
     ids, attn, loss_mask = batch
-    total_tokens = loss_mask[:, 1:].sum()
+    total_tokens = all_reduce_sum(loss_mask[:, 1:].sum())
     loss_sum = torch.zeros((), device=ids.device)
     for idx in chunks(len(ids), micro_batch_rows):
         loss = sft_loss(model, ids[idx], attn[idx], loss_mask[idx], total_tokens)
         loss.backward()
         loss_sum += loss.detach()
-    return loss_sum, optimizer_step(model, optimizer, clip_grad)
-
-
-def supervised_loop(total_steps: int, train_step: Callable[[], dict], evaluate: Optional[Callable[[], dict]],
-                    scheduler, logger, backends: list[str]) -> None:
-    """``total_steps`` optimiser steps of ``train_step``; validation and console ten times a run.
-
-    Shared by SFT and reward-model training; ``train_step`` returns the step's metrics.
-    """
-    every = max(1, total_steps // 10)
-    for step in range(1, total_steps + 1):
-        metrics = train_step()
-        metrics["train/lr"] = scheduler.get_last_lr()[0]
-        scheduler.step()
-        shown = step % every == 0 or step == total_steps
-        if evaluate is not None and shown:
-            metrics.update(evaluate())
-        logger.console = "console" in backends and shown
-        logger.log(step, metrics, total=total_steps)
-    logger.close()
+    return all_reduce_sum(loss_sum), optimizer_step(model, optimizer, clip_grad)
 
 
 def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
-    """Train and save; returns the Hugging Face folder written."""
-    from klppo.checkpoint.state import export_hf
+    """Train and save (on every rank of a torchrun launch); returns the Hugging Face folder written."""
+    from klppo.trainer.supervised import run_on_ranks, start_processes
+
+    quiet_libraries()
+    env = start_processes(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
+    return run_on_ranks(env, lambda log: _train_sft(cfg, env, log), print_fn)
+
+
+def _train_sft(cfg: SFTConfig, env: DistEnv, print_fn) -> Path:
     from klppo.data.sampler import PromptBatches
     from klppo.data.sft_dataset import collate_sft, load_sft_dataset
     from klppo.models.load import load_causal_lm, load_tokenizer
     from klppo.monitoring.logger import MetricsLogger
-    from klppo.trainer.build import build_optimizer_and_scheduler, resolve_device, seed_everything
+    from klppo.trainer.build import build_optimizer_and_scheduler, seed_everything, shard
+    from klppo.trainer.supervised import SupervisedRun, finish, supervised_loop
 
-    quiet_libraries()
-    seed_everything(cfg.data.seed)
+    seed_everything(cfg.data.seed + env.rank)
     data, trainer, key = cfg.data, cfg.trainer, "model.partial_pretrain"
-    run_dir = Path(trainer.default_local_dir)
-    device = resolve_device(trainer.device)
+    run_dir, device = Path(trainer.default_local_dir), env.device
     tokenizer = load_tokenizer(cfg.model.partial_pretrain, key=key)
     common = dict(prompt_key=data.prompt_key, response_key=data.response_key, max_length=data.max_length,
                   truncation=data.truncation, log=print_fn)
@@ -104,25 +92,29 @@ def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
     val = load_sft_dataset(data.val_files, tokenizer, **common) if data.val_files else None
     model = load_causal_lm(cfg.model.partial_pretrain, key=key, device=device,
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
+    model = shard(model, cfg.model.fsdp_config, env, {})
     batches = PromptBatches(len(train), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
     total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
-    run_dir.mkdir(parents=True, exist_ok=True)  # only once data and model have loaded
-    (run_dir / "config.yaml").write_text(format_config(cfg))
+    if env.rank == 0:  # only once data and model have loaded
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(format_config(cfg))
+    barrier()
     optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optim, total_steps)
-    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn,
+    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn, rank=env.rank,
                            console_keys=("train/loss", "val/loss", "train/lr", "train/grad_norm"))
-    micro_rows = data.micro_batch_size_per_gpu or data.train_batch_size
+    micro_rows = data.micro_batch_size_per_gpu or data.train_batch_size // env.world_size
+    run = SupervisedRun(env, run_dir, model, optimizer, scheduler, batches, total_steps, trainer, print_fn)
 
-    def train_step() -> dict:
-        batch = collate_sft([train[i] for i in batches.next_batch()], tokenizer.pad_token_id)
+    def train_step(indices: list[int]) -> dict:
+        batch = collate_sft([train[i] for i in indices], tokenizer.pad_token_id)
         loss, grad_norm = sft_step(model, optimizer, [t.to(device) for t in batch], micro_rows, cfg.optim.clip_grad)
         return {"train/loss": loss, "train/grad_norm": grad_norm}
 
-    def evaluate() -> dict:
+    def evaluate() -> dict:  # every rank the whole validation set, in step
         return {"val/loss": _evaluate(model, val, tokenizer.pad_token_id, micro_rows)}
 
-    supervised_loop(total_steps, train_step, evaluate if val is not None else None, scheduler, logger, trainer.logger)
-    out = export_hf(model, tokenizer, run_dir / "hf")
+    supervised_loop(run, train_step, evaluate if val is not None else None, logger)
+    out = finish(run, tokenizer)
     print_fn(f"SFT model saved to {out}")
     return out
 

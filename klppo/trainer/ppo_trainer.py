@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -22,7 +21,7 @@ from klppo.checkpoint.state import export_hf, latest_checkpoint, step_dir
 from klppo.data.batching import rank_shards, restore_order, seqlen_balance_metrics
 from klppo.dist import all_gather_padded, all_gather_rows, all_reduce_max_int, barrier, reduce_counts, reduce_stats, shard_range
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
-from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, truncate_jsonl
+from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics
 from klppo.monitoring.overlap import OverlapMeasure, profiled
@@ -354,7 +353,7 @@ class PPOTrainer:
             folder = Path(trainer.resume_from_path)
         if folder is None:
             if self.env.rank == 0:
-                self._set_aside_old_logs()
+                set_aside(run_dir, (METRICS_FILE, EVENTS_FILE), self.print)
             barrier()
             return
         with self.p.offloader.resident("actor", "critic"):
@@ -366,11 +365,3 @@ class PPOTrainer:
             for name in (METRICS_FILE, EVENTS_FILE):
                 truncate_jsonl(run_dir / name, self.step)
         self.print(f"resumed from {folder} at step {self.step}")
-
-    def _set_aside_old_logs(self) -> None:
-        """A fresh run never appends to an earlier run's logs: those are kept as <name>.prev."""
-        for name in (METRICS_FILE, EVENTS_FILE):
-            path = self.p.run_dir / name
-            if path.exists():
-                shutil.move(path, path.with_name(name + ".prev"))
-                self.print(f"an earlier run's {name} was moved to {name}.prev")

@@ -253,9 +253,9 @@ def test_unknown_loggers_are_refused_with_the_nearest_one():
     assert problems[0].startswith("trainer.logger entry 'tensorbord': unknown logger (did you mean 'tensorboard'?)")
 
 
-def test_sft_refuses_multi_process_runs_and_unknown_loggers():
-    problems = sft_problems_of("trainer.nnodes=2", "trainer.logger=[wandbb]")
-    assert len(problems) == 2 and "multi-process" in problems[0] and "'wandbb'" in problems[1]
+def test_sft_refuses_unknown_loggers_and_a_bad_checkpoint_frequency():
+    problems = sft_problems_of("trainer.nnodes=2", "trainer.logger=[wandbb]", "trainer.save_freq=0")
+    assert len(problems) == 2 and "trainer.save_freq" in problems[0] and "'wandbb'" in problems[1]
 
 
 # ---- reporting ----

@@ -8,62 +8,18 @@ do not depend on how the two CPU cores are shared.
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from launch import assert_same_metrics, assert_same_weights, launch, run_ok
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from klppo.errors import UserError
 from klppo.monitoring.logger import read_metrics
 from klppo.trainer.main_ppo import run_ppo
 
-ROOT = Path(__file__).parents[2]
 STEPS = 4
-
-
-def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-
-
-def launch(overrides: list[str], nproc: int | None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node N -m klppo.trainer.main_ppo ...`` (or plain python)."""
-    runner = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [sys.executable, *runner, "-m", "klppo.trainer.main_ppo", *overrides]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
-def run_ok(overrides: list[str], nproc: int | None) -> None:
-    done = launch(overrides, nproc)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-
-
-def _comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/", "global_seqlen/"))}  # rank loads differ
-
-
-def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
-        ra, rb = _comparable(ra), _comparable(rb)
-        assert ra.keys() == rb.keys()
-        for key in ra:
-            assert math.isclose(ra[key], rb[key], rel_tol=1e-4, abs_tol=1e-5), (ra["step"], key, ra[key], rb[key])
-
-
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    return AutoModelForCausalLM.from_pretrained(folder).state_dict()
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = _weights(a), _weights(b)
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +142,26 @@ def test_a_failure_on_one_rank_stops_every_rank_with_the_error_shown(ppo_overrid
 def test_a_world_that_differs_from_the_config_is_a_clear_error(ppo_overrides):
     with pytest.raises(UserError, match="trainer.n_gpus_per_node x trainer.nnodes = 2 x 1 = 2, but this run has 1"):
         run_ppo(None, ppo_overrides(**{"trainer.n_gpus_per_node": 2}), print_fn=lambda *a: None)
+
+
+def _reward_model(tiny_model_dir, out: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (out / name).write_bytes((tiny_model_dir / name).read_bytes())
+    return out
+
+
+def test_two_reward_models_ranking_responses_on_two_ranks_score_as_one_process(ppo_overrides, tiny_model_dir, tmp_path):
+    """Sharded reward models score each rank's rows; the rankings are distilled on the gathered batch."""
+    rm_a, rm_b = _reward_model(tiny_model_dir, tmp_path / "rm_a", 0), _reward_model(tiny_model_dir, tmp_path / "rm_b", 1)
+
+    def overrides(name: str, world: int) -> list[str]:
+        return ppo_overrides(tmp_path / name, **{
+            "reward_model.enable": "true", "reward_model.model.path": rm_a,
+            "reward_model.model.extra_paths": f"[{rm_b}]", "reward_model.rank_responses": "true",
+            "trainer.n_gpus_per_node": world})
+
+    run_ok(overrides("one", 1), None)
+    run_ok(overrides("two", 2), 2)
+    assert_same_metrics(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two"))

@@ -1,0 +1,131 @@
+"""What SFT and reward-model training share: ranks and the sharded model, the loop, checkpoints.
+
+Each step's global batch of examples is split evenly over the ranks (``data.train_batch_size``
+must be a multiple of the world size); each rank's loss is normalised by the global count of
+its terms (tokens for SFT, ranked pairs or rankings for reward models) and FSDP2 sums the
+gradients, so N ranks make the update one process would. Checkpoints (``trainer.save_freq``)
+hold the model and optimiser shards, the schedule, the data position and each rank's RNG, as
+PPO's do, and a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from klppo.checkpoint.state import (
+    export_hf, latest_checkpoint, load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint,
+    set_rng_state,
+)
+from klppo.config.schema import FSDPConfig, SFTTrainerConfig
+from klppo.data.sampler import PromptBatches
+from klppo.dist import DistEnv, abandon, barrier, close, init_distributed, load_training_state, shard_range, training_state
+from klppo.errors import UserError
+from klppo.monitoring.jsonl import set_aside, truncate_jsonl
+from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
+from klppo.trainer.build import check_world
+
+
+def start_processes(trainer: SFTTrainerConfig, fsdp: FSDPConfig, train_batch_size: int) -> DistEnv:
+    """Join torchrun's process group (or a group of one, for FSDP2 options) and check the world."""
+    env = init_distributed(trainer.device, group_of_one=fsdp != FSDPConfig())
+    check_world(trainer.n_gpus_per_node, trainer.nnodes, env.world_size)
+    if train_batch_size % env.world_size:
+        raise UserError(f"data.train_batch_size = {train_batch_size} does not split evenly over {env.world_size} "
+                        f"ranks; make it a multiple of {env.world_size}")
+    return env
+
+
+@dataclass
+class SupervisedRun:
+    env: DistEnv
+    run_dir: Path
+    model: torch.nn.Module  # sharded with FSDP2 when the run has a process group
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: PromptBatches  # the global batches, the same on every rank
+    total_steps: int
+    trainer: SFTTrainerConfig
+    print: Callable = print
+
+    def my_share(self, indices: list[int]) -> list[int]:
+        """This rank's equal, contiguous share of a global batch."""
+        return indices[shard_range(len(indices), self.env)]
+
+    def save(self, step: int) -> Path:
+        shared = {"step": step, "scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict()}
+        model_state, optimizer_state = training_state(self.model, self.optimizer)
+        return save_checkpoint(self.run_dir, step, shared, sharded={"model": model_state, "optimizer": optimizer_state},
+                               rank_state={"rng": rng_state()}, env=self.env, keep=self.trainer.max_ckpt_to_keep)
+
+    def resume(self) -> int:
+        """The step to continue after: that of the checkpoint resumed from, or 0 for a fresh run."""
+        trainer = self.trainer
+        folder = None
+        if trainer.resume_mode == "auto":
+            folder = latest_checkpoint(self.run_dir)
+        elif trainer.resume_mode == "resume_path":
+            folder = Path(trainer.resume_from_path)
+        if folder is None:
+            if self.env.rank == 0:
+                set_aside(self.run_dir, (METRICS_FILE,), self.print)
+            barrier()
+            return 0
+        shared, mine = load_checkpoint(folder), load_rank_state(folder, self.env)
+        model_state, optimizer_state = training_state(self.model, self.optimizer)
+        sharded = {"model": model_state, "optimizer": optimizer_state}
+        load_sharded_state(folder, sharded)
+        load_training_state(self.model, self.optimizer, sharded["model"], sharded["optimizer"])
+        self.scheduler.load_state_dict(shared["scheduler"])
+        self.batches.load_state_dict(shared["data"])
+        set_rng_state(mine["rng"])
+        if self.env.rank == 0:  # steps logged after the checkpoint will be run (and logged) again
+            truncate_jsonl(self.run_dir / METRICS_FILE, shared["step"])
+        self.print(f"resumed from {folder} at step {shared['step']}")
+        return shared["step"]
+
+
+def supervised_loop(run: SupervisedRun, train_step: Callable[[list[int]], dict],
+                    evaluate: Optional[Callable[[], dict]], logger: MetricsLogger) -> None:
+    """Optimiser steps of ``train_step(this rank's example indices) -> metrics`` to the last step;
+    validation and the console table ten times a run, checkpoints every ``save_freq`` steps."""
+    every = max(1, run.total_steps // 10)
+    save_freq, backends = run.trainer.save_freq, run.trainer.logger
+    try:
+        for step in range(run.resume() + 1, run.total_steps + 1):
+            metrics = train_step(run.my_share(run.batches.next_batch()))
+            metrics["train/lr"] = run.scheduler.get_last_lr()[0]
+            run.scheduler.step()
+            shown = step % every == 0 or step == run.total_steps
+            if evaluate is not None and shown:
+                metrics.update(evaluate())
+            logger.console = "console" in backends and shown
+            logger.log(step, metrics, total=run.total_steps)
+            if save_freq > 0 and (step % save_freq == 0 or step == run.total_steps):
+                run.save(step)
+    finally:
+        logger.close()
+
+
+def run_on_ranks(env: DistEnv, train: Callable[[Callable], Path], print_fn: Callable = print) -> Path:
+    """``train(print_fn)`` on this rank (only rank 0 prints); leave the process group cleanly
+    after success, at once after a failure (torchrun then stops the other ranks)."""
+    try:
+        out = train(print_fn if env.rank == 0 else _silent)
+    except BaseException:
+        abandon(env)
+        raise
+    close(env)
+    return out
+
+
+def _silent(*args, **kwargs) -> None:
+    """Ranks other than 0 keep their notes to themselves (rank 0 says the same)."""
+
+
+def finish(run: SupervisedRun, tokenizer) -> Path:
+    """Export the trained model to ``<run dir>/hf`` (gathered onto rank 0)."""
+    return export_hf(run.model, tokenizer, run.run_dir / "hf", run.env)

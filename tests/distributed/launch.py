@@ -1,0 +1,51 @@
+"""Launching klppo's entry points on several ranks from tests, and comparing what they wrote."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+PPO, SFT, RM = "klppo.trainer.main_ppo", "klppo.trainer.main_sft", "klppo.trainer.main_rm"
+
+ROOT = Path(__file__).parents[2]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def launch(overrides: list[str], nproc: int | None, timeout: int = 300, module: str = PPO) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node N -m <module> ...``, or plain python with ``nproc`` None."""
+    runner = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [sys.executable, *runner, "-m", module, *overrides]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def run_ok(overrides: list[str], nproc: int | None, module: str = PPO) -> None:
+    done = launch(overrides, nproc, module=module)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/", "global_seqlen/"))}  # rank loads differ
+
+
+def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        ra, rb = _comparable(ra), _comparable(rb)
+        assert ra.keys() == rb.keys()
+        for key in ra:
+            assert math.isclose(ra[key], rb[key], rel_tol=1e-4, abs_tol=1e-5), (ra["step"], key, ra[key], rb[key])
+
+
+def assert_same_weights(a: Path, b: Path, auto_class=AutoModelForCausalLM) -> None:
+    wa, wb = auto_class.from_pretrained(a).state_dict(), auto_class.from_pretrained(b).state_dict()
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5, msg=key)
