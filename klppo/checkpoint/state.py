@@ -29,13 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from klppo.dist import DistEnv, barrier, gather_full_model, is_sharded, load_sharded, save_sharded
+from klppo.dist import SINGLE_PROCESS, DistEnv, barrier, gather_full_model, is_sharded, load_sharded, save_sharded
 from klppo.errors import UserError
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.pt"
 WEIGHTS_DIR = "weights"
-SINGLE = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), is_distributed=False)
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -75,7 +74,7 @@ def save_checkpoint(
     *,
     sharded: dict[str, Any] | None = None,
     rank_state: dict[str, Any] | None = None,
-    env: DistEnv = SINGLE,
+    env: DistEnv = SINGLE_PROCESS,
     keep: int | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically; every rank calls this.
@@ -149,7 +148,7 @@ def load_rank_state(folder: str | Path, env: DistEnv) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def export_hf(model, tokenizer, out_dir: str | Path, env: DistEnv = SINGLE) -> Path:
+def export_hf(model, tokenizer, out_dir: str | Path, env: DistEnv = SINGLE_PROCESS) -> Path:
     """Write ``model`` and ``tokenizer`` as a folder that ``from_pretrained`` loads.
 
     Every rank calls this: a sharded model is gathered whole onto rank 0, which writes.

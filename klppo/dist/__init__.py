@@ -2,8 +2,10 @@
 
 from klppo.dist.checkpoint import load_sharded, load_training_state, save_sharded, training_state
 from klppo.dist.env import (
+    SINGLE_PROCESS,
     DistEnv,
     abandon,
+    all_gather_objects,
     all_gather_padded,
     all_gather_rows,
     all_reduce_max_int,
@@ -18,7 +20,7 @@ from klppo.dist.env import (
 from klppo.dist.fsdp import apply_fsdp2, build_mesh, full_state_dict, gather_full_model, is_sharded
 
 __all__ = [
-    "DistEnv", "abandon", "all_gather_padded", "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2",
+    "SINGLE_PROCESS", "DistEnv", "abandon", "all_gather_objects", "all_gather_padded", "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2",
     "barrier", "build_mesh", "close", "full_state_dict", "gather_full_model", "init_distributed", "is_sharded",
     "load_sharded", "load_training_state", "reduce_counts", "reduce_stats", "save_sharded", "shard_range",
     "training_state",

@@ -7,6 +7,7 @@ collective here is the identity, so a single process runs the same code.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,9 @@ class DistEnv:
     local_rank: int  # rank on this node; picks the GPU
     device: torch.device  # where this rank's models and batches live
     is_distributed: bool  # True when a process group was created (world_size > 1)
+
+
+SINGLE_PROCESS = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), is_distributed=False)
 
 
 def _device(device: str, local_rank: int) -> torch.device:
@@ -128,6 +132,15 @@ def all_gather_padded(t: torch.Tensor, pad_value: int | float) -> torch.Tensor:
     return all_gather_rows(padded).to(t.dtype)
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` in one process)."""
+    if not _active():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def shard_range(n_items: int, env: DistEnv) -> slice:
     """This rank's contiguous, equal share of ``n_items`` (rank r gets block r)."""
     if n_items % env.world_size:
@@ -146,7 +159,11 @@ def barrier() -> None:
 
 
 def close(env: DistEnv) -> None:
-    """Barrier, then leave the process group; safe to call twice or without one."""
+    """Free what the run left behind, wait for every rank, then leave the process group; safe to
+    call twice or without one."""
+    gc.collect()
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
     if env.is_distributed and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -304,18 +304,17 @@ class PPOTrainer:
     def _validate_resident(self) -> dict[str, float]:
         p, metrics = self.p, {}
         if p.val_records:
-            # Every rank validates on the whole set (the same private random stream), in step.
-            sync = self.env.is_distributed
+            # Each rank validates its share of the records; the results are gathered.
             metrics.update(validate(p.actor, p.val_records, p.tokenizer,
                                     lambda b: self._token_scores(b, self._sequence_scores(b), validation=True),
                                     sampling_params(self.cfg, validation=True), batch_size=self.cfg.data.val_batch_size,
-                                    synced_gpus=sync))
+                                    env=self.env))
             if p.ref is not None:
                 metrics.update(sampled_kl_to_ref(p.actor, p.ref, p.val_records, p.tokenizer, sampling_params(self.cfg),
-                                                 batch_size=self.cfg.data.val_batch_size, synced_gpus=sync))
+                                                 batch_size=self.cfg.data.val_batch_size, env=self.env))
         if p.val_ranked:
             metrics.update(preference_agreement(p.actor, p.val_ranked, p.tokenizer,
-                                                self.cfg.actor_rollout_ref.rollout.response_length))
+                                                self.cfg.actor_rollout_ref.rollout.response_length, env=self.env))
         return metrics
 
     def _log_events(self) -> None:

@@ -4,12 +4,13 @@ them with reference texts, and check the policy's preferences against held-out r
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from klppo.data.ranked import RankedRecord, ranked_pairs
 from klppo.data.rl_dataset import PromptRecord, tokenize_responses
+from klppo.dist import SINGLE_PROCESS, DistEnv, all_gather_objects, all_reduce_sum
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import SamplingParams, hf_rollout
@@ -23,6 +24,21 @@ def reference_of(record: PromptRecord) -> Optional[str]:
     return value if isinstance(value, str) and value else None
 
 
+def rank_parts(records: list, batch_size: int, env: DistEnv) -> Iterator[tuple[list, int]]:
+    """This rank's part of each global validation batch (``batch_size`` records per rank), and
+    how many of its records are real.
+
+    Every rank gets parts of the same size, so sharded models run their forwards in step; a
+    short share is filled up with stand-in records of the same batch whose results are dropped.
+    """
+    step = batch_size * env.world_size
+    for start in range(0, len(records), step):
+        chunk = records[start : start + step]
+        size = -(-len(chunk) // env.world_size)
+        mine = chunk[env.rank * size : (env.rank + 1) * size]
+        yield mine + chunk[: size - len(mine)], len(mine)
+
+
 def validate(
     actor,
     records: list[PromptRecord],
@@ -31,38 +47,38 @@ def validate(
     params: SamplingParams,
     *,
     batch_size: int | None = None,
-    synced_gpus: bool = False,
+    env: DistEnv = SINGLE_PROCESS,
 ) -> dict[str, float]:
     """Mean reward per data source over ``params.n`` responses per prompt, and text similarity.
 
     Keys: ``val-core/<data_source>/reward/mean@<n>`` (with the gsm8k rule this is accuracy),
     ``val-aux/response_length/mean``, and where prompts carry a reference text
-    ``val-aux/bleu`` and ``val-aux/rougeL``. Sampling uses a private generator seeded per call,
-    so validation never shifts the training run's random stream.
+    ``val-aux/bleu`` and ``val-aux/rougeL``. Sampling uses a private generator seeded per call
+    (and rank), so validation never shifts the training run's random stream. Each rank
+    validates its share of the records; the results are gathered.
     """
-    per_source: dict[str, list[float]] = defaultdict(list)
-    lengths: list[float] = []
-    hypotheses, references = [], []
-    step = batch_size or len(records)
+    rows = []  # (data source, score, length, response text or None, reference or None) per response
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        for start in range(0, len(records), step):
-            part = records[start : start + step]
-            batch = hf_rollout(actor, part, tokenizer, params, synced_gpus=synced_gpus)
-            scores = scorer(batch).sum(-1)  # (B,) from the (B, T) token-level scores
-            for source, score in zip(batch.data_sources, scores.tolist()):
-                per_source[source].append(score)
-            lengths.extend(batch.response_mask.sum(-1).tolist())
+        torch.manual_seed(env.rank)
+        for part, n_real in rank_parts(records, batch_size or len(records), env):
+            batch = hf_rollout(actor, part, tokenizer, params, synced_gpus=env.is_distributed)
+            scores = scorer(batch).sum(-1).tolist()  # (B,) from the (B, T) token-level scores
+            lengths = batch.response_mask.sum(-1).tolist()
             refs = [reference_of(r) for r in part for _ in range(params.n)]
-            for text, ref in zip(decode_responses(batch, tokenizer), refs):
-                if ref is not None:
-                    hypotheses.append(text)
-                    references.append(ref)
+            texts = decode_responses(batch, tokenizer) if any(refs) else [None] * len(refs)
+            real = n_real * params.n
+            rows += [(src, score, length, text if ref else None, ref) for src, score, length, text, ref
+                     in zip(batch.data_sources[:real], scores[:real], lengths[:real], texts[:real], refs[:real])]
+    rows = [row for rank_rows in all_gather_objects(rows) for row in rank_rows]
+    per_source: dict[str, list[float]] = defaultdict(list)
+    for source, score, *_ in rows:
+        per_source[source].append(score)
     metrics = {f"val-core/{s}/reward/mean@{params.n}": sum(v) / len(v) for s, v in per_source.items()}
-    metrics["val-aux/response_length/mean"] = sum(lengths) / len(lengths)
-    if hypotheses:
-        metrics["val-aux/bleu"] = bleu(hypotheses, references)
-        metrics["val-aux/rougeL"] = rouge_l(hypotheses, references)
+    metrics["val-aux/response_length/mean"] = sum(row[2] for row in rows) / len(rows)
+    with_ref = [(text, ref) for *_, text, ref in rows if ref is not None]
+    if with_ref:
+        metrics["val-aux/bleu"] = bleu([t for t, _ in with_ref], [r for _, r in with_ref])
+        metrics["val-aux/rougeL"] = rouge_l([t for t, _ in with_ref], [r for _, r in with_ref])
     return metrics
 
 
@@ -78,33 +94,38 @@ def response_log_likelihoods(actor, record: RankedRecord, tokenizer, max_respons
     return (log_prob * batch.response_mask.to(log_prob.device)).sum(-1)
 
 
-def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_response_length: int) -> dict[str, float]:
+def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_response_length: int,
+                         env: DistEnv = SINGLE_PROCESS) -> dict[str, float]:
     """``val-core/preference_agreement``: the share of held-out ranked pairs (better, worse) to
-    which the policy gives the better response the higher log-likelihood."""
+    which the policy gives the better response the higher log-likelihood (ranks share the records)."""
     agree = total = 0
-    for record in records:
-        loglik = response_log_likelihoods(actor, record, tokenizer, max_response_length)
-        for better, worse in ranked_pairs(record.rankings):
-            agree += int(loglik[better] > loglik[worse])
-            total += 1
+    for part, n_real in rank_parts(records, 1, env):
+        for record in part:  # a stand-in record runs its forward too, uncounted
+            loglik = response_log_likelihoods(actor, record, tokenizer, max_response_length)
+            pairs = ranked_pairs(record.rankings) if n_real else []
+            agree += sum(int(loglik[better] > loglik[worse]) for better, worse in pairs)
+            total += len(pairs)
+    agree, total = all_reduce_sum(torch.tensor([agree, total], dtype=torch.float64)).tolist()
     return {"val-core/preference_agreement": agree / max(total, 1)}
 
 
 def sampled_kl_to_ref(
     actor, ref, records: list[PromptRecord], tokenizer, params: SamplingParams, *, batch_size: int | None = None,
-    synced_gpus: bool = False,
+    env: DistEnv = SINGLE_PROCESS,
 ) -> dict[str, float]:
     """``val-aux/kl_to_ref``: KL(policy || reference) per token, estimated on responses *sampled
     from the policy* (k1 is unbiased only there; on recorded offline responses it is not a KL)."""
-    total, tokens = 0.0, 0
-    step = batch_size or len(records)
+    total = torch.zeros((), dtype=torch.float64)
+    tokens = torch.zeros((), dtype=torch.float64)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        for start in range(0, len(records), step):
-            batch = hf_rollout(actor, records[start : start + step], tokenizer, params, synced_gpus=synced_gpus)
+        torch.manual_seed(1 + env.rank)
+        for part, n_real in rank_parts(records, batch_size or len(records), env):
+            batch = hf_rollout(actor, part, tokenizer, params, synced_gpus=env.is_distributed)
             batch = batch.to(next(actor.parameters()).device)
             log_ratio = (compute_log_prob(actor, batch, micro_batch_rows=None, temperature=params.temperature)
                          - compute_log_prob(ref, batch, micro_batch_rows=None, temperature=params.temperature))
-            total += float((log_ratio * batch.response_mask).sum())  # host sync
-            tokens += int(batch.response_mask.sum())
-    return {"val-aux/kl_to_ref": total / max(tokens, 1)}
+            mask = batch.response_mask[: n_real * params.n]
+            total += float((log_ratio[: n_real * params.n] * mask).sum())  # host sync
+            tokens += float(mask.sum())
+    total, tokens = all_reduce_sum(torch.stack([total, tokens])).tolist()
+    return {"val-aux/kl_to_ref": total / max(tokens, 1.0)}

@@ -197,3 +197,13 @@ def test_collectives_are_the_identity_in_one_process():
     t = torch.tensor([1.0, 2.0])
     assert torch.equal(all_reduce_sum(t), t) and all_reduce_max_int(3) == 3
     assert reduce_stats({"a": torch.tensor(1.5)}) == {"a": torch.tensor(1.5)}
+
+
+def test_an_exported_sharded_model_loads_in_transformers_with_the_sharded_logits(tiny_model_dir, tmp_path):
+    _torchrun("export_worker.py", WORLD, str(tiny_model_dir), str(tmp_path))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    with torch.no_grad():
+        logits = exported(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits
+    torch.testing.assert_close(logits, torch.load(tmp_path / "sharded_logits.pt"), rtol=1e-5, atol=1e-6)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.equal(exported.model.embed_tokens.weight, original.model.embed_tokens.weight)

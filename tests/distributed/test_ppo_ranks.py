@@ -165,3 +165,23 @@ def test_two_reward_models_ranking_responses_on_two_ranks_score_as_one_process(p
     run_ok(overrides("one", 1), None)
     run_ok(overrides("two", 2), 2)
     assert_same_metrics(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two"))
+
+
+def test_ranks_share_validation_and_gather_the_same_figures_as_one_process(ppo_overrides, task_dir, tmp_path):
+    """Before training, two ranks validating half of the 8 prompts each (greedy) measure what one process does.
+
+    Stand-ins fill the short shares: 3 prompts per rank and batch make a global batch of 6, then 2.
+    """
+    def overrides(name: str, world: int) -> list[str]:
+        return ppo_overrides(tmp_path / name, **{
+            "data.train_files": task_dir / "train.parquet", "data.val_files": task_dir / "val.parquet",
+            "data.val_batch_size": 3, "actor_rollout_ref.rollout.name": "hf", "trainer.total_training_steps": 1,
+            "trainer.n_gpus_per_node": world})
+
+    run_ok(overrides("one", 1), None)
+    run_ok(overrides("two", 2), 2)
+    before_one, before_two = read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "two")[0]
+    assert before_one["step"] == before_two["step"] == 0
+    assert before_one.keys() == before_two.keys() and "val-aux/kl_to_ref" in before_two
+    for key in before_one:
+        assert math.isclose(before_one[key], before_two[key], rel_tol=1e-6, abs_tol=1e-6), key
