@@ -1,7 +1,10 @@
 """Fixtures shared by the end-to-end tests: a tiny model folder and the arithmetic task on disk."""
 
+import random
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from klppo.data.arithmetic import (
@@ -58,3 +61,26 @@ def ppo_overrides(tiny_model_dir, task_dir, tmp_path):
         return [f"{k}={v}" for k, v in settings.items()]
 
     return base
+
+
+WORDS = ["great", "good", "fine", "bad"]  # best first: the preference a reward model must learn
+
+
+def _write_word_ranking(path: Path, n: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(20), rng.randrange(20)
+        order = list(range(4))
+        rng.shuffle(order)
+        rows.append({"prompt": [{"role": "user", "content": f"Rate {a} and {b}."}],
+                     "responses": [f"{a} + {b} is {WORDS[k]}" for k in order],
+                     "ranking": sorted(range(4), key=lambda j: order[j])})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def word_ranking_file():
+    """write(path, n, seed) -> path: ranked Parquet of 4 responses per prompt, great > good > fine > bad."""
+    return _write_word_ranking

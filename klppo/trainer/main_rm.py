@@ -18,9 +18,9 @@ import torch
 
 from klppo.algo import bradley_terry_loss, plackett_luce_loss
 from klppo.cli_support import quiet_libraries, run_cli
-from klppo.config import RMConfig, format_config, load_rm_config
+from klppo.config import RMConfig, load_rm_config
 from klppo.data.ranked import RankedRecord, ranked_pairs, ranking_tiers
-from klppo.dist import DistEnv, all_reduce_sum, barrier
+from klppo.dist import DistEnv, all_reduce_sum
 from klppo.models.forward import sequence_scores
 from klppo.rollout.batch import right_pad
 from klppo.trainer.update import chunks, optimizer_step
@@ -111,14 +111,12 @@ def run_rm(cfg: RMConfig, print_fn=print) -> Path:
 
 def _train_rm(cfg: RMConfig, env: DistEnv, print_fn) -> Path:
     from klppo.data.ranked import load_ranked_dataset
-    from klppo.data.sampler import PromptBatches
     from klppo.models.load import load_reward_model, load_tokenizer
-    from klppo.monitoring.logger import MetricsLogger
-    from klppo.trainer.build import build_optimizer_and_scheduler, seed_everything, shard
-    from klppo.trainer.supervised import SupervisedRun, finish, supervised_loop
+    from klppo.trainer.build import seed_everything, shard
+    from klppo.trainer.supervised import finish, prepare_run, supervised_loop
 
     seed_everything(cfg.data.seed + env.rank)
-    data, trainer, key = cfg.data, cfg.trainer, "model.partial_pretrain"
+    data, key = cfg.data, "model.partial_pretrain"
     tokenizer = load_tokenizer(cfg.model.partial_pretrain, key=key)
     common = dict(prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                   filter_overlong_prompts=data.filter_overlong_prompts, log=print_fn)
@@ -128,17 +126,9 @@ def _train_rm(cfg: RMConfig, env: DistEnv, print_fn) -> Path:
                               gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
     # The loss reads the score head at every position (sequence_scores), not the root's output.
     model = shard(model, cfg.model.fsdp_config, env, {}, keep_root_gathered=True)
-    batches = PromptBatches(len(train), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
-    total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
-    optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optim, total_steps)
-    run_dir = Path(trainer.default_local_dir)
-    if env.rank == 0:  # only once data and model have loaded
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(format_config(cfg))
-    barrier()
-    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn, rank=env.rank,
-                           console_keys=("train/loss", "train/pair_accuracy", "val/pair_accuracy"))
-    run = SupervisedRun(env, run_dir, model, optimizer, scheduler, batches, total_steps, trainer, print_fn)
+    run, logger = prepare_run(cfg, env, model, len(train), ("train/loss", "train/pair_accuracy", "val/pair_accuracy"),
+                              print_fn)
+    optimizer = run.optimizer
     supervised_loop(
         run, lambda indices: rm_step(model, optimizer, [train[i] for i in indices], tokenizer, cfg),
         (lambda: evaluate(model, val, tokenizer, cfg)) if val is not None else None, logger,  # every rank, in step

@@ -16,8 +16,8 @@ import torch
 
 from klppo.algo import logprobs_from_logits
 from klppo.cli_support import quiet_libraries, run_cli
-from klppo.config import SFTConfig, format_config, load_sft_config
-from klppo.dist import DistEnv, all_reduce_sum, barrier
+from klppo.config import SFTConfig, load_sft_config
+from klppo.dist import DistEnv, all_reduce_sum
 from klppo.models.forward import position_ids_from_mask
 from klppo.trainer.update import chunks, optimizer_step
 
@@ -75,16 +75,13 @@ def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
 
 
 def _train_sft(cfg: SFTConfig, env: DistEnv, print_fn) -> Path:
-    from klppo.data.sampler import PromptBatches
     from klppo.data.sft_dataset import collate_sft, load_sft_dataset
     from klppo.models.load import load_causal_lm, load_tokenizer
-    from klppo.monitoring.logger import MetricsLogger
-    from klppo.trainer.build import build_optimizer_and_scheduler, seed_everything, shard
-    from klppo.trainer.supervised import SupervisedRun, finish, supervised_loop
+    from klppo.trainer.build import seed_everything, shard
+    from klppo.trainer.supervised import finish, prepare_run, supervised_loop
 
     seed_everything(cfg.data.seed + env.rank)
-    data, trainer, key = cfg.data, cfg.trainer, "model.partial_pretrain"
-    run_dir, device = Path(trainer.default_local_dir), env.device
+    data, key, device = cfg.data, "model.partial_pretrain", env.device
     tokenizer = load_tokenizer(cfg.model.partial_pretrain, key=key)
     common = dict(prompt_key=data.prompt_key, response_key=data.response_key, max_length=data.max_length,
                   truncation=data.truncation, log=print_fn)
@@ -93,17 +90,9 @@ def _train_sft(cfg: SFTConfig, env: DistEnv, print_fn) -> Path:
     model = load_causal_lm(cfg.model.partial_pretrain, key=key, device=device,
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
     model = shard(model, cfg.model.fsdp_config, env, {})
-    batches = PromptBatches(len(train), data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
-    total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
-    if env.rank == 0:  # only once data and model have loaded
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(format_config(cfg))
-    barrier()
-    optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optim, total_steps)
-    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn, rank=env.rank,
-                           console_keys=("train/loss", "val/loss", "train/lr", "train/grad_norm"))
-    micro_rows = data.micro_batch_size_per_gpu or data.train_batch_size // env.world_size
-    run = SupervisedRun(env, run_dir, model, optimizer, scheduler, batches, total_steps, trainer, print_fn)
+    run, logger = prepare_run(cfg, env, model, len(train), ("train/loss", "val/loss", "train/lr", "train/grad_norm"),
+                              print_fn)
+    optimizer, micro_rows = run.optimizer, data.micro_batch_size_per_gpu or data.train_batch_size // env.world_size
 
     def train_step(indices: list[int]) -> dict:
         batch = collate_sft([train[i] for i in indices], tokenizer.pad_token_id)

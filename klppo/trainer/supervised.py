@@ -20,13 +20,14 @@ from klppo.checkpoint.state import (
     export_hf, latest_checkpoint, load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint,
     set_rng_state,
 )
+from klppo.config import RMConfig, SFTConfig, format_config
 from klppo.config.schema import FSDPConfig, SFTTrainerConfig
 from klppo.data.sampler import PromptBatches
 from klppo.dist import DistEnv, abandon, barrier, close, init_distributed, load_training_state, shard_range, training_state
 from klppo.errors import UserError
 from klppo.monitoring.jsonl import set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
-from klppo.trainer.build import check_world
+from klppo.trainer.build import build_optimizer_and_scheduler, check_world
 
 
 def start_processes(trainer: SFTTrainerConfig, fsdp: FSDPConfig, train_batch_size: int) -> DistEnv:
@@ -86,6 +87,22 @@ class SupervisedRun:
             truncate_jsonl(self.run_dir / METRICS_FILE, shared["step"])
         self.print(f"resumed from {folder} at step {shared['step']}")
         return shared["step"]
+
+
+def prepare_run(cfg: SFTConfig | RMConfig, env: DistEnv, model: torch.nn.Module, n_examples: int,
+                console_keys: tuple[str, ...], print_fn: Callable) -> tuple[SupervisedRun, MetricsLogger]:
+    """Once data and model have loaded: the batches, the run folder, optimiser, schedule and logger."""
+    data, trainer = cfg.data, cfg.trainer
+    batches = PromptBatches(n_examples, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
+    run_dir = Path(trainer.default_local_dir)
+    if env.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(format_config(cfg))
+    barrier()
+    optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optim, total_steps)
+    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn, rank=env.rank, console_keys=console_keys)
+    return SupervisedRun(env, run_dir, model, optimizer, scheduler, batches, total_steps, trainer, print_fn), logger
 
 
 def supervised_loop(run: SupervisedRun, train_step: Callable[[list[int]], dict],

@@ -1,31 +1,10 @@
 """SFT and reward-model training on several ranks: the same updates as one process, exact resume."""
 
-import random
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from launch import RM, SFT, assert_same_metrics, assert_same_weights, run_ok
 from transformers import AutoModelForSequenceClassification
 
 from klppo.monitoring.logger import read_metrics
-
-WORDS = ["great", "good", "fine", "bad"]  # best first
-
-
-def _ranked_file(path, n, seed):
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randrange(20), rng.randrange(20)
-        order = list(range(4))
-        rng.shuffle(order)
-        rows.append({"prompt": [{"role": "user", "content": f"Rate {a} and {b}."}],
-                     "responses": [f"{a} + {b} is {WORDS[k]}" for k in order],
-                     "ranking": sorted(range(4), key=lambda j: order[j])})
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
 
 def _common(run_dir, world: int) -> list[str]:
     return [f"trainer.default_local_dir={run_dir}", "trainer.logger=[]", "trainer.device=cpu",
@@ -48,10 +27,10 @@ def test_sft_on_two_ranks_trains_exactly_as_one_process(tiny_model_dir, task_dir
 
 
 @pytest.fixture(scope="module")
-def rm_runs(tiny_model_dir, tmp_path_factory):
+def rm_runs(tiny_model_dir, tmp_path_factory, word_ranking_file):
     """Reward models: one process, two ranks with checkpoints, and two ranks stopped at step 2 and resumed."""
     out = tmp_path_factory.mktemp("rm_ranks")
-    train, val = _ranked_file(out / "train.parquet", 32, 0), _ranked_file(out / "val.parquet", 8, 1)
+    train, val = word_ranking_file(out / "train.parquet", 32, 0), word_ranking_file(out / "val.parquet", 8, 1)
 
     def overrides(name: str, world: int, steps: int, loss: str = "bradley_terry") -> list[str]:
         return [f"data.train_files={train}", f"data.val_files={val}", "data.max_prompt_length=64",

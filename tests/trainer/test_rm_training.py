@@ -1,9 +1,5 @@
 """Reward-model training from rankings: learns a learnable preference, saves a usable folder."""
 
-import random
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -14,8 +10,6 @@ from klppo.monitoring.logger import read_metrics
 from klppo.rollout.batch import right_pad
 from klppo.data.ranked import ranked_pairs
 from klppo.trainer.main_rm import run_rm
-
-WORDS = ["great", "good", "fine", "bad"]  # best first: the preference the reward model must learn
 
 
 def quiet(*args, **kwargs) -> None:
@@ -28,25 +22,11 @@ def test_ranked_pairs_cover_every_ordered_pair_and_skip_ties():
     assert ranked_pairs([[0, 1], [1, 0]]) == [(0, 1), (1, 0)]
 
 
-def _ranked_file(path, n, seed):
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        a, b = rng.randrange(20), rng.randrange(20)
-        order = list(range(4))
-        rng.shuffle(order)
-        responses = [f"{a} + {b} is {WORDS[k]}" for k in order]
-        rows.append({"prompt": [{"role": "user", "content": f"Rate {a} and {b}."}], "responses": responses,
-                     "ranking": sorted(range(4), key=lambda j: order[j])})
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
 @pytest.mark.parametrize("loss", ["bradley_terry", "plackett_luce"])
-def test_reward_model_learns_the_ranking_well_above_chance(tiny_model_dir, tmp_path, loss):
+def test_reward_model_learns_the_ranking_well_above_chance(tiny_model_dir, tmp_path, loss, word_ranking_file):
     cfg = load_rm_config(None, [
-        f"data.train_files={_ranked_file(tmp_path / 'train.parquet', 64, 0)}",
-        f"data.val_files={_ranked_file(tmp_path / 'val.parquet', 32, 1)}",
+        f"data.train_files={word_ranking_file(tmp_path / 'train.parquet', 64, 0)}",
+        f"data.val_files={word_ranking_file(tmp_path / 'val.parquet', 32, 1)}",
         "data.max_prompt_length=64", "data.max_response_length=16", "data.train_batch_size=16",
         "data.micro_batch_size_per_gpu=8", f"model.partial_pretrain={tiny_model_dir}", "optim.lr=3e-3",
         "trainer.total_epochs=8", f"loss.type={loss}", f"trainer.default_local_dir={tmp_path / 'rm'}",
