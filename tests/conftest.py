@@ -84,3 +84,37 @@ def _write_word_ranking(path: Path, n: int, seed: int) -> Path:
 def word_ranking_file():
     """write(path, n, seed) -> path: ranked Parquet of 4 responses per prompt, great > good > fine > bad."""
     return _write_word_ranking
+
+
+@pytest.fixture(scope="session")
+def answer_batch(tiny_model_dir):
+    """make(rows) -> a RolloutBatch for update tests: arithmetic prompts (left-padded), answers cut
+    to growing lengths (right-padded), random advantages and returns; a fresh batch per call."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from klppo.data.arithmetic import make_problems
+    from klppo.data.rl_dataset import encode_chats
+    from klppo.rollout.batch import RolloutBatch, right_pad
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def make(rows: int = 6) -> RolloutBatch:
+        problems = make_problems(rows, seed=5)
+        prompts = encode_chats(tokenizer, [[{"role": "user", "content": p.question}] for p in problems])
+        prompt_ids, prompt_mask = right_pad([list(reversed(p)) for p in prompts], tokenizer.pad_token_id)
+        prompt_ids, prompt_mask = prompt_ids.flip(1), prompt_mask.flip(1)  # left-padded
+        answers = [tokenizer(p.solution()[: 4 + 3 * i])["input_ids"] + [tokenizer.eos_token_id]
+                   for i, p in enumerate(problems)]
+        response_ids, response_mask = right_pad(answers, tokenizer.pad_token_id)
+        g = torch.Generator().manual_seed(0)
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
+            group_index=torch.arange(rows) // 2, data_sources=["x"] * rows, ground_truths=[None] * rows,
+            extra_infos=[{}] * rows,
+        )
+        batch.advantages = torch.randn(response_ids.shape, generator=g) * response_mask
+        batch.returns = torch.randn(response_ids.shape, generator=g) * response_mask
+        return batch
+
+    return make

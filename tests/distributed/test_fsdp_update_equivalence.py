@@ -16,13 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from klppo.data.arithmetic import make_problems
-from klppo.data.rl_dataset import encode_chats
 from klppo.dist import DistEnv, all_reduce_max_int, all_reduce_sum, reduce_stats, shard_range
 from klppo.models.load import load_critic
-from klppo.rollout.batch import RolloutBatch, right_pad
+from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.score import compute_log_prob, compute_values
 from klppo.trainer.update import (
     ActorUpdateSettings, CriticUpdateSettings, chunks, micro_batches, update_actor, update_critic,
@@ -34,24 +32,6 @@ ROWS, WORLD, LOCAL_MINI = 8, 2, 2
 # Global mini-batch k = rows [r * 4 + 2k, r * 4 + 2k + 1] of each rank r.
 ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
 MODES = ["token-mean", "seq-mean-token-mean"]
-
-
-def _batch(tokenizer) -> RolloutBatch:
-    problems = make_problems(ROWS, seed=5)
-    prompts = encode_chats(tokenizer, [[{"role": "user", "content": p.question}] for p in problems])
-    prompt_ids, prompt_mask = right_pad([list(reversed(p)) for p in prompts], tokenizer.pad_token_id)
-    prompt_ids, prompt_mask = prompt_ids.flip(1), prompt_mask.flip(1)  # left-padded
-    answers = [tokenizer(p.solution()[: 4 + 3 * i])["input_ids"] + [tokenizer.eos_token_id] for i, p in enumerate(problems)]
-    response_ids, response_mask = right_pad(answers, tokenizer.pad_token_id)
-    g = torch.Generator().manual_seed(0)
-    batch = RolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
-        group_index=torch.arange(ROWS) // 2, data_sources=["x"] * ROWS, ground_truths=[None] * ROWS,
-        extra_infos=[{}] * ROWS,
-    )
-    batch.advantages = torch.randn(response_ids.shape, generator=g) * response_mask
-    batch.returns = torch.randn(response_ids.shape, generator=g) * response_mask
-    return batch
 
 
 def _actor_settings(mode: str, mini: int, micro: int, **split) -> ActorUpdateSettings:
@@ -96,13 +76,12 @@ def _torchrun(script: str, nproc: int, *args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory):
+def runs(tiny_model_dir, tmp_path_factory, answer_batch):
     """(inputs, 2-rank FSDP2 results) for every case, from one torchrun launch."""
     folder = tmp_path_factory.mktemp("fsdp")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     critic = load_critic(str(tiny_model_dir), key="critic.model.path", device=torch.device("cpu"))
-    batch = _batch(tokenizer)
+    batch = answer_batch(ROWS)
     batch.old_log_prob = compute_log_prob(actor, batch, micro_batch_rows=None, temperature=1.0) - 0.05
     batch.ref_log_prob = batch.old_log_prob + 0.1
     batch.values = compute_values(critic, batch, micro_batch_rows=None)

@@ -8,35 +8,14 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from klppo.data.arithmetic import make_problems
-from klppo.data.rl_dataset import encode_chats
 from klppo.models.load import load_critic
-from klppo.rollout.batch import RolloutBatch, right_pad
+from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.score import compute_log_prob, compute_values
 from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings, micro_batches, update_actor, update_critic
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-
-
-def _batch(tokenizer, rows: int = 6) -> RolloutBatch:
-    problems = make_problems(rows, seed=5)
-    prompts = encode_chats(tokenizer, [[{"role": "user", "content": p.question}] for p in problems])
-    prompt_ids, prompt_mask = right_pad([list(reversed(p)) for p in prompts], tokenizer.pad_token_id)
-    # Left-pad by flipping a right-padded batch of reversed prompts back.
-    prompt_ids, prompt_mask = prompt_ids.flip(1), prompt_mask.flip(1)
-    answers = [tokenizer(p.solution()[: 4 + 3 * i])["input_ids"] + [tokenizer.eos_token_id] for i, p in enumerate(problems)]
-    response_ids, response_mask = right_pad(answers, tokenizer.pad_token_id)
-    g = torch.Generator().manual_seed(0)
-    batch = RolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
-        group_index=torch.arange(rows) // 2, data_sources=["x"] * rows, ground_truths=[None] * rows,
-        extra_infos=[{}] * rows,
-    )
-    batch.advantages = torch.randn(response_ids.shape, generator=g) * response_mask
-    batch.returns = torch.randn(response_ids.shape, generator=g) * response_mask
-    return batch
 
 
 def _budget(batch: RolloutBatch) -> int:
@@ -74,10 +53,9 @@ def _assert_same_update(results, keys):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_actor_update_is_the_same_for_any_micro_batching(tiny_model_dir, mode):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+def test_actor_update_is_the_same_for_any_micro_batching(tiny_model_dir, mode, answer_batch):
     actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    batch = _batch(tokenizer)
+    batch = answer_batch()
     batch.old_log_prob = compute_log_prob(actor, batch, micro_batch_rows=None, temperature=1.0) - 0.05
     batch.ref_log_prob = batch.old_log_prob + 0.1
     results = []
@@ -90,10 +68,9 @@ def test_actor_update_is_the_same_for_any_micro_batching(tiny_model_dir, mode):
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_critic_update_is_the_same_for_any_micro_batching(tiny_model_dir, mode):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+def test_critic_update_is_the_same_for_any_micro_batching(tiny_model_dir, mode, answer_batch):
     critic = load_critic(str(tiny_model_dir), key="critic.model.path", device=torch.device("cpu"))
-    batch = _batch(tokenizer)
+    batch = answer_batch()
     batch.values = compute_values(critic, batch, micro_batch_rows=4)
     results = []
     for split in [dict(micro_batch_rows=6)] + _splits(batch):
@@ -106,20 +83,18 @@ def test_critic_update_is_the_same_for_any_micro_batching(tiny_model_dir, mode):
     _assert_same_update(results, ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"))
 
 
-def test_chunked_log_probs_equal_one_forward(tiny_model_dir):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+def test_chunked_log_probs_equal_one_forward(tiny_model_dir, answer_batch):
     actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    batch = _batch(tokenizer)
+    batch = answer_batch()
     whole = compute_log_prob(actor, batch, micro_batch_rows=None, temperature=0.7)
     torch.testing.assert_close(compute_log_prob(actor, batch, micro_batch_rows=4, temperature=0.7), whole)
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_token_budget_forwards_restore_the_batch_order(tiny_model_dir, packed):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+def test_token_budget_forwards_restore_the_batch_order(tiny_model_dir, packed, answer_batch):
     actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     critic = load_critic(str(tiny_model_dir), key="critic.model.path", device=torch.device("cpu"))
-    batch = _batch(tokenizer)
+    batch = answer_batch()
     plan = micro_batches(batch, None, _budget(batch), "k")
     assert [i for idx in plan for i in idx] != list(range(len(batch)))  # the micro-batches do reorder rows
     split = dict(max_token_len=_budget(batch), use_remove_padding=packed)
@@ -130,8 +105,8 @@ def test_token_budget_forwards_restore_the_batch_order(tiny_model_dir, packed):
     torch.testing.assert_close(compute_values(critic, batch, micro_batch_rows=None, **split), values, atol=1e-5, rtol=1e-5)
 
 
-def test_micro_batches_of_a_token_budget_are_balanced_and_fit(tiny_model_dir):
-    batch = _batch(AutoTokenizer.from_pretrained(tiny_model_dir))
+def test_micro_batches_of_a_token_budget_are_balanced_and_fit(tiny_model_dir, answer_batch):
+    batch = answer_batch()
     lens = batch.attention_mask.sum(-1).tolist()
     plan = micro_batches(batch, None, _budget(batch), "k")
     assert all(sum(lens[i] for i in idx) <= _budget(batch) for idx in plan)
