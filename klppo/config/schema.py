@@ -143,8 +143,8 @@ class RolloutConfig:
     # Where responses come from: recorded in the data, HF generate, or vLLM (GPU).
     name: Literal["offline", "hf", "vllm"] = "offline"
     # Responses per prompt (offline: the first n recorded responses of each row; a row with
-    # fewer is an error).
-    n: int = 1
+    # fewer is an error). None: 4 when reward_model.rank_responses ranks them, else 1.
+    n: Optional[int] = None
     # Sampling temperature.
     temperature: float = 1.0
     # Nucleus sampling.

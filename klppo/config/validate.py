@@ -54,6 +54,8 @@ def resolve_ppo(cfg: PPOConfig) -> None:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:
         actor.clip_ratio_high = actor.clip_ratio
+    if arf.rollout.n is None:  # ranking needs several responses per prompt
+        arf.rollout.n = 4 if cfg.reward_model.rank_responses else 1
     if arf.rollout.response_length is None:
         arf.rollout.response_length = cfg.data.max_response_length
     if critic.ppo_mini_batch_size is None:

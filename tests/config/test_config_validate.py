@@ -240,10 +240,11 @@ def test_vllm_is_refused():
 def test_a_reward_model_needs_its_path_and_ranking_needs_groups():
     problems = problems_of("reward_model.enable=true")
     assert len(problems) == 1 and "reward_model.model.path" in problems[0]
-    problems = problems_of("reward_model.rank_responses=true")
+    problems = problems_of("reward_model.rank_responses=true", "actor_rollout_ref.rollout.n=1")
     assert len(problems) == 2 and "reward_model.enable" in problems[0] and "rollout.n >= 2" in problems[1]
-    load("reward_model.enable=true", "reward_model.model.path=rm", "reward_model.rank_responses=true",
-         "actor_rollout_ref.rollout.n=4")
+    cfg = load("reward_model.enable=true", "reward_model.model.path=rm", "reward_model.rank_responses=true")
+    assert cfg.actor_rollout_ref.rollout.n == 4  # ranking's default: 4 responses per prompt
+    assert load().actor_rollout_ref.rollout.n == 1  # verl's default otherwise
 
 
 def test_unknown_loggers_are_refused_with_the_nearest_one():
