@@ -13,15 +13,17 @@ from klppo.dist.env import (
     barrier,
     close,
     init_distributed,
+    on_rank_zero,
     reduce_counts,
     reduce_stats,
+    run_on_ranks,
     shard_range,
 )
 from klppo.dist.fsdp import apply_fsdp2, build_mesh, full_state_dict, gather_full_model, is_sharded
 
 __all__ = [
     "SINGLE_PROCESS", "DistEnv", "abandon", "all_gather_objects", "all_gather_padded", "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2",
-    "barrier", "build_mesh", "close", "full_state_dict", "gather_full_model", "init_distributed", "is_sharded",
-    "load_sharded", "load_training_state", "reduce_counts", "reduce_stats", "save_sharded", "shard_range",
+    "barrier", "build_mesh", "close", "full_state_dict", "gather_full_model", "init_distributed", "on_rank_zero", "is_sharded",
+    "load_sharded", "load_training_state", "reduce_counts", "reduce_stats", "run_on_ranks", "save_sharded", "shard_range",
     "training_state",
 ]

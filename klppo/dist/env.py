@@ -10,11 +10,14 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from klppo.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,27 @@ def init_distributed(device: str = "auto", *, group_of_one: bool = False) -> Dis
         else:
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size, device_id=device_id)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, is_distributed=True)
+
+
+def run_on_ranks(env: DistEnv, work: Callable[[Callable], T], print_fn: Callable = print) -> T:
+    """``work(print_fn)`` on this rank (only rank 0 prints), then leave the process group: cleanly
+    after success, at once after a failure (torchrun then stops the other ranks, no one hangs)."""
+    try:
+        result = work(on_rank_zero(print_fn, env))
+    except BaseException:
+        abandon(env)
+        raise
+    close(env)
+    return result
+
+
+def on_rank_zero(print_fn: Callable, env: DistEnv) -> Callable:
+    """``print_fn`` on rank 0, a function that prints nothing elsewhere (rank 0 says the same)."""
+    return print_fn if env.rank == 0 else _print_nothing
+
+
+def _print_nothing(*args, **kwargs) -> None:
+    pass
 
 
 def _active() -> bool:

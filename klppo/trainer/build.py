@@ -76,16 +76,20 @@ def fsdp_sections(cfg: PPOConfig) -> dict[str, FSDPConfig]:
             "critic.model.fsdp_config": cfg.critic.model.fsdp_config}
 
 
-def wants_fsdp_options(cfg: PPOConfig) -> bool:
-    """True when an ``fsdp_config`` asks for something only FSDP2 does (then even one process shards)."""
-    return any(section != FSDPConfig() for section in fsdp_sections(cfg).values())
+def join_world(trainer, fsdp_configs) -> DistEnv:
+    """Join torchrun's process group and check it against ``trainer.n_gpus_per_node x nnodes``.
+
+    A single process gets a group of one when an ``fsdp_config`` asks for something only FSDP2
+    does (mixed precision, offload, ...), so it shards too.
+    """
+    env = init_distributed(trainer.device, group_of_one=any(f != FSDPConfig() for f in fsdp_configs))
+    check_world(trainer.n_gpus_per_node, trainer.nnodes, env.world_size)
+    return env
 
 
 def start_processes(cfg: PPOConfig) -> DistEnv:
-    """Join torchrun's process group (or a group of one, for FSDP2 options) and check the world."""
-    env = init_distributed(cfg.trainer.device, group_of_one=wants_fsdp_options(cfg))
-    check_world(cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes, env.world_size)
-    return env
+    """This PPO process's place in the world (``join_world`` with every model's ``fsdp_config``)."""
+    return join_world(cfg.trainer, fsdp_sections(cfg).values())
 
 
 def check_world(n_gpus_per_node: int, nnodes: int, world_size: int) -> None:

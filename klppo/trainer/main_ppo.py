@@ -16,30 +16,26 @@ from klppo.config import format_config, load_ppo_config
 
 def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> list[dict]:
     """Validate the config, build everything, train; returns the logged metrics records."""
-    from klppo.dist import abandon, barrier, close
-    from klppo.trainer.build import build_ppo, start_processes
-    from klppo.trainer.ppo_trainer import PPOTrainer
+    from klppo.dist import run_on_ranks
+    from klppo.trainer.build import start_processes
 
     cfg = load_ppo_config(config_path, overrides)
     quiet_libraries()
     env = start_processes(cfg)
-    try:
-        parts = build_ppo(cfg, log=print_fn if env.rank == 0 else _silent, env=env)  # user errors surface here
-        if env.rank == 0:
-            parts.run_dir.mkdir(parents=True, exist_ok=True)
-            (parts.run_dir / "config.yaml").write_text(format_config(cfg))
-        barrier()
-        records = PPOTrainer(parts, print_fn=print_fn).fit()
-    except BaseException:
-        abandon(env)
-        raise
-    del parts
-    close(env)
-    return records
+    return run_on_ranks(env, lambda log: _train(cfg, env, log), print_fn)
 
 
-def _silent(*args, **kwargs) -> None:
-    """Ranks other than 0 keep their notes to themselves (rank 0 says the same)."""
+def _train(cfg, env, print_fn) -> list[dict]:
+    from klppo.dist import barrier
+    from klppo.trainer.build import build_ppo
+    from klppo.trainer.ppo_trainer import PPOTrainer
+
+    parts = build_ppo(cfg, log=print_fn, env=env)  # every user error surfaces here, before anything is written
+    if env.rank == 0:
+        parts.run_dir.mkdir(parents=True, exist_ok=True)
+        (parts.run_dir / "config.yaml").write_text(format_config(cfg))
+    barrier()
+    return PPOTrainer(parts, print_fn=print_fn).fit()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

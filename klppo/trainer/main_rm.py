@@ -20,7 +20,7 @@ from klppo.algo import bradley_terry_loss, plackett_luce_loss
 from klppo.cli_support import quiet_libraries, run_cli
 from klppo.config import RMConfig, load_rm_config
 from klppo.data.ranked import RankedRecord, ranked_pairs, ranking_tiers
-from klppo.dist import DistEnv, all_reduce_sum
+from klppo.dist import DistEnv, all_reduce_sum, run_on_ranks
 from klppo.models.forward import sequence_scores
 from klppo.rollout.batch import right_pad
 from klppo.trainer.update import chunks, optimizer_step
@@ -102,10 +102,10 @@ def rm_step(model, optimizer, records, tokenizer, cfg: RMConfig) -> dict[str, to
 
 def run_rm(cfg: RMConfig, print_fn=print) -> Path:
     """Train the reward model and save it (on every rank of a torchrun launch); returns the folder written."""
-    from klppo.trainer.supervised import run_on_ranks, start_processes
+    from klppo.trainer.supervised import start_supervised
 
     quiet_libraries()
-    env = start_processes(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
+    env = start_supervised(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
     return run_on_ranks(env, lambda log: _train_rm(cfg, env, log), print_fn)
 
 

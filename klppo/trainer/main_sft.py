@@ -17,7 +17,7 @@ import torch
 from klppo.algo import logprobs_from_logits
 from klppo.cli_support import quiet_libraries, run_cli
 from klppo.config import SFTConfig, load_sft_config
-from klppo.dist import DistEnv, all_reduce_sum
+from klppo.dist import DistEnv, all_reduce_sum, run_on_ranks
 from klppo.models.forward import position_ids_from_mask
 from klppo.trainer.update import chunks, optimizer_step
 
@@ -67,10 +67,10 @@ def sft_step(model, optimizer, batch, micro_batch_rows: int, clip_grad: float) -
 
 def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
     """Train and save (on every rank of a torchrun launch); returns the Hugging Face folder written."""
-    from klppo.trainer.supervised import run_on_ranks, start_processes
+    from klppo.trainer.supervised import start_supervised
 
     quiet_libraries()
-    env = start_processes(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
+    env = start_supervised(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
     return run_on_ranks(env, lambda log: _train_sft(cfg, env, log), print_fn)
 
 

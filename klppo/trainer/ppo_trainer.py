@@ -19,7 +19,9 @@ from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.config import config_to_dict
 from klppo.checkpoint.state import export_hf, latest_checkpoint, step_dir
 from klppo.data.batching import rank_shards, restore_order, seqlen_balance_metrics
-from klppo.dist import all_gather_padded, all_gather_rows, all_reduce_max_int, barrier, reduce_counts, reduce_stats, shard_range
+from klppo.dist import (
+    all_gather_padded, all_gather_rows, all_reduce_max_int, barrier, on_rank_zero, reduce_counts, reduce_stats, shard_range,
+)
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
@@ -76,7 +78,7 @@ class PPOTrainer:
 
     def __init__(self, parts: PPOParts, print_fn: Callable = print) -> None:
         self.p, self.cfg, self.env = parts, parts.cfg, parts.env
-        self.print = print_fn if self.env.rank == 0 else (lambda *args, **kwargs: None)
+        self.print = on_rank_zero(print_fn, self.env)
         trainer = self.cfg.trainer
         self.logger = MetricsLogger(parts.run_dir, trainer.logger, print_fn=self.print, rank=self.env.rank,
                                     project_name=trainer.project_name, experiment_name=trainer.experiment_name,

@@ -23,17 +23,16 @@ from klppo.checkpoint.state import (
 from klppo.config import RMConfig, SFTConfig, format_config
 from klppo.config.schema import FSDPConfig, SFTTrainerConfig
 from klppo.data.sampler import PromptBatches
-from klppo.dist import DistEnv, abandon, barrier, close, init_distributed, load_training_state, shard_range, training_state
+from klppo.dist import DistEnv, barrier, load_training_state, shard_range, training_state
 from klppo.errors import UserError
 from klppo.monitoring.jsonl import set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
-from klppo.trainer.build import build_optimizer_and_scheduler, check_world
+from klppo.trainer.build import build_optimizer_and_scheduler, join_world
 
 
-def start_processes(trainer: SFTTrainerConfig, fsdp: FSDPConfig, train_batch_size: int) -> DistEnv:
-    """Join torchrun's process group (or a group of one, for FSDP2 options) and check the world."""
-    env = init_distributed(trainer.device, group_of_one=fsdp != FSDPConfig())
-    check_world(trainer.n_gpus_per_node, trainer.nnodes, env.world_size)
+def start_supervised(trainer: SFTTrainerConfig, fsdp: FSDPConfig, train_batch_size: int) -> DistEnv:
+    """This process's place in the world (``join_world``); each batch must split evenly over it."""
+    env = join_world(trainer, [fsdp])
     if train_batch_size % env.world_size:
         raise UserError(f"data.train_batch_size = {train_batch_size} does not split evenly over {env.world_size} "
                         f"ranks; make it a multiple of {env.world_size}")
@@ -125,22 +124,6 @@ def supervised_loop(run: SupervisedRun, train_step: Callable[[list[int]], dict],
                 run.save(step)
     finally:
         logger.close()
-
-
-def run_on_ranks(env: DistEnv, train: Callable[[Callable], Path], print_fn: Callable = print) -> Path:
-    """``train(print_fn)`` on this rank (only rank 0 prints); leave the process group cleanly
-    after success, at once after a failure (torchrun then stops the other ranks)."""
-    try:
-        out = train(print_fn if env.rank == 0 else _silent)
-    except BaseException:
-        abandon(env)
-        raise
-    close(env)
-    return out
-
-
-def _silent(*args, **kwargs) -> None:
-    """Ranks other than 0 keep their notes to themselves (rank 0 says the same)."""
 
 
 def finish(run: SupervisedRun, tokenizer) -> Path:
