@@ -102,13 +102,15 @@ def test_an_hsdp_mesh_of_four_ranks_trains_as_one_process(exact_overrides, runs,
 
 
 def test_bf16_online_run_with_validation_on_two_ranks(ppo_overrides, task_dir, tmp_path):
-    """Sampling with synced ranks, validation on every rank, bf16 mixed precision, the offload options."""
+    """Sampling with synced ranks, shared validation, bf16 mixed precision, the offload options, and
+    gradient checkpointing."""
     fsdp = "actor_rollout_ref.actor.fsdp_config"
     overrides = ppo_overrides(**{
         "data.train_files": task_dir / "train.parquet", "data.val_files": task_dir / "val.parquet",
         "actor_rollout_ref.rollout.name": "hf", "trainer.test_freq": 1, "trainer.n_gpus_per_node": 2,
         f"{fsdp}.dtype": "bfloat16", f"{fsdp}.offload_policy": "true", f"{fsdp}.reshard_after_forward": "false",
         f"{fsdp}.param_offload": "true", f"{fsdp}.optimizer_offload": "true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing": "true",
         "critic.model.fsdp_config.dtype": "bfloat16",
     })
     run_ok(overrides, 2)
