@@ -63,7 +63,8 @@ def runs(exact_overrides, tmp_path_factory):
 def test_two_ranks_train_exactly_as_one_process(runs):
     one, two = read_metrics(runs / "one"), read_metrics(runs / "two")
     assert len(one) == STEPS and "global_seqlen/minmax_diff" in two[-1]
-    assert 0.0 < two[-1]["perf/overlap_ratio"] <= 1.0 and "perf/overlap_ratio" not in one[-1]
+    assert 0.0 < two[0]["perf/overlap_ratio"] <= 1.0 and "perf/overlap_ratio" not in one[0]
+    assert "perf/overlap_ratio" not in two[1]  # profiled at step 1 and every 10th
     assert_same_metrics(one, two)
     assert_same_weights(runs / "one" / "actor_hf", runs / "two" / "actor_hf")
 
