@@ -29,6 +29,8 @@ read the same ``cu_seq_lens_*`` / ``max_length_*`` keyword arguments and run var
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -97,14 +99,26 @@ AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 AttentionMaskInterface.register(PACKED_SDPA, _packed_sdpa_mask)
 
 
-def use_packed_attention(model: torch.nn.Module) -> str:
-    """Switch an sdpa model to ``PACKED_SDPA`` (other implementations are kept); returns the one in use.
+def packed_attention_for(device_type: str, compute_dtype: torch.dtype | None, flash_installed: bool) -> str:
+    """The attention packed rows run with: flash-attention's varlen kernels on CUDA when the
+    ``flash_attn`` package is installed and the model computes in bf16 or fp16 (its kernels
+    take nothing else), else ``PACKED_SDPA``."""
+    if device_type == "cuda" and flash_installed and compute_dtype in (torch.bfloat16, torch.float16):
+        return "flash_attention_2"
+    return PACKED_SDPA
 
-    Exact for padded and packed input alike, so it can stay on for generation and the padded
-    path. It is not saved with the model: ``save_pretrained`` does not write it.
+
+def use_packed_attention(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> str:
+    """Switch an sdpa model to the attention for packed rows (``packed_attention_for``; other
+    implementations are kept); returns the one in use.
+
+    Both are exact for padded and packed input alike, so they can stay on for generation and
+    the padded path. Neither is saved with the model: ``save_pretrained`` does not write it.
     """
     if model.config._attn_implementation == "sdpa":
-        model.set_attn_implementation(PACKED_SDPA)
+        device_type = next(model.parameters()).device.type
+        flash = importlib.util.find_spec("flash_attn") is not None
+        model.set_attn_implementation(packed_attention_for(device_type, compute_dtype, flash))
     return model.config._attn_implementation
 
 

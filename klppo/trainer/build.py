@@ -355,9 +355,9 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     if uses_reference(cfg):
         ref = load_causal_lm(model_cfg.path, key=key, device=device).eval().requires_grad_(False)
     if model_cfg.use_remove_padding:  # packed rows: attention per sequence, no N x N mask
-        for model in (actor, ref):
-            if model is not None:
-                use_packed_attention(model)
+        use_packed_attention(actor, PARAM_DTYPES[fsdp["actor_rollout_ref.actor.fsdp_config"].dtype])
+        if ref is not None:
+            use_packed_attention(ref, PARAM_DTYPES[fsdp["actor_rollout_ref.ref.fsdp_config"].dtype])
     actor = shard(actor, fsdp["actor_rollout_ref.actor.fsdp_config"], env, meshes)
     actor_optimizer, actor_scheduler = build_optimizer_and_scheduler(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
     if ref is not None:
@@ -377,7 +377,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
         critic = load_critic(cfg.critic.model.path, key="critic.model.path", device=device, seed=cfg.data.seed,
                              gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing)
         if cfg.critic.model.use_remove_padding:
-            use_packed_attention(critic)
+            use_packed_attention(critic, PARAM_DTYPES[fsdp["critic.model.fsdp_config"].dtype])
         critic = shard(critic, fsdp["critic.model.fsdp_config"], env, meshes)
         critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
     offloader = build_offloader(device, fsdp, actor, actor_optimizer, ref, reward_models, critic, critic_optimizer)

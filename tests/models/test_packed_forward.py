@@ -5,7 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from klppo.data.batching import pack
-from klppo.models.forward import PACKED_SDPA, response_logprobs, response_values, use_packed_attention
+from klppo.models.forward import (
+    PACKED_SDPA, packed_attention_for, response_logprobs, response_values, use_packed_attention,
+)
 from klppo.models.tiny import tiny_model_config
 
 IMPLEMENTATIONS = ["sdpa", "eager", PACKED_SDPA]
@@ -124,3 +126,14 @@ def test_packed_attention_generates_like_sdpa_and_is_not_saved(tmp_path):
 def test_use_packed_attention_keeps_eager():
     actor, _ = _models("eager")
     assert use_packed_attention(actor) == "eager"
+
+
+@pytest.mark.parametrize("device, dtype, flash, expected", [
+    ("cuda", torch.bfloat16, True, "flash_attention_2"),
+    ("cuda", torch.float16, True, "flash_attention_2"),
+    ("cuda", None, True, PACKED_SDPA),  # fp32 compute: flash-attention's kernels take bf16/fp16 only
+    ("cuda", torch.bfloat16, False, PACKED_SDPA),  # the flash_attn package is not installed
+    ("cpu", torch.bfloat16, True, PACKED_SDPA),
+])
+def test_packed_rows_use_flash_attention_varlen_only_where_it_runs(device, dtype, flash, expected):
+    assert packed_attention_for(device, dtype, flash) == expected
