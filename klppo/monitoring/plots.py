@@ -75,7 +75,12 @@ def build_panels(records: Sequence[Mapping], lines: Mapping[str, list[tuple[str,
                                                  lines.get("entropy", []))]),
         Panel("value", "Critic", [Axis("value loss", [series(records, "critic/vf_loss")]),
                                   Axis("explained var", [series(records, "critic/vf_explained_var")], [("", 0.0)])]),
-        Panel("throughput", "Throughput", [Axis("tokens / s", [series(records, "perf/throughput")])]),
+        Panel("throughput", "Throughput", [
+            Axis("tokens / s", [series(records, "perf/throughput")]),
+            Axis("comm / compute", [series(records, "perf/overlap_ratio", "overlap ratio", marker="o")], [("", 1.0)]),
+            Axis("tokens per rank", [series(records, "global_seqlen/minmax_diff", "max - min, unbalanced"),
+                                     series(records, "global_seqlen/balanced_max", "max, balanced"),
+                                     series(records, "global_seqlen/balanced_min", "min, balanced")])]),
         Panel("timing", "Phase timings", [Axis("seconds", [series(records, k, k.removeprefix("timing_s/"))
                                                            for k in phases], stacked=True,
                                                overlay=[series(records, "timing_s/step", "step (total)")])]),

@@ -98,3 +98,20 @@ def test_a_truncated_metrics_line_is_a_user_error_naming_file_and_line(tmp_path)
         assert "metrics.jsonl, line 22" in str(exc)
     else:
         raise AssertionError("expected a UserError")
+
+
+def test_a_distributed_run_adds_overlap_and_rank_balance_to_the_throughput_panel():
+    from klppo.monitoring.plots import build_panels
+
+    single = [step_record(s, critic=True) for s in range(1, 4)]
+    ranks = [dict(r, **{"global_seqlen/minmax_diff": 20.0, "global_seqlen/balanced_max": 350.0,
+                        "global_seqlen/balanced_min": 348.0}) for r in single]
+    ranks[0]["perf/overlap_ratio"] = 0.2  # profiled at step 1 only
+
+    def throughput_axes(records):
+        panel = next(p for p in build_panels(records, {}) if p.name == "throughput")
+        return [[s.label for s in axis.series] for axis in panel.axes]
+
+    assert throughput_axes(single) == [["perf/throughput"]]
+    assert throughput_axes(ranks) == [["perf/throughput"], ["overlap ratio"],
+                                      ["max - min, unbalanced", "max, balanced", "min, balanced"]]
