@@ -30,7 +30,7 @@ class DataConfig:
     max_response_length: int = 512
     # Prompts per PPO step (before rollout.n responses each).
     train_batch_size: int = 1024
-    # Prompts per validation batch; None = the whole validation set at once.
+    # Prompts per validation batch (over all ranks); None = the whole validation set at once.
     val_batch_size: Optional[int] = None
     # What to do with an over-long prompt (as verl): error, `left` cuts its start, `right` its end.
     truncation: Literal["error", "left", "right"] = "error"

@@ -25,15 +25,14 @@ def reference_of(record: PromptRecord) -> Optional[str]:
 
 
 def rank_parts(records: list, batch_size: int, env: DistEnv) -> Iterator[tuple[list, int]]:
-    """This rank's part of each global validation batch (``batch_size`` records per rank), and
-    how many of its records are real.
+    """This rank's part of each validation batch of ``batch_size`` records (verl's global
+    ``data.val_batch_size``), and how many of its records are real.
 
     Every rank gets parts of the same size, so sharded models run their forwards in step; a
     short share is filled up with stand-in records of the same batch whose results are dropped.
     """
-    step = batch_size * env.world_size
-    for start in range(0, len(records), step):
-        chunk = records[start : start + step]
+    for start in range(0, len(records), batch_size):
+        chunk = records[start : start + batch_size]
         size = -(-len(chunk) // env.world_size)
         mine = chunk[env.rank * size : (env.rank + 1) * size]
         yield mine + chunk[: size - len(mine)], len(mine)
@@ -99,7 +98,7 @@ def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_resp
     """``val-core/preference_agreement``: the share of held-out ranked pairs (better, worse) to
     which the policy gives the better response the higher log-likelihood (ranks share the records)."""
     agree = total = 0
-    for part, n_real in rank_parts(records, 1, env):
+    for part, n_real in rank_parts(records, env.world_size, env):
         for record in part:  # a stand-in record runs its forward too, uncounted
             loglik = response_log_likelihoods(actor, record, tokenizer, max_response_length)
             pairs = ranked_pairs(record.rankings) if n_real else []

@@ -173,7 +173,7 @@ def test_two_reward_models_ranking_responses_on_two_ranks_score_as_one_process(p
 def test_ranks_share_validation_and_gather_the_same_figures_as_one_process(ppo_overrides, task_dir, tmp_path):
     """Before training, two ranks validating half of the 8 prompts each (greedy) measure what one process does.
 
-    Stand-ins fill the short shares: 3 prompts per rank and batch make a global batch of 6, then 2.
+    Batches of 3 prompts split 2 + 1 over the ranks; a stand-in fills the short share.
     """
     def overrides(name: str, world: int) -> list[str]:
         return ppo_overrides(tmp_path / name, **{
