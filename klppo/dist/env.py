@@ -1,8 +1,9 @@
 """The process group: who this rank is, on which device, and the few collectives the trainer needs.
 
 Everything comes from the environment ``torchrun`` sets (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT). With WORLD_SIZE unset or 1 no process group is created and every
-collective here is the identity, so a single process runs the same code.
+MASTER_ADDR, MASTER_PORT). With WORLD_SIZE unset or 1 no process group is created (unless a
+group of one is asked for, which FSDP2 needs) and every collective here is the identity, so a
+single process runs the same code.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class DistEnv:
     world_size: int  # number of processes in the run
     local_rank: int  # rank on this node; picks the GPU
     device: torch.device  # where this rank's models and batches live
-    is_distributed: bool  # True when a process group was created (world_size > 1)
+    is_distributed: bool  # True when a process group was joined (world_size > 1, or a group of one)
 
 
 SINGLE_PROCESS = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), is_distributed=False)
