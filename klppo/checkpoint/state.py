@@ -106,10 +106,24 @@ def save_checkpoint(
     return final
 
 
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """The steps of the complete checkpoints in ``run_dir``, oldest first (``.tmp`` folders skipped)."""
+    return sorted(int(p.name.rsplit("_", 1)[1]) for p in Path(run_dir).glob("global_step_*") if p.name[-1].isdigit())
+
+
 def _prune(run_dir: Path, keep: int) -> None:
-    steps = sorted(int(p.name.rsplit("_", 1)[1]) for p in run_dir.glob("global_step_*") if p.name[-1].isdigit())
+    steps = checkpoint_steps(run_dir)
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+
+
+def resume_folder(run_dir: str | Path, resume_mode: str, resume_from_path: str | None) -> Path | None:
+    """The checkpoint a run continues from (``trainer.resume_mode``), or None for a fresh start."""
+    if resume_mode == "auto":
+        return latest_checkpoint(run_dir)
+    if resume_mode == "resume_path":
+        return Path(resume_from_path)
+    return None
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

@@ -129,14 +129,6 @@ def shard(model: torch.nn.Module, fsdp: FSDPConfig, env: DistEnv, meshes: dict,
                        keep_root_gathered=keep_root_gathered)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu or auto")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

@@ -17,7 +17,7 @@ import torch
 
 from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.config import config_to_dict
-from klppo.checkpoint.state import export_hf, latest_checkpoint, step_dir
+from klppo.checkpoint.state import checkpoint_steps, export_hf, resume_folder, step_dir
 from klppo.data.batching import rank_shards, restore_order, seqlen_balance_metrics
 from klppo.dist import (
     all_gather_padded, all_gather_rows, all_reduce_max_int, barrier, on_rank_zero, reduce_counts, reduce_stats, shard_range,
@@ -274,7 +274,7 @@ class PPOTrainer:
     def _guard_before_update(self, batch: RolloutBatch) -> Action:
         if batch.ref_log_prob is not None:
             kl = float(masked_mean(batch.old_log_prob - batch.ref_log_prob, batch.response_mask))  # host sync
-            action = self.guard.check_kl(self.step, kl, existing=self._checkpoint_steps())
+            action = self.guard.check_kl(self.step, kl, existing=set(checkpoint_steps(self.p.run_dir)))
             if action is not Action.CONTINUE:
                 return action
         scores = batch.token_level_scores.sum(-1)
@@ -337,11 +337,8 @@ class PPOTrainer:
         self.guard.checkpoint_saved(self.step)
         return folder
 
-    def _checkpoint_steps(self) -> set[int]:
-        return {int(d.name.rsplit("_", 1)[1]) for d in self.p.run_dir.glob("global_step_*") if d.name[-1].isdigit()}
-
     def _rollback(self) -> None:
-        target = self.guard.rollback_target(self._checkpoint_steps())
+        target = self.guard.rollback_target(set(checkpoint_steps(self.p.run_dir)))
         with self.p.offloader.resident("actor", "critic", "ref"):
             if target is None:
                 run_state.restore_initial_actor(self.p)
@@ -351,11 +348,7 @@ class PPOTrainer:
 
     def _resume(self) -> None:
         trainer, run_dir = self.cfg.trainer, self.p.run_dir
-        folder = None
-        if trainer.resume_mode == "auto":
-            folder = latest_checkpoint(run_dir)
-        elif trainer.resume_mode == "resume_path":
-            folder = Path(trainer.resume_from_path)
+        folder = resume_folder(run_dir, trainer.resume_mode, trainer.resume_from_path)
         if folder is None:
             if self.env.rank == 0:
                 set_aside(run_dir, (METRICS_FILE, EVENTS_FILE), self.print)

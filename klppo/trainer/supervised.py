@@ -17,8 +17,8 @@ from typing import Callable, Optional
 import torch
 
 from klppo.checkpoint.state import (
-    export_hf, latest_checkpoint, load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint,
-    set_rng_state,
+    export_hf, load_checkpoint, load_rank_state, load_sharded_state, resume_folder, rng_state,
+    save_checkpoint, set_rng_state,
 )
 from klppo.config import RMConfig, SFTConfig, format_config
 from klppo.config.schema import FSDPConfig, SFTTrainerConfig
@@ -63,12 +63,7 @@ class SupervisedRun:
 
     def resume(self) -> int:
         """The step to continue after: that of the checkpoint resumed from, or 0 for a fresh run."""
-        trainer = self.trainer
-        folder = None
-        if trainer.resume_mode == "auto":
-            folder = latest_checkpoint(self.run_dir)
-        elif trainer.resume_mode == "resume_path":
-            folder = Path(trainer.resume_from_path)
+        folder = resume_folder(self.run_dir, self.trainer.resume_mode, self.trainer.resume_from_path)
         if folder is None:
             if self.env.rank == 0:
                 set_aside(self.run_dir, (METRICS_FILE,), self.print)
