@@ -5,7 +5,7 @@
     python benchmarks/gpu_check.py --device cpu --size tiny --batch 8   # CPU smoke run (seconds)
 
 Workload: a Qwen2-shaped model built from a config (Qwen2.5-0.5B's shape, random weights), the
-actor and a frozen reference each wrapped by ``klppo.dist.apply_fsdp2`` (bf16 parameters, fp32
+actor and a frozen reference each wrapped by ``klppo.distributed.apply_fsdp2`` (bf16 parameters, fp32
 gradient reduction and master weights), a synthetic batch per rank of uniform prompt lengths
 and log-normal response lengths (``throughput.synthetic_batch``), and a few GRPO-style PPO
 iterations over it: old log-probs, reference log-probs, group advantages from the synthetic
@@ -35,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from klppo.algo import compute_grpo_outcome_advantage
-from klppo.dist import (
+from klppo.distributed import (
     DistEnv, all_reduce_max_int, apply_fsdp2, build_mesh, close, init_distributed, reduce_counts, reduce_stats,
 )
 from klppo.models.forward import use_packed_attention
@@ -43,7 +43,7 @@ from klppo.models.tiny import tiny_model_config
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.score import compute_log_prob
+from klppo.trainer.forwards import compute_log_prob
 from klppo.trainer.update import ActorUpdateSettings, update_actor
 from throughput import synthetic_batch
 

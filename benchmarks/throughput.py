@@ -40,7 +40,7 @@ from klppo.monitoring.flops import model_flops
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.score import ForwardSettings, compute_log_prob, compute_values
+from klppo.trainer.forwards import ForwardSettings, compute_log_prob, compute_values
 from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings, update_actor, update_critic
 
 PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")

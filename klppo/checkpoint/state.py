@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from klppo.dist import SINGLE_PROCESS, DistEnv, barrier, gather_full_model, is_sharded, load_sharded, save_sharded
+from klppo.distributed import SINGLE_PROCESS, DistEnv, barrier, gather_full_model, is_sharded, load_sharded, save_sharded
 from klppo.errors import UserError
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"

@@ -3,7 +3,7 @@
 Every field uses verl's key name for the same knob (``actor_rollout_ref.actor.clip_ratio``,
 ``algorithm.kl_ctrl.target_kl``, ...), so a verl YAML file runs with at most a path changed.
 Each field carries a one-line docstring (the comment above it). ``None`` means "derive from
-another field" (documented on the field) and is resolved by ``klppo.config.load``.
+another field" (documented on the field) and is resolved by ``klppo.config.parse``.
 """
 
 from __future__ import annotations

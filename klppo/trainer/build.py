@@ -22,16 +22,16 @@ from klppo.data.parquet import parquet_columns
 from klppo.data.ranked import RankedRecord, load_ranked_dataset
 from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
 from klppo.data.sampler import PromptBatches
-from klppo.dist import DistEnv, apply_fsdp2, build_mesh, init_distributed
+from klppo.distributed import DistEnv, apply_fsdp2, build_mesh, init_distributed
 from klppo.errors import UserError
 from klppo.models.forward import use_packed_attention
 from klppo.models.load import check_same_tokenizer, load_causal_lm, load_critic, load_reward_model, load_tokenizer
-from klppo.rewards.ranking import with_ranking_rewards
+from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.hf import SamplingParams
 from klppo.trainer.offload import Offloader
 from klppo.trainer.optim import build_lr_scheduler, build_optimizer
-from klppo.trainer.score import ForwardSettings
+from klppo.trainer.forwards import ForwardSettings
 from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings
 
 RANKING_COLUMNS = {"ranking", "rankings", "chosen"}  # offline files with these are ranked data

@@ -16,7 +16,7 @@ from klppo.config import format_config, load_ppo_config
 
 def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> list[dict]:
     """Validate the config, build everything, train; returns the logged metrics records."""
-    from klppo.dist import run_on_ranks
+    from klppo.distributed import run_on_ranks
     from klppo.trainer.build import start_processes
 
     cfg = load_ppo_config(config_path, overrides)
@@ -26,7 +26,7 @@ def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> li
 
 
 def _train(cfg, env, print_fn) -> list[dict]:
-    from klppo.dist import barrier
+    from klppo.distributed import barrier
     from klppo.trainer.build import build_ppo
     from klppo.trainer.ppo_trainer import PPOTrainer
 

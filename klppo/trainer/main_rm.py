@@ -20,7 +20,7 @@ from klppo.algo import bradley_terry_loss, plackett_luce_loss
 from klppo.cli_support import quiet_libraries, run_cli
 from klppo.config import RMConfig, load_rm_config
 from klppo.data.ranked import RankedRecord, ranked_pairs, ranking_tiers
-from klppo.dist import DistEnv, all_reduce_sum, run_on_ranks
+from klppo.distributed import DistEnv, all_reduce_sum, run_on_ranks
 from klppo.models.forward import sequence_scores
 from klppo.rollout.batch import right_pad
 from klppo.trainer.update import chunks, optimizer_step

@@ -17,7 +17,7 @@ import torch
 from klppo.algo import logprobs_from_logits
 from klppo.cli_support import quiet_libraries, run_cli
 from klppo.config import SFTConfig, load_sft_config
-from klppo.dist import DistEnv, all_reduce_sum, run_on_ranks
+from klppo.distributed import DistEnv, all_reduce_sum, run_on_ranks
 from klppo.models.forward import position_ids_from_mask
 from klppo.trainer.update import chunks, optimizer_step
 

@@ -19,7 +19,7 @@ from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.config import config_to_dict
 from klppo.checkpoint.state import checkpoint_steps, export_hf, resume_folder, step_dir
 from klppo.data.batching import rank_shards, restore_order, seqlen_balance_metrics
-from klppo.dist import (
+from klppo.distributed import (
     all_gather_padded, all_gather_rows, all_reduce_max_int, barrier, on_rank_zero, reduce_counts, reduce_stats, shard_range,
 )
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
@@ -32,7 +32,7 @@ from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, assemble_batch
 from klppo.rollout.hf import hf_rollout
 from klppo.rollout.offline import offline_rollout
-from klppo.rewards.ranking import group_ranking_rewards
+from klppo.rewards.distill import group_ranking_rewards
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.trainer import run_state
 from klppo.trainer.build import (
@@ -44,9 +44,9 @@ from klppo.trainer.build import (
     sampling_params,
 )
 from klppo.trainer.guards import Action, RunGuard
-from klppo.trainer.score import compute_log_prob, compute_rm_scores, compute_scores, compute_values
+from klppo.trainer.forwards import compute_log_prob, compute_rm_scores, compute_scores, compute_values
 from klppo.trainer.update import update_actor, update_critic
-from klppo.trainer.validate import preference_agreement, sampled_kl_to_ref, validate
+from klppo.trainer.evaluate import preference_agreement, sampled_kl_to_ref, validate
 
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows

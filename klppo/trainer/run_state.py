@@ -20,7 +20,7 @@ import torch
 from klppo.checkpoint.state import (
     load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint, set_rng_state,
 )
-from klppo.dist import load_training_state, training_state
+from klppo.distributed import load_training_state, training_state
 from klppo.trainer.build import PPOParts
 from klppo.trainer.guards import RunGuard
 

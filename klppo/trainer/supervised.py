@@ -23,7 +23,7 @@ from klppo.checkpoint.state import (
 from klppo.config import RMConfig, SFTConfig, format_config
 from klppo.config.schema import FSDPConfig, SFTTrainerConfig
 from klppo.data.sampler import PromptBatches
-from klppo.dist import DistEnv, barrier, load_training_state, shard_range, training_state
+from klppo.distributed import DistEnv, barrier, load_training_state, shard_range, training_state
 from klppo.errors import UserError
 from klppo.monitoring.jsonl import set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger

@@ -76,7 +76,7 @@ def micro_batches(
     """Row indices of each micro-batch: ``micro_rows`` consecutive rows, or a token budget's partition.
 
     The budget counts real tokens (prompt + response), as verl's ``rearrange_micro_batches``.
-    ``max_over_ranks`` (``klppo.dist.all_reduce_max_int``) makes every rank split its shard into
+    ``max_over_ranks`` (``klppo.distributed.all_reduce_max_int``) makes every rank split its shard into
     the largest count any rank needs, so FSDP's per-forward collectives line up.
     """
     if max_token_len is None:
@@ -110,7 +110,7 @@ def _run_updates(model, optimizer, batch, *, mini_rows, split, epochs, grad_clip
 
     ``split(mini) -> list[list[int]]`` gives the rows of each micro-batch of a mini-batch.
 
-    Data parallel (``klppo.dist``): ``reduce_counts`` sums the token and sequence counts over
+    Data parallel (``klppo.distributed``): ``reduce_counts`` sums the token and sequence counts over
     ranks, so each rank's loss is its share of the global mini-batch's loss and the summed
     gradients are the global gradient (torchtitan's global token normalisation);
     ``reduce_stats`` sums the per-rank metric shares, which are additive for the same reason.

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from klppo.checkpoint.state import export_hf
-from klppo.dist import apply_fsdp2, build_mesh, close, init_distributed
+from klppo.distributed import apply_fsdp2, build_mesh, close, init_distributed
 
 if __name__ == "__main__":
     model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from klppo.dist import (
+from klppo.distributed import (
     all_reduce_max_int, apply_fsdp2, build_mesh, close, full_state_dict, init_distributed, reduce_counts, reduce_stats, shard_range,
 )
 from klppo.trainer.update import update_actor, update_critic

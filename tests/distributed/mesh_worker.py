@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-from klppo.dist import all_reduce_max_int, build_mesh, close, init_distributed
+from klppo.distributed import all_reduce_max_int, build_mesh, close, init_distributed
 
 if __name__ == "__main__":
     env = init_distributed("cpu")

@@ -18,10 +18,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from klppo.dist import DistEnv, all_reduce_max_int, all_reduce_sum, reduce_stats, shard_range
+from klppo.distributed import DistEnv, all_reduce_max_int, all_reduce_sum, reduce_stats, shard_range
 from klppo.models.load import load_critic
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.score import compute_log_prob, compute_values
+from klppo.trainer.forwards import compute_log_prob, compute_values
 from klppo.trainer.update import (
     ActorUpdateSettings, CriticUpdateSettings, chunks, micro_batches, update_actor, update_critic,
 )

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from klppo.data.arithmetic import write_arithmetic_ranked_parquet
 from klppo.data.rl_dataset import encode_chats
-from klppo.rewards.ranking import ranking_rewards
+from klppo.rewards.distill import ranking_rewards
 from klppo.trainer.main_ppo import run_ppo
 
 

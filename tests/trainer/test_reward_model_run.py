@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from klppo.rewards.ranking import group_ranking_rewards
+from klppo.rewards.distill import group_ranking_rewards
 from klppo.trainer.main_ppo import run_ppo
 
 

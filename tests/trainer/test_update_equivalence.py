@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from klppo.models.load import load_critic
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.score import compute_log_prob, compute_values
+from klppo.trainer.forwards import compute_log_prob, compute_values
 from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings, micro_batches, update_actor, update_critic
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

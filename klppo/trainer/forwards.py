@@ -28,7 +28,7 @@ def _forward_in_parts(batch: RolloutBatch, forward: Callable, micro_batch_rows, 
                       max_over_ranks: Callable[[int], int] | None = None) -> torch.Tensor:
     """``forward(micro) -> (b, T)`` over the batch's micro-batches, rows back in the batch's order.
 
-    ``max_over_ranks`` (``klppo.dist.all_reduce_max_int``) gives every rank the same number of
+    ``max_over_ranks`` (``klppo.distributed.all_reduce_max_int``) gives every rank the same number of
     forwards, which FSDP2's collectives need.
     """
     plan = micro_batches(batch, micro_batch_rows, max_token_len, budget_key, max_over_ranks)

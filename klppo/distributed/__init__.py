@@ -1,7 +1,7 @@
 """The only user of ``torch.distributed``: process group, collectives, device mesh, FSDP2, DCP."""
 
-from klppo.dist.checkpoint import load_sharded, load_training_state, save_sharded, training_state
-from klppo.dist.env import (
+from klppo.distributed.checkpoint import load_sharded, load_training_state, save_sharded, training_state
+from klppo.distributed.env import (
     SINGLE_PROCESS,
     DistEnv,
     abandon,
@@ -19,7 +19,7 @@ from klppo.dist.env import (
     run_on_ranks,
     shard_range,
 )
-from klppo.dist.fsdp import apply_fsdp2, build_mesh, full_state_dict, gather_full_model, is_sharded
+from klppo.distributed.fsdp import apply_fsdp2, build_mesh, full_state_dict, gather_full_model, is_sharded
 
 __all__ = [
     "SINGLE_PROCESS", "DistEnv", "abandon", "all_gather_objects", "all_gather_padded", "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2",

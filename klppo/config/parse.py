@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Sequence, TypeVar, Union, get_args, g
 import yaml
 
 from klppo.config.schema import PPOConfig, RMConfig, SFTConfig
-from klppo.config.validate import Problem, check_ppo, check_rm, check_sft, resolve_ppo, resolve_sft
+from klppo.config.checks import Problem, check_ppo, check_rm, check_sft, resolve_ppo, resolve_sft
 from klppo.errors import UserError
 
 C = TypeVar("C")

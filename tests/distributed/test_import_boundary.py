@@ -1,4 +1,4 @@
-"""House rule 2: ``torch.distributed`` is imported only in klppo/dist/."""
+"""House rule 2: ``torch.distributed`` is imported only in klppo/distributed/."""
 
 import ast
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parents[2] / "klppo"
-OUTSIDE_DIST = sorted(p for p in PACKAGE.rglob("*.py") if "dist" not in p.relative_to(PACKAGE).parts[:1])
+OUTSIDE_DIST = sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != "distributed")
 
 
 def _imports(path: Path) -> list[str]:
@@ -20,6 +20,11 @@ def _imports(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("path", OUTSIDE_DIST, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_only_klppo_dist_imports_torch_distributed(path):
+def test_only_klppo_distributed_imports_torch_distributed(path):
     bad = [n for n in _imports(path) if n.startswith("torch.distributed")]
-    assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}; call a function of klppo.dist instead"
+    assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}; call a function of klppo.distributed instead"
+
+
+def test_the_boundary_covers_the_whole_package():
+    assert (PACKAGE / "distributed" / "fsdp.py").is_file()
+    assert len(OUTSIDE_DIST) > 40 and not any("distributed" == p.relative_to(PACKAGE).parts[0] for p in OUTSIDE_DIST)

@@ -10,11 +10,11 @@ import torch
 
 from klppo.data.ranked import RankedRecord, ranked_pairs
 from klppo.data.rl_dataset import PromptRecord, tokenize_responses
-from klppo.dist import SINGLE_PROCESS, DistEnv, all_gather_objects, all_reduce_sum
+from klppo.distributed import SINGLE_PROCESS, DistEnv, all_gather_objects, all_reduce_sum
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import SamplingParams, hf_rollout
-from klppo.trainer.score import compute_log_prob, decode_responses
+from klppo.trainer.forwards import compute_log_prob, decode_responses
 
 
 def reference_of(record: PromptRecord) -> Optional[str]:
