@@ -17,8 +17,8 @@ and the device's dense peak (``klppo.monitoring.flops``): verl's FLOP count, whi
 LM head (twice: embedding + head) for every token, so it is higher than the FLOPs the update
 runs, where the head is applied only at response positions. Target: MFU >= 45%.
 
-Each rank draws its own synthetic batch (seed + rank); ``max_over_ranks`` gives every rank the
-same number of micro-batches, as in training. A single process runs FSDP2 over a group of one.
+Each rank draws its own synthetic batch (seed + rank); every rank runs as many micro-batches as
+the rank that needs the most, as in training. A single process runs FSDP2 over a group of one.
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from klppo.algo import compute_grpo_outcome_advantage
-from klppo.distributed import (
-    DistEnv, all_reduce_max_int, apply_fsdp2, build_mesh, close, init_distributed, reduce_counts, reduce_stats,
-)
+from klppo.data.batching import MicroBatching
+from klppo.distributed import DistEnv, apply_fsdp2, build_mesh, close, init_distributed
 from klppo.models.forward import use_packed_attention
 from klppo.models.tiny import tiny_model_config
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.forwards import compute_log_prob
-from klppo.trainer.update import ActorUpdateSettings, update_actor
+from klppo.trainer.settings import ActorUpdateSettings
+from klppo.trainer.update import update_actor
 from throughput import synthetic_batch
 
 MFU_TARGET = 0.45
@@ -153,33 +153,35 @@ def workload(args, vocab_size: int, env: DistEnv) -> RolloutBatch:
 def actor_settings(args) -> ActorUpdateSettings:
     """One optimiser step over the whole batch, micro-batches under the token budget, packed."""
     return ActorUpdateSettings(
-        mini_batch_rows=args.batch, micro_batch_rows=args.batch, ppo_epochs=1, clip_ratio_low=0.2,
+        mini_batch_rows=args.batch, micro=token_budget(args), ppo_epochs=1, clip_ratio_low=0.2,
         clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=True,
         kl_loss_coef=0.001, kl_loss_type="low_var_kl", grad_clip=1.0, temperature=1.0,
-        max_token_len=args.token_budget, use_remove_padding=True,
     )
+
+
+def token_budget(args) -> MicroBatching:
+    """Packed micro-batches of at most ``--token-budget`` tokens."""
+    return MicroBatching(max_tokens=args.token_budget, packed=True)
 
 
 def ppo_iteration(actor, ref, optimizer, batch: RolloutBatch, args) -> PhaseTimer:
     """Score, advantages, actor update; PhaseTimer synchronises CUDA at the end of each phase."""
-    forward = dict(micro_batch_rows=None, max_token_len=args.token_budget, use_remove_padding=True,
-                   max_over_ranks=all_reduce_max_int)
+    forward = token_budget(args)
     timer = PhaseTimer()
     with timer.phase("step"):
         # step 1. old log-probs: the actor before the update
         with timer.phase("old_log_prob"):
-            batch.old_log_prob = compute_log_prob(actor, batch, temperature=1.0, **forward)
+            batch.old_log_prob = compute_log_prob(actor, batch, forward, temperature=1.0)
         # step 2. reference log-probs, for the KL loss
         with timer.phase("ref"):
-            batch.ref_log_prob = compute_log_prob(ref, batch, temperature=1.0, **forward)
+            batch.ref_log_prob = compute_log_prob(ref, batch, forward, temperature=1.0)
         # step 3. GRPO advantages from the synthetic outcome scores
         with timer.phase("advantages"):
             batch.advantages, batch.returns = compute_grpo_outcome_advantage(
                 batch.token_level_scores, batch.response_mask, batch.group_index)
         # step 4. one actor update: clipped surrogate + low-var KL loss
         with timer.phase("update_actor"):
-            update_actor(actor, optimizer, batch, actor_settings(args), reduce_counts=reduce_counts,
-                         reduce_stats=reduce_stats, max_over_ranks=all_reduce_max_int)
+            update_actor(actor, optimizer, batch, actor_settings(args))
     return timer
 
 

@@ -40,8 +40,10 @@ from klppo.monitoring.flops import model_flops
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.forwards import ForwardSettings, compute_log_prob, compute_values
-from klppo.trainer.update import ActorUpdateSettings, CriticUpdateSettings, update_actor, update_critic
+from klppo.data.batching import MicroBatching
+from klppo.trainer.forwards import compute_log_prob, compute_values
+from klppo.trainer.settings import ActorUpdateSettings, CriticUpdateSettings
+from klppo.trainer.update import update_actor, update_critic
 
 PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")
 
@@ -161,19 +163,16 @@ def ppo_iteration(models, batch: RolloutBatch, spec: PathSpec, args) -> PhaseTim
     actor, ref, critic = models
     actor_opt = torch.optim.AdamW(actor.parameters(), lr=1e-5)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-5)
-    forward = ForwardSettings(micro_batch_rows=spec.micro_batch_rows, max_token_len=spec.max_token_len,
-                              use_remove_padding=spec.packed)
-    kwargs = dataclasses.asdict(forward)
-    split = dict(mini_batch_rows=args.mini_batch_size, micro_batch_rows=spec.micro_batch_rows or args.mini_batch_size,
-                 ppo_epochs=1, grad_clip=1.0, max_token_len=spec.max_token_len, use_remove_padding=spec.packed)
+    micro = MicroBatching(rows=spec.micro_batch_rows, max_tokens=spec.max_token_len, packed=spec.packed)
+    split = dict(mini_batch_rows=args.mini_batch_size, micro=micro, ppo_epochs=1, grad_clip=1.0)
     timer = PhaseTimer()
     with timer.phase("step"):
         with timer.phase("old_log_prob"):
-            batch.old_log_prob = compute_log_prob(actor, batch, temperature=1.0, **kwargs)
+            batch.old_log_prob = compute_log_prob(actor, batch, micro, temperature=1.0)
         with timer.phase("ref"):
-            batch.ref_log_prob = compute_log_prob(ref, batch, temperature=1.0, **kwargs)
+            batch.ref_log_prob = compute_log_prob(ref, batch, micro, temperature=1.0)
         with timer.phase("values"):
-            batch.values = compute_values(critic, batch, **kwargs)
+            batch.values = compute_values(critic, batch, micro)
         rewards, _ = apply_kl_penalty(batch.token_level_scores, batch.old_log_prob, batch.ref_log_prob,
                                       batch.response_mask, kl_coef=0.001, kl_penalty="kl")
         batch.advantages, batch.returns = compute_gae_advantage_return(rewards, batch.values, batch.response_mask, 1.0, 1.0)

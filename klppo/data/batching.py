@@ -13,6 +13,8 @@ pads most of the compute away or runs out of memory on the long ones. Here:
 - ``balance_across_ranks`` gives each data-parallel rank the same number of sequences with
   near-equal token counts (verl's ``trainer.balance_batch``); ``seqlen_balance_metrics``
   reports how uneven the ranks were before and after.
+- ``MicroBatching`` says how one pass over a batch (a no-grad forward, or an update's mini-batch)
+  is split; ``micro_batch_plan`` turns it into the row indices of each micro-batch.
 - ``pack`` / ``unpack`` move a padded (B, L) batch to one (1, N) row without padding and back.
 
 Everything is deterministic: ties are broken by position, never by hashing or randomness.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -183,6 +185,45 @@ def seqlen_balance_metrics(
         f"{prefix}/balanced_max": float(max(after)),
         f"{prefix}/mean": sum(lens) / k,
     }
+
+
+# ---- micro-batches of one pass ----
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one pass over a batch splits its rows: a no-grad forward, or an update's mini-batch."""
+
+    rows: int | None = None  # rows per micro-batch (verl's *_micro_batch_size_per_gpu); None = all at once
+    max_tokens: int | None = None  # token budget per micro-batch (use_dynamic_bsz); wins over rows
+    packed: bool = False  # each micro-batch as one packed row without padding (use_remove_padding)
+    budget_key: str = "ppo_max_token_len_per_gpu"  # the config key an over-long sequence error names
+
+
+def row_chunks(n_rows: int, size: int) -> list[list[int]]:
+    """Consecutive row-index chunks of at most ``size`` rows covering ``range(n_rows)``."""
+    return [list(range(start, min(start + size, n_rows))) for start in range(0, n_rows, size)]
+
+
+def micro_batch_plan(
+    seq_lens: Sequence[int] | torch.Tensor, split: MicroBatching,
+    max_over_ranks: Callable[[int], int] | None = None,
+) -> list[list[int]]:
+    """Row indices of each micro-batch of a pass over rows of ``seq_lens`` real tokens.
+
+    Fixed rows take consecutive rows; a token budget takes ``token_budget_micro_batches``'
+    partition (the lengths are read only then: a tensor costs one host sync here).
+    ``max_over_ranks`` (``klppo.distributed.all_reduce_max_int``) makes every rank split its
+    shard into the largest count any rank needs, so FSDP's per-forward collectives line up.
+    """
+    n_rows = len(seq_lens)
+    if split.max_tokens is None:
+        return row_chunks(n_rows, split.rows or n_rows)
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)  # host-device sync
+    plan = token_budget_micro_batches(lens, split.max_tokens, budget_key=split.budget_key)
+    if max_over_ranks is not None and (n := max_over_ranks(len(plan))) > len(plan):
+        plan = token_budget_micro_batches(lens, split.max_tokens, min_num_micro_batches=n, budget_key=split.budget_key)
+    return plan
 
 
 # ---- packing ----

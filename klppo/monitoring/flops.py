@@ -58,3 +58,22 @@ def max_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def update_efficiency_metrics(device: torch.device, seconds: dict[str, float], lengths: list[int],
+                              updated: dict[str, tuple[torch.nn.Module, int]]) -> dict[str, float]:
+    """``perf/mfu/<role>`` of each ``update_<role>`` phase where the device's peak is known, and
+    ``perf/max_memory_allocated_gb``.
+
+    ``updated`` maps a role to (its model, its ppo_epochs); ``lengths`` are the real tokens of
+    the rows this rank trained on; ``seconds`` the step's phase timings.
+    """
+    metrics = {"perf/max_memory_allocated_gb": max_memory_gb(device)}
+    for role, (model, epochs) in updated.items():
+        if f"update_{role}" not in seconds:
+            continue
+        flops = epochs * model_flops(model.config, lengths, training=True)
+        value = mfu(flops, seconds[f"update_{role}"], peak_flops(device, next(model.parameters()).dtype))
+        if value is not None:
+            metrics[f"perf/mfu/{role}"] = value
+    return metrics

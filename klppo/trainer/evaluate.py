@@ -4,17 +4,44 @@ them with reference texts, and check the policy's preferences against held-out r
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
+from klppo.data.batching import MicroBatching
 from klppo.data.ranked import RankedRecord, ranked_pairs
 from klppo.data.rl_dataset import PromptRecord, tokenize_responses
 from klppo.distributed import SINGLE_PROCESS, DistEnv, all_gather_objects, all_reduce_sum
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import SamplingParams, hf_rollout
-from klppo.trainer.forwards import compute_log_prob, decode_responses
+from klppo.trainer.forwards import compute_log_prob, decode_responses, response_scores, token_scores
+
+if TYPE_CHECKING:
+    from klppo.trainer.build import PPOParts
+
+WHOLE = MicroBatching()  # validation forwards take each batch at once
+
+
+def validation_metrics(parts: PPOParts) -> dict[str, float]:
+    """Everything a PPO run measures on held-out data (its models resident on the device):
+    rewards of generated responses, the sampled KL to the reference, and preference agreement
+    with held-out rankings."""
+    s, metrics = parts.settings, {}
+    if parts.val_records:
+
+        def scorer(batch: RolloutBatch) -> torch.Tensor:
+            return token_scores(s.reward, batch, response_scores(parts, batch), validation=True)
+
+        metrics.update(validate(parts.actor, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
+                                batch_size=s.val_batch_size, env=parts.env))
+        if parts.ref is not None:
+            metrics.update(sampled_kl_to_ref(parts.actor, parts.ref, parts.val_records, parts.tokenizer, s.sampling,
+                                             batch_size=s.val_batch_size, env=parts.env))
+    if parts.val_ranked:
+        metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
+                                            env=parts.env))
+    return metrics
 
 
 def reference_of(record: PromptRecord) -> Optional[str]:
@@ -88,8 +115,7 @@ def response_log_likelihoods(actor, record: RankedRecord, tokenizer, max_respons
     response_ids, response_mask = right_pad(ids, tokenizer.pad_token_id)
     as_prompt = PromptRecord(record.index, "ranked", record.raw_prompt, record.prompt_ids, None, {})
     batch = assemble_batch([as_prompt], len(ids), tokenizer.pad_token_id, response_ids, response_mask)
-    log_prob = compute_log_prob(actor, batch.to(next(actor.parameters()).device), micro_batch_rows=None,
-                                temperature=1.0)
+    log_prob = compute_log_prob(actor, batch.to(next(actor.parameters()).device), WHOLE, temperature=1.0)
     return (log_prob * batch.response_mask.to(log_prob.device)).sum(-1)
 
 
@@ -121,8 +147,8 @@ def sampled_kl_to_ref(
         for part, n_real in rank_parts(records, batch_size or len(records), env):
             batch = hf_rollout(actor, part, tokenizer, params, synced_gpus=env.is_distributed)
             batch = batch.to(next(actor.parameters()).device)
-            log_ratio = (compute_log_prob(actor, batch, micro_batch_rows=None, temperature=params.temperature)
-                         - compute_log_prob(ref, batch, micro_batch_rows=None, temperature=params.temperature))
+            log_ratio = (compute_log_prob(actor, batch, WHOLE, temperature=params.temperature)
+                         - compute_log_prob(ref, batch, WHOLE, temperature=params.temperature))
             mask = batch.response_mask[: n_real * params.n]
             total += float((log_ratio[: n_real * params.n] * mask).sum())  # host sync
             tokens += float(mask.sum())

@@ -1,85 +1,98 @@
-"""The no-grad scoring phases: old and reference log-probs, values, and rule rewards."""
+"""The scoring phase of a PPO step: old and reference log-probs, values, and rewards.
+
+Every rank holds the step's whole batch and runs the no-grad forwards for its own rows
+(``StepShards``); the per-row results are gathered back into the whole batch, so everything
+after scoring (KL control, advantages, guards, metrics) is computed on the same numbers on
+every rank. Rewards come from recorded offline scores, a rule function, or reward models
+(their scores averaged, or their rankings of each prompt's responses distilled into rewards).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import dataclasses
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from klppo.data.batching import restore_order
+from klppo.data.batching import MicroBatching, micro_batch_plan, restore_order, row_chunks
+from klppo.distributed import all_gather_rows, all_reduce_max_int
 from klppo.models.forward import response_logprobs, response_values, sequence_scores
+from klppo.monitoring.timer import PhaseTimer
+from klppo.rewards.distill import group_ranking_rewards
 from klppo.rewards.score import score_responses
+from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.update import chunks, micro_batches
+from klppo.trainer.settings import RewardSettings
+
+if TYPE_CHECKING:
+    from klppo.trainer.build import PPOParts
 
 
-@dataclass(frozen=True)
-class ForwardSettings:
-    """How a no-grad forward splits a batch; the keyword arguments of ``compute_log_prob`` / ``compute_values``."""
+@dataclasses.dataclass(frozen=True)
+class StepShards:
+    """Which rows of the step's global batch each rank scores and trains on (``rank_shards``)."""
 
-    micro_batch_rows: int | None = None  # rows per forward; None = the whole batch
-    max_token_len: int | None = None  # token budget per forward (use_dynamic_bsz); wins over micro_batch_rows
-    use_remove_padding: bool = False  # each forward as one packed row
-    budget_key: str = "log_prob_max_token_len_per_gpu"  # config key an over-long sequence error names
+    rows: list[list[int]]  # global row indices, per rank
+    rank: int
+
+    @property
+    def mine(self) -> list[int]:
+        return self.rows[self.rank]
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's per-row ``local`` results (for its ``mine`` rows) in the global batch's order."""
+        return restore_order(all_gather_rows(local), [i for rows in self.rows for i in rows])
 
 
-def _forward_in_parts(batch: RolloutBatch, forward: Callable, micro_batch_rows, max_token_len, budget_key,
-                      max_over_ranks: Callable[[int], int] | None = None) -> torch.Tensor:
+# ---- the no-grad forwards ----
+
+
+def _forward_in_parts(batch: RolloutBatch, forward: Callable[[RolloutBatch], torch.Tensor],
+                      split: MicroBatching) -> torch.Tensor:
     """``forward(micro) -> (b, T)`` over the batch's micro-batches, rows back in the batch's order.
 
-    ``max_over_ranks`` (``klppo.distributed.all_reduce_max_int``) gives every rank the same number of
-    forwards, which FSDP2's collectives need.
+    Every rank runs as many forwards as the rank that needs the most, which FSDP2's
+    collectives need.
     """
-    plan = micro_batches(batch, micro_batch_rows, max_token_len, budget_key, max_over_ranks)
+    plan = micro_batch_plan(batch.attention_mask.sum(-1), split, all_reduce_max_int)
     parts = [forward(batch.select(idx)) for idx in plan]
     return restore_order(torch.cat(parts), [i for idx in plan for i in idx])
 
 
 @torch.no_grad()
-def compute_log_prob(
-    model,
-    batch: RolloutBatch,
-    *,
-    micro_batch_rows: int | None,
-    temperature: float,
-    max_token_len: int | None = None,
-    use_remove_padding: bool = False,
-    budget_key: str = "log_prob_max_token_len_per_gpu",
-    max_over_ranks: Callable[[int], int] | None = None,
-) -> torch.Tensor:
+def compute_log_prob(model, batch: RolloutBatch, split: MicroBatching, *, temperature: float) -> torch.Tensor:
     """(B, T) response log-probs under ``model``, a micro-batch (rows or token budget) at a time."""
     model.eval()
 
     def forward(micro: RolloutBatch) -> torch.Tensor:
-        log_prob, _ = response_logprobs(
-            model, micro.input_ids, micro.attention_mask, micro.response_length, temperature=temperature,
-            packed=use_remove_padding, max_tokens=max_token_len,
-        )
+        log_prob, _ = response_logprobs(model, micro.input_ids, micro.attention_mask, micro.response_length,
+                                        temperature=temperature, packed=split.packed, max_tokens=split.max_tokens)
         return log_prob
 
-    return _forward_in_parts(batch, forward, micro_batch_rows, max_token_len, budget_key, max_over_ranks)
+    return _forward_in_parts(batch, forward, split)
 
 
 @torch.no_grad()
-def compute_values(
-    critic,
-    batch: RolloutBatch,
-    *,
-    micro_batch_rows: int | None,
-    max_token_len: int | None = None,
-    use_remove_padding: bool = False,
-    budget_key: str = "critic.ppo_max_token_len_per_gpu",
-    max_over_ranks: Callable[[int], int] | None = None,
-) -> torch.Tensor:
+def compute_values(critic, batch: RolloutBatch, split: MicroBatching) -> torch.Tensor:
     """(B, T) critic values, a micro-batch (rows or token budget) at a time."""
     critic.eval()
 
     def forward(micro: RolloutBatch) -> torch.Tensor:
         return response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length,
-                               packed=use_remove_padding, max_tokens=max_token_len)
+                               packed=split.packed, max_tokens=split.max_tokens)
 
-    return _forward_in_parts(batch, forward, micro_batch_rows, max_token_len, budget_key, max_over_ranks)
+    return _forward_in_parts(batch, forward, split)
+
+
+@torch.no_grad()
+def compute_rm_scores(reward_model, batch: RolloutBatch, *, micro_batch_rows: int | None) -> torch.Tensor:
+    """(B,) reward-model scores of prompt + response, read at each response's last token."""
+    reward_model.eval()
+    parts = []
+    for idx in row_chunks(len(batch), micro_batch_rows or len(batch)):
+        micro = batch.select(idx)
+        parts.append(sequence_scores(reward_model, micro.input_ids, micro.attention_mask))
+    return torch.cat(parts)
 
 
 def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
@@ -97,12 +110,55 @@ def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable) -> torch
     return torch.tensor(scores, dtype=torch.float32, device=batch.response_mask.device)
 
 
-@torch.no_grad()
-def compute_rm_scores(reward_model, batch: RolloutBatch, *, micro_batch_rows: int | None) -> torch.Tensor:
-    """(B,) reward-model scores of prompt + response, read at each response's last token."""
-    reward_model.eval()
-    parts = []
-    for idx in chunks(len(batch), micro_batch_rows or len(batch)):
-        micro = batch.select(idx)
-        parts.append(sequence_scores(reward_model, micro.input_ids, micro.attention_mask))
-    return torch.cat(parts)
+# ---- the scoring phase of a step ----
+
+
+def reward_model_roles(parts: PPOParts) -> list[str]:
+    """The offloader's names of the run's reward models."""
+    return [f"reward_model_{i}" for i in range(len(parts.reward_models))]
+
+
+def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer) -> None:
+    """Fill ``batch``'s old and reference log-probs, values and token-level scores (step 3).
+
+    Each rank runs the forwards for its rows; the results are gathered into ``batch``.
+    """
+    f, mine, resident = parts.settings.forwards, batch.select(shards.mine), parts.offloader.resident
+    with timer.phase("old_log_prob"), resident("actor"):
+        batch.old_log_prob = shards.gather(compute_log_prob(parts.actor, mine, f.old_log_prob,
+                                                            temperature=f.temperature))
+    if parts.ref is not None:
+        with timer.phase("ref"), resident("ref"):
+            batch.ref_log_prob = shards.gather(compute_log_prob(parts.ref, mine, f.ref, temperature=f.temperature))
+    if parts.critic is not None:
+        with timer.phase("values"), resident("critic"):
+            batch.values = shards.gather(compute_values(parts.critic, mine, f.values))
+    with timer.phase("reward"), resident(*reward_model_roles(parts)):
+        scores = shards.gather(response_scores(parts, mine))
+        batch.token_level_scores = token_scores(parts.settings.reward, batch, scores)
+
+
+def response_scores(parts: PPOParts, batch: RolloutBatch) -> torch.Tensor:
+    """(B,) one score per response: recorded offline scores, or the reward function's; or
+    (B, K) the scores of K reward models."""
+    if batch.recorded_scores is not None:
+        return batch.recorded_scores.to(parts.env.device)
+    if not parts.reward_models:
+        return compute_scores(batch, parts.tokenizer, parts.reward_fn)
+    rows = parts.settings.forwards.reward_model_rows
+    return torch.stack([compute_rm_scores(model, batch, micro_batch_rows=rows) for model in parts.reward_models],
+                       dim=-1)
+
+
+def token_scores(reward: RewardSettings, batch: RolloutBatch, scores: torch.Tensor,
+                 validation: bool = False) -> torch.Tensor:
+    """(B, T) the scores at the last response tokens. Reward models' scores are averaged, or,
+    for training batches with ``reward_model.rank_responses``, distilled from the rankings
+    the models make of each prompt's responses."""
+    if scores.dim() == 2 and reward.rank_responses and not validation:
+        ranking = reward.ranking
+        scores = group_ranking_rewards(scores, batch.group_index, ranking.method, scale=ranking.scale,
+                                       center=ranking.center)
+    elif scores.dim() == 2:
+        scores = scores.mean(-1)
+    return scores_at_last_token(scores, batch.response_mask)

@@ -32,8 +32,9 @@ def _train(cfg, env, print_fn) -> list[dict]:
 
     parts = build_ppo(cfg, log=print_fn, env=env)  # every user error surfaces here, before anything is written
     if env.rank == 0:
-        parts.run_dir.mkdir(parents=True, exist_ok=True)
-        (parts.run_dir / "config.yaml").write_text(format_config(cfg))
+        run_dir = parts.settings.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(format_config(cfg))
     barrier()
     return PPOTrainer(parts, print_fn=print_fn).fit()
 

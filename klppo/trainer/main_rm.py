@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 from klppo.algo import bradley_terry_loss, plackett_luce_loss
-from klppo.cli_support import quiet_libraries, run_cli
+from klppo.cli_support import run_cli
 from klppo.config import RMConfig, load_rm_config
+from klppo.data.batching import row_chunks
 from klppo.data.ranked import RankedRecord, ranked_pairs, ranking_tiers
-from klppo.distributed import DistEnv, all_reduce_sum, run_on_ranks
+from klppo.distributed import DistEnv, all_reduce_sum
 from klppo.models.forward import sequence_scores
 from klppo.rollout.batch import right_pad
-from klppo.trainer.update import chunks, optimizer_step
+from klppo.trainer.update import optimizer_step
 
 
 def score_records(model, records: list[RankedRecord], tokenizer, max_response_length: int) -> list[torch.Tensor]:
@@ -72,8 +73,8 @@ def pair_accuracy(scores: list[torch.Tensor], records: list[RankedRecord]) -> tu
 def evaluate(model, records, tokenizer, cfg: RMConfig) -> dict[str, float]:
     model.eval()
     right = total = 0
-    for idx in chunks(len(records), cfg.data.micro_batch_size_per_gpu or cfg.data.train_batch_size):
-        part = [records[i] for i in idx.tolist()]
+    for idx in row_chunks(len(records), cfg.data.micro_batch_size_per_gpu or cfg.data.train_batch_size):
+        part = [records[i] for i in idx]
         r, t = pair_accuracy(score_records(model, part, tokenizer, cfg.data.max_response_length), part)
         right, total = right + r, total + t
     return {"val/pair_accuracy": right / max(total, 1)}
@@ -84,7 +85,7 @@ def rm_step(model, optimizer, records, tokenizer, cfg: RMConfig) -> dict[str, to
     term count of every rank's records; the metrics are the global batch's."""
     model.train()
     micro = cfg.data.micro_batch_size_per_gpu or len(records)
-    parts = [[records[i] for i in idx.tolist()] for idx in chunks(len(records), micro)]
+    parts = [[records[i] for i in idx] for idx in row_chunks(len(records), micro)]
     n_terms = int(all_reduce_sum(torch.tensor(sum(
         len(ranked_pairs(r.rankings)) if cfg.loss.type == "bradley_terry" else len(r.rankings) for r in records))))
     loss_sum, right, total = torch.zeros(()), 0, 0
@@ -102,22 +103,18 @@ def rm_step(model, optimizer, records, tokenizer, cfg: RMConfig) -> dict[str, to
 
 def run_rm(cfg: RMConfig, print_fn=print) -> Path:
     """Train the reward model and save it (on every rank of a torchrun launch); returns the folder written."""
-    from klppo.trainer.supervised import start_supervised
+    from klppo.trainer.supervised import run_supervised
 
-    quiet_libraries()
-    env = start_supervised(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
-    return run_on_ranks(env, lambda log: _train_rm(cfg, env, log), print_fn)
+    return run_supervised(cfg, _prepare_rm, print_fn)
 
 
-def _train_rm(cfg: RMConfig, env: DistEnv, print_fn) -> Path:
+def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
+    """The ranked data, the reward model (sharded), and the step that fits it to a share of a batch."""
     from klppo.data.ranked import load_ranked_dataset
-    from klppo.models.load import load_reward_model, load_tokenizer
-    from klppo.trainer.build import seed_everything, shard
-    from klppo.trainer.supervised import finish, prepare_run, supervised_loop
+    from klppo.models.load import load_reward_model
+    from klppo.trainer.supervised import SupervisedJob
 
-    seed_everything(cfg.data.seed + env.rank)
     data, key = cfg.data, "model.partial_pretrain"
-    tokenizer = load_tokenizer(cfg.model.partial_pretrain, key=key)
     common = dict(prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                   filter_overlong_prompts=data.filter_overlong_prompts, log=print_fn)
     train = load_ranked_dataset(data.train_files, tokenizer, **common)
@@ -125,17 +122,17 @@ def _train_rm(cfg: RMConfig, env: DistEnv, print_fn) -> Path:
     model = load_reward_model(cfg.model.partial_pretrain, key=key, device=env.device, seed=data.seed,
                               gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
     # The loss reads the score head at every position (sequence_scores), not the root's output.
-    model = shard(model, cfg.model.fsdp_config, env, {}, keep_root_gathered=True)
-    run, logger = prepare_run(cfg, env, model, len(train), ("train/loss", "train/pair_accuracy", "val/pair_accuracy"),
-                              print_fn)
-    optimizer = run.optimizer
-    supervised_loop(
-        run, lambda indices: rm_step(model, optimizer, [train[i] for i in indices], tokenizer, cfg),
-        (lambda: evaluate(model, val, tokenizer, cfg)) if val is not None else None, logger,  # every rank, in step
-    )
-    out = finish(run, tokenizer)
-    print_fn(f"reward model saved to {out} (use it as reward_model.model.path)")
-    return out
+    model = sharder.shard(model, cfg.model.fsdp_config, keep_root_gathered=True)
+
+    def train_step(run, indices: list[int]) -> dict:
+        return rm_step(model, run.optimizer, [train[i] for i in indices], tokenizer, cfg)
+
+    def validate() -> dict:  # every rank, in step
+        return evaluate(model, val, tokenizer, cfg)
+
+    return SupervisedJob(model, len(train), ("train/loss", "train/pair_accuracy", "val/pair_accuracy"), train_step,
+                         validate if val is not None else None,
+                         "reward model saved to {} (use it as reward_model.model.path)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 from klppo.algo import logprobs_from_logits
-from klppo.cli_support import quiet_libraries, run_cli
+from klppo.cli_support import run_cli
 from klppo.config import SFTConfig, load_sft_config
-from klppo.distributed import DistEnv, all_reduce_sum, run_on_ranks
+from klppo.data.batching import row_chunks
+from klppo.distributed import DistEnv, all_reduce_sum
 from klppo.models.forward import position_ids_from_mask
-from klppo.trainer.update import chunks, optimizer_step
+from klppo.trainer.update import optimizer_step
 
 
 def sft_loss(model, input_ids, attention_mask, loss_mask, total_tokens) -> torch.Tensor:
@@ -42,8 +43,8 @@ def _evaluate(model, examples, pad_token_id, batch_rows: int) -> float:
     device = next(model.parameters()).device
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for idx in chunks(len(examples), batch_rows):
-            batch = collate_sft([examples[i] for i in idx.tolist()], pad_token_id)
+        for idx in row_chunks(len(examples), batch_rows):
+            batch = collate_sft([examples[i] for i in idx], pad_token_id)
             ids, attn, loss_mask = (t.to(device) for t in batch)
             n = int(loss_mask[:, 1:].sum())
             total += float(sft_loss(model, ids, attn, loss_mask, 1.0))
@@ -58,7 +59,7 @@ def sft_step(model, optimizer, batch, micro_batch_rows: int, clip_grad: float) -
     ids, attn, loss_mask = batch
     total_tokens = all_reduce_sum(loss_mask[:, 1:].sum())
     loss_sum = torch.zeros((), device=ids.device)
-    for idx in chunks(len(ids), micro_batch_rows):
+    for idx in row_chunks(len(ids), micro_batch_rows):
         loss = sft_loss(model, ids[idx], attn[idx], loss_mask[idx], total_tokens)
         loss.backward()
         loss_sum += loss.detach()
@@ -67,45 +68,38 @@ def sft_step(model, optimizer, batch, micro_batch_rows: int, clip_grad: float) -
 
 def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
     """Train and save (on every rank of a torchrun launch); returns the Hugging Face folder written."""
-    from klppo.trainer.supervised import start_supervised
+    from klppo.trainer.supervised import run_supervised
 
-    quiet_libraries()
-    env = start_supervised(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
-    return run_on_ranks(env, lambda log: _train_sft(cfg, env, log), print_fn)
+    return run_supervised(cfg, _prepare_sft, print_fn)
 
 
-def _train_sft(cfg: SFTConfig, env: DistEnv, print_fn) -> Path:
+def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
+    """The SFT data, the causal LM (sharded), and the step that trains it on a share of a batch."""
     from klppo.data.sft_dataset import collate_sft, load_sft_dataset
-    from klppo.models.load import load_causal_lm, load_tokenizer
-    from klppo.trainer.build import seed_everything, shard
-    from klppo.trainer.supervised import finish, prepare_run, supervised_loop
+    from klppo.models.load import load_causal_lm
+    from klppo.trainer.supervised import SupervisedJob
 
-    seed_everything(cfg.data.seed + env.rank)
     data, key, device = cfg.data, "model.partial_pretrain", env.device
-    tokenizer = load_tokenizer(cfg.model.partial_pretrain, key=key)
     common = dict(prompt_key=data.prompt_key, response_key=data.response_key, max_length=data.max_length,
                   truncation=data.truncation, log=print_fn)
     train = load_sft_dataset(data.train_files, tokenizer, **common)
     val = load_sft_dataset(data.val_files, tokenizer, **common) if data.val_files else None
     model = load_causal_lm(cfg.model.partial_pretrain, key=key, device=device,
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
-    model = shard(model, cfg.model.fsdp_config, env, {})
-    run, logger = prepare_run(cfg, env, model, len(train), ("train/loss", "val/loss", "train/lr", "train/grad_norm"),
-                              print_fn)
-    optimizer, micro_rows = run.optimizer, data.micro_batch_size_per_gpu or data.train_batch_size // env.world_size
+    model = sharder.shard(model, cfg.model.fsdp_config)
+    micro_rows = data.micro_batch_size_per_gpu or data.train_batch_size // env.world_size
 
-    def train_step(indices: list[int]) -> dict:
+    def train_step(run, indices: list[int]) -> dict:
         batch = collate_sft([train[i] for i in indices], tokenizer.pad_token_id)
-        loss, grad_norm = sft_step(model, optimizer, [t.to(device) for t in batch], micro_rows, cfg.optim.clip_grad)
+        loss, grad_norm = sft_step(model, run.optimizer, [t.to(device) for t in batch], micro_rows,
+                                   cfg.optim.clip_grad)
         return {"train/loss": loss, "train/grad_norm": grad_norm}
 
     def evaluate() -> dict:  # every rank the whole validation set, in step
         return {"val/loss": _evaluate(model, val, tokenizer.pad_token_id, micro_rows)}
 
-    supervised_loop(run, train_step, evaluate if val is not None else None, logger)
-    out = finish(run, tokenizer)
-    print_fn(f"SFT model saved to {out}")
-    return out
+    return SupervisedJob(model, len(train), ("train/loss", "val/loss", "train/lr", "train/grad_norm"), train_step,
+                         evaluate if val is not None else None, "SFT model saved to {}")
 
 
 def main(argv: list[str] | None = None) -> int:

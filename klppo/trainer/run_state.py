@@ -51,7 +51,7 @@ def save(parts: PPOParts, step: int, guard: RunGuard, keep: int | None) -> Path:
     }
     if parts.critic is not None:
         shared["critic_scheduler"] = parts.critic_scheduler.state_dict()
-    return save_checkpoint(parts.run_dir, step, shared, sharded=_sharded_state(parts),
+    return save_checkpoint(parts.settings.run_dir, step, shared, sharded=_sharded_state(parts),
                            rank_state={"rng": rng_state()}, env=parts.env, keep=keep)
 
 

@@ -1,4 +1,6 @@
-"""What SFT and reward-model training share: ranks and the sharded model, the loop, checkpoints.
+"""What SFT and reward-model training share: the entry point's body, ranks and the sharded
+model, the loop, checkpoints. ``main_sft`` and ``main_rm`` each add their data, model and
+loss as a ``SupervisedJob``.
 
 Each step's global batch of examples is split evenly over the ranks (``data.train_batch_size``
 must be a multiple of the world size); each rank's loss is normalised by the global count of
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -20,23 +22,65 @@ from klppo.checkpoint.state import (
     export_hf, load_checkpoint, load_rank_state, load_sharded_state, resume_folder, rng_state,
     save_checkpoint, set_rng_state,
 )
+from klppo.cli_support import quiet_libraries
 from klppo.config import RMConfig, SFTConfig, format_config
 from klppo.config.schema import FSDPConfig, SFTTrainerConfig
 from klppo.data.sampler import PromptBatches
-from klppo.distributed import DistEnv, barrier, load_training_state, shard_range, training_state
+from klppo.distributed import DistEnv, barrier, load_training_state, run_on_ranks, shard_range, training_state
 from klppo.errors import UserError
 from klppo.monitoring.jsonl import set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
-from klppo.trainer.build import build_optimizer_and_scheduler, join_world
+from klppo.trainer.setup import Sharder, build_optimizer_and_scheduler, join_world, seed_everything
+
+SupervisedConfig = Union[SFTConfig, RMConfig]
 
 
 def start_supervised(trainer: SFTTrainerConfig, fsdp: FSDPConfig, train_batch_size: int) -> DistEnv:
     """This process's place in the world (``join_world``); each batch must split evenly over it."""
-    env = join_world(trainer, [fsdp])
+    env = join_world(trainer.device, trainer.n_gpus_per_node, trainer.nnodes, [fsdp])
     if train_batch_size % env.world_size:
         raise UserError(f"data.train_batch_size = {train_batch_size} does not split evenly over {env.world_size} "
                         f"ranks; make it a multiple of {env.world_size}")
     return env
+
+
+@dataclass
+class SupervisedJob:
+    """What SFT or reward-model training brings to the shared loop, once data and model have loaded."""
+
+    model: torch.nn.Module  # sharded with FSDP2 when the run has a process group
+    n_examples: int  # training examples (prompts, for reward models)
+    console_keys: tuple[str, ...]  # the metrics the console table shows
+    train_step: Callable[["SupervisedRun", list[int]], dict]  # (run, this rank's example indices) -> metrics
+    evaluate: Optional[Callable[[], dict]]  # validation metrics, every rank in step; None without val_files
+    saved: str  # the closing line, with {} for the exported folder
+
+
+# (config, this rank, tokenizer, sharder, print function) -> the job
+PrepareJob = Callable[[SupervisedConfig, DistEnv, object, Sharder, Callable], SupervisedJob]
+
+
+def run_supervised(cfg: SupervisedConfig, prepare: PrepareJob, print_fn: Callable = print) -> Path:
+    """The body of ``klppo sft`` and ``klppo rm``: join the world, prepare the job, train, export.
+
+    Runs on every rank of a torchrun launch; returns the Hugging Face folder written.
+    """
+    quiet_libraries()
+    env = start_supervised(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
+    return run_on_ranks(env, lambda log: _train(cfg, env, prepare, log), print_fn)
+
+
+def _train(cfg: SupervisedConfig, env: DistEnv, prepare: PrepareJob, print_fn: Callable) -> Path:
+    from klppo.models.load import load_tokenizer
+
+    seed_everything(cfg.data.seed + env.rank)
+    tokenizer = load_tokenizer(cfg.model.partial_pretrain, key="model.partial_pretrain")
+    job = prepare(cfg, env, tokenizer, Sharder(env), print_fn)
+    run, logger = prepare_run(cfg, env, job.model, job.n_examples, job.console_keys, print_fn)
+    supervised_loop(run, lambda indices: job.train_step(run, indices), job.evaluate, logger)
+    out = finish(run, tokenizer)
+    print_fn(job.saved.format(out))
+    return out
 
 
 @dataclass
@@ -83,7 +127,7 @@ class SupervisedRun:
         return shared["step"]
 
 
-def prepare_run(cfg: SFTConfig | RMConfig, env: DistEnv, model: torch.nn.Module, n_examples: int,
+def prepare_run(cfg: SupervisedConfig, env: DistEnv, model: torch.nn.Module, n_examples: int,
                 console_keys: tuple[str, ...], print_fn: Callable) -> tuple[SupervisedRun, MetricsLogger]:
     """Once data and model have loaded: the batches, the run folder, optimiser, schedule and logger."""
     data, trainer = cfg.data, cfg.trainer

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import torch
 
-from klppo.distributed import (
-    all_reduce_max_int, apply_fsdp2, build_mesh, close, full_state_dict, init_distributed, reduce_counts, reduce_stats, shard_range,
-)
+from klppo.distributed import apply_fsdp2, build_mesh, close, full_state_dict, init_distributed, shard_range
 from klppo.trainer.update import update_actor, update_critic
 
 
@@ -22,8 +20,7 @@ def _run_case(case: dict, models: dict, batch, env, mesh):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     update = update_actor if case["model"] == "actor" else update_critic
     shard = batch.select(torch.arange(len(batch))[shard_range(len(batch), env)])
-    metrics = update(model, optimizer, shard, case["settings"], reduce_counts=reduce_counts, reduce_stats=reduce_stats,
-                     max_over_ranks=all_reduce_max_int)
+    metrics = update(model, optimizer, shard, case["settings"])  # collectives inside: global counts and stats
     params = full_state_dict(model)
     return {k: float(v) for k, v in metrics.items()}, params
 

@@ -8,6 +8,7 @@ to float rounding. The ranks run under ``torchrun`` (gloo, CPU) as subprocesses.
 """
 
 import copy
+import dataclasses
 import os
 import socket
 import subprocess
@@ -18,13 +19,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from klppo.data.batching import MicroBatching, micro_batch_plan, row_chunks
 from klppo.distributed import DistEnv, all_reduce_max_int, all_reduce_sum, reduce_stats, shard_range
 from klppo.models.load import load_critic
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.forwards import compute_log_prob, compute_values
-from klppo.trainer.update import (
-    ActorUpdateSettings, CriticUpdateSettings, chunks, micro_batches, update_actor, update_critic,
-)
+from klppo.trainer.settings import ActorUpdateSettings, CriticUpdateSettings
+from klppo.trainer.update import update_actor, update_critic
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -34,17 +35,17 @@ ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
 MODES = ["token-mean", "seq-mean-token-mean"]
 
 
-def _actor_settings(mode: str, mini: int, micro: int, **split) -> ActorUpdateSettings:
+def _actor_settings(mode: str, mini: int, micro: MicroBatching) -> ActorUpdateSettings:
     return ActorUpdateSettings(
-        mini_batch_rows=mini, micro_batch_rows=micro, ppo_epochs=1, clip_ratio_low=0.2, clip_ratio_high=0.2,
+        mini_batch_rows=mini, micro=micro, ppo_epochs=1, clip_ratio_low=0.2, clip_ratio_high=0.2,
         clip_ratio_c=3.0, loss_agg_mode=mode, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
-        kl_loss_type="low_var_kl", grad_clip=1.0, temperature=1.0, **split,
+        kl_loss_type="low_var_kl", grad_clip=1.0, temperature=1.0,
     )
 
 
-def _critic_settings(mode: str, mini: int, micro: int, **split) -> CriticUpdateSettings:
-    return CriticUpdateSettings(mini_batch_rows=mini, micro_batch_rows=micro, ppo_epochs=1, cliprange_value=0.5,
-                                loss_agg_mode=mode, grad_clip=1.0, **split)
+def _critic_settings(mode: str, mini: int, micro: MicroBatching) -> CriticUpdateSettings:
+    return CriticUpdateSettings(mini_batch_rows=mini, micro=micro, ppo_epochs=1, cliprange_value=0.5,
+                                loss_agg_mode=mode, grad_clip=1.0)
 
 
 def _uneven_budget(batch: RolloutBatch) -> int:
@@ -53,9 +54,9 @@ def _uneven_budget(batch: RolloutBatch) -> int:
     Without ``max_over_ranks`` the ranks would run different numbers of FSDP forwards and hang.
     """
     lens = batch.attention_mask.sum(-1)
-    budget = max(int(lens[idx].sum()) for idx in chunks(ROWS // WORLD, LOCAL_MINI))  # rank 0 fits in one
-    counts = [len(micro_batches(batch.select(idx + r * ROWS // WORLD), None, budget, "k"))
-              for r in range(WORLD) for idx in chunks(ROWS // WORLD, LOCAL_MINI)]
+    budget = max(int(lens[idx].sum()) for idx in row_chunks(ROWS // WORLD, LOCAL_MINI))  # rank 0 fits in one
+    counts = [len(micro_batch_plan(lens[[i + r * ROWS // WORLD for i in idx]], MicroBatching(max_tokens=budget)))
+              for r in range(WORLD) for idx in row_chunks(ROWS // WORLD, LOCAL_MINI)]
     assert counts[:2] == [1, 1] and max(counts[2:]) > 1, counts
     return budget
 
@@ -82,17 +83,17 @@ def runs(tiny_model_dir, tmp_path_factory, answer_batch):
     actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     critic = load_critic(str(tiny_model_dir), key="critic.model.path", device=torch.device("cpu"))
     batch = answer_batch(ROWS)
-    batch.old_log_prob = compute_log_prob(actor, batch, micro_batch_rows=None, temperature=1.0) - 0.05
+    batch.old_log_prob = compute_log_prob(actor, batch, MicroBatching(), temperature=1.0) - 0.05
     batch.ref_log_prob = batch.old_log_prob + 0.1
-    batch.values = compute_values(critic, batch, micro_batch_rows=None)
+    batch.values = compute_values(critic, batch, MicroBatching())
     cases = {}
     for mode in MODES:
-        cases[f"actor/{mode}"] = dict(model="actor", settings=_actor_settings(mode, LOCAL_MINI, 1))
-        cases[f"critic/{mode}"] = dict(model="critic", settings=_critic_settings(mode, LOCAL_MINI, 1))
-    split = dict(max_token_len=_uneven_budget(batch), use_remove_padding=True)
-    cases["actor/token-budget"] = dict(model="actor", settings=_actor_settings("token-mean", LOCAL_MINI, 2, **split))
-    cases["critic/token-budget"] = dict(model="critic", settings=_critic_settings("token-mean", LOCAL_MINI, 2, **split))
-    cases["actor/bf16"] = dict(model="actor", settings=_actor_settings("token-mean", LOCAL_MINI, 2),
+        cases[f"actor/{mode}"] = dict(model="actor", settings=_actor_settings(mode, LOCAL_MINI, MicroBatching(rows=1)))
+        cases[f"critic/{mode}"] = dict(model="critic", settings=_critic_settings(mode, LOCAL_MINI, MicroBatching(rows=1)))
+    split = MicroBatching(rows=2, max_tokens=_uneven_budget(batch), packed=True)
+    cases["actor/token-budget"] = dict(model="actor", settings=_actor_settings("token-mean", LOCAL_MINI, split))
+    cases["critic/token-budget"] = dict(model="critic", settings=_critic_settings("token-mean", LOCAL_MINI, split))
+    cases["actor/bf16"] = dict(model="actor", settings=_actor_settings("token-mean", LOCAL_MINI, MicroBatching(rows=2)),
                                param_dtype=torch.bfloat16)
     inputs = dict(models={"actor": actor, "critic": critic}, batch=batch, cases=cases)
     torch.save(inputs, folder / "inputs.pt")
@@ -108,8 +109,7 @@ def _reference(inputs, name: str):
     batch = inputs["batch"].select(torch.tensor(ORDER))
     update = update_actor if case["model"] == "actor" else update_critic
     settings = case["settings"]
-    settings = type(settings)(**{**settings.__dict__, "mini_batch_rows": WORLD * LOCAL_MINI, "micro_batch_rows": 4,
-                                       "max_token_len": None, "use_remove_padding": False})
+    settings = dataclasses.replace(settings, mini_batch_rows=WORLD * LOCAL_MINI, micro=MicroBatching(rows=4))
     metrics = update(model, optimizer, batch, settings)
     return {k: float(v) for k, v in metrics.items()}, model.state_dict()
 

@@ -12,6 +12,7 @@ and says why in its commit message.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -82,8 +83,9 @@ def run_pinned(name: str, module: str, overrides: list[str], out: Path) -> list[
 
 def _inputs(out: Path) -> tuple[Path, Path, Path, Path]:
     """The tiny model, the arithmetic task, a ranked file and a word-ranking file, as conftest makes them."""
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from conftest import TINY, _write_word_ranking
+    spec = importlib.util.spec_from_file_location("klppo_tests_conftest", Path(__file__).parents[1] / "conftest.py")
+    shared = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shared)
 
     from klppo.data.arithmetic import (
         arithmetic_corpus,
@@ -94,7 +96,7 @@ def _inputs(out: Path) -> tuple[Path, Path, Path, Path]:
     )
     from klppo.models.tiny import build_tiny_model_folder
 
-    model = build_tiny_model_folder(out / "model", arithmetic_corpus(200, 0), seed=0, **TINY)
+    model = build_tiny_model_folder(out / "model", arithmetic_corpus(200, 0), seed=0, **shared.TINY)
     task = out / "task"
     task.mkdir()
     write_arithmetic_parquet(task / "train.parquet", 32, seed=1)
@@ -102,7 +104,7 @@ def _inputs(out: Path) -> tuple[Path, Path, Path, Path]:
     write_arithmetic_parquet(task / "val.parquet", 8, seed=3, split="test")
     write_arithmetic_sft_parquet(task / "sft.parquet", 64, seed=4, wrong_fraction=0.5)
     ranked = write_arithmetic_ranked_parquet(task / "ranked.parquet", 16, 5, n_responses=4)
-    words = _write_word_ranking(task / "words.parquet", 16, 0)
+    words = shared._write_word_ranking(task / "words.parquet", 16, 0)
     return model, task, ranked, words
 
 

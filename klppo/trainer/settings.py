@@ -1,0 +1,246 @@
+"""A PPO run's settings: the validated config compiled once, every derived number computed here.
+
+``compile_ppo(cfg, world_size)`` is the one place that reads the PPO config for the loop; the
+loop, the scoring forwards, the updates and validation read only the frozen ``PPOSettings``.
+Sizes are already per rank where a rank acts on its share (the updates' mini-batches); token
+budgets are set only where ``use_dynamic_bsz`` switches them on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from klppo.config import PPOConfig
+from klppo.config.schema import GuardConfig
+from klppo.data.batching import MicroBatching
+from klppo.errors import UserError
+from klppo.rollout.hf import SamplingParams
+
+CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+ACTOR_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+CRITIC_BUDGET_KEY = "critic.ppo_max_token_len_per_gpu"
+
+
+@dataclass(frozen=True)
+class ActorUpdateSettings:
+    mini_batch_rows: int  # this rank's rows per mini-batch: ppo_mini_batch_size * rollout.n / ranks
+    micro: MicroBatching  # how a mini-batch splits (ppo_micro_batch_size_per_gpu or a token budget)
+    ppo_epochs: int
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    loss_agg_mode: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    grad_clip: float
+    temperature: float  # the rollout's: log-probs of the distribution the responses came from
+
+
+@dataclass(frozen=True)
+class CriticUpdateSettings:
+    mini_batch_rows: int  # this rank's rows per mini-batch
+    micro: MicroBatching
+    ppo_epochs: int
+    cliprange_value: float
+    loss_agg_mode: str
+    grad_clip: float
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """How the no-grad scoring forwards split this rank's rows."""
+
+    old_log_prob: MicroBatching  # the actor (rollout.log_prob_*)
+    ref: MicroBatching  # the reference (ref.log_prob_*)
+    values: MicroBatching  # the critic (critic.ppo_micro_batch_size_per_gpu / token budget)
+    reward_model_rows: Optional[int]  # rows per reward-model forward; None = all at once
+    temperature: float
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    estimator: str
+    gamma: float
+    lam: float
+    norm_adv_by_std_in_grpo: bool
+
+
+@dataclass(frozen=True)
+class KLSettings:
+    in_reward: bool  # subtract beta * KL(old || ref) from the token rewards
+    penalty: str  # estimator in the reward
+    controller: str  # fixed | adaptive
+    coef: float  # (initial) beta
+    target: float
+    horizon: int
+
+
+@dataclass(frozen=True)
+class RankingSettings:
+    method: str  # bradley_terry | plackett_luce
+    scale: float
+    center: bool
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    rank_responses: bool  # distil reward models' rankings of each prompt's responses into rewards
+    ranking: RankingSettings
+
+
+@dataclass(frozen=True)
+class LoggerSettings:
+    backends: tuple[str, ...]
+    project_name: str
+    experiment_name: str
+    config: dict  # the resolved config as plain data, for W&B / TensorBoard
+
+
+@dataclass(frozen=True)
+class PPOSettings:
+    run_dir: Path
+    world_size: int
+    rollout: str  # offline | hf
+    n: int  # responses per prompt
+    response_length: int
+    sampling: SamplingParams
+    val_sampling: SamplingParams
+    val_batch_size: Optional[int]  # prompts per validation batch over all ranks; None = all at once
+    actor: ActorUpdateSettings
+    critic: Optional[CriticUpdateSettings]  # None: a critic-free estimator
+    forwards: ForwardSettings
+    advantage: AdvantageSettings
+    kl: KLSettings
+    uses_reference: bool
+    reward: RewardSettings
+    guard: GuardConfig  # KL guards off without a reference
+    shard_chunk_rows: int  # global rows dealt to the ranks at a time: whole mini-batches of actor and critic
+    balance_batch: bool
+    save_freq: int
+    test_freq: int
+    val_before_train: bool
+    max_ckpt_to_keep: Optional[int]
+    resume_mode: str
+    resume_from_path: Optional[str]
+    logger: LoggerSettings
+
+
+def uses_critic(cfg: PPOConfig) -> bool:
+    return cfg.algorithm.adv_estimator not in CRITIC_FREE_ESTIMATORS
+
+
+def uses_reference(cfg: PPOConfig) -> bool:
+    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
+def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
+    """The frozen settings of a validated PPO config on ``world_size`` ranks."""
+    arf, trainer = cfg.actor_rollout_ref, cfg.trainer
+    check_divisible_over_ranks(cfg, world_size)
+    actor = _actor(cfg, world_size)
+    critic = _critic(cfg, world_size) if uses_critic(cfg) else None
+    global_rows = [s.mini_batch_rows * world_size for s in (actor, critic) if s is not None]
+    rm, algo, kl = cfg.reward_model, cfg.algorithm, cfg.algorithm.kl_ctrl
+    return PPOSettings(
+        run_dir=Path(trainer.default_local_dir), world_size=world_size, rollout=arf.rollout.name, n=arf.rollout.n,
+        response_length=arf.rollout.response_length, sampling=sampling_params(cfg),
+        val_sampling=sampling_params(cfg, validation=True), val_batch_size=cfg.data.val_batch_size,
+        actor=actor, critic=critic, forwards=_forwards(cfg),
+        advantage=AdvantageSettings(algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo),
+        kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon),
+        uses_reference=uses_reference(cfg),
+        reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
+        guard=_guard(cfg), shard_chunk_rows=math.gcd(*global_rows), balance_batch=trainer.balance_batch,
+        save_freq=trainer.save_freq, test_freq=trainer.test_freq, val_before_train=trainer.val_before_train,
+        max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep, resume_mode=trainer.resume_mode,
+        resume_from_path=trainer.resume_from_path,
+        logger=LoggerSettings(tuple(trainer.logger), trainer.project_name, trainer.experiment_name,
+                              dataclasses.asdict(cfg)),
+    )
+
+
+def check_divisible_over_ranks(cfg: PPOConfig, world_size: int) -> None:
+    """Prompts and every mini-batch must split evenly over the ranks (verl's rule too)."""
+    arf = cfg.actor_rollout_ref
+    sizes = {"data.train_batch_size": cfg.data.train_batch_size,
+             "actor_rollout_ref.actor.ppo_mini_batch_size": arf.actor.ppo_mini_batch_size * arf.rollout.n}
+    if uses_critic(cfg):
+        sizes["critic.ppo_mini_batch_size"] = cfg.critic.ppo_mini_batch_size * arf.rollout.n
+    for key, size in sizes.items():
+        if size % world_size:
+            raise UserError(f"{key} gives {size} rows per batch, which do not split evenly over {world_size} ranks; "
+                            f"make it a multiple of {world_size}")
+
+
+def sampling_params(cfg: PPOConfig, *, validation: bool = False) -> SamplingParams:
+    rollout = cfg.actor_rollout_ref.rollout
+    source = rollout.val_kwargs if validation else rollout
+    return SamplingParams(n=source.n, max_new_tokens=rollout.response_length, temperature=source.temperature,
+                          top_p=source.top_p, top_k=source.top_k, do_sample=source.do_sample)
+
+
+def _budget(use_dynamic_bsz: bool, max_tokens: int) -> Optional[int]:
+    return max_tokens if use_dynamic_bsz else None
+
+
+def _actor(cfg: PPOConfig, world_size: int) -> ActorUpdateSettings:
+    arf = cfg.actor_rollout_ref
+    actor = arf.actor
+    micro = MicroBatching(rows=actor.ppo_micro_batch_size_per_gpu,
+                          max_tokens=_budget(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
+                          packed=arf.model.use_remove_padding, budget_key=ACTOR_BUDGET_KEY)
+    return ActorUpdateSettings(
+        mini_batch_rows=actor.ppo_mini_batch_size * arf.rollout.n // world_size, micro=micro,
+        ppo_epochs=actor.ppo_epochs, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
+        grad_clip=actor.grad_clip, temperature=arf.rollout.temperature,
+    )
+
+
+def _critic_micro(cfg: PPOConfig) -> MicroBatching:
+    critic = cfg.critic
+    return MicroBatching(rows=critic.ppo_micro_batch_size_per_gpu,
+                         max_tokens=_budget(critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
+                         packed=critic.model.use_remove_padding, budget_key=CRITIC_BUDGET_KEY)
+
+
+def _critic(cfg: PPOConfig, world_size: int) -> CriticUpdateSettings:
+    critic = cfg.critic
+    return CriticUpdateSettings(
+        mini_batch_rows=critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // world_size,
+        micro=_critic_micro(cfg), ppo_epochs=critic.ppo_epochs, cliprange_value=critic.cliprange_value,
+        loss_agg_mode=critic.loss_agg_mode, grad_clip=critic.grad_clip,
+    )
+
+
+def _forwards(cfg: PPOConfig) -> ForwardSettings:
+    arf = cfg.actor_rollout_ref
+    rollout, ref, packed = arf.rollout, arf.ref, arf.model.use_remove_padding
+    return ForwardSettings(
+        old_log_prob=MicroBatching(
+            rows=rollout.log_prob_micro_batch_size_per_gpu, packed=packed,
+            max_tokens=_budget(rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu),
+            budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+        ref=MicroBatching(
+            rows=ref.log_prob_micro_batch_size_per_gpu, packed=packed,
+            max_tokens=_budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
+            budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
+        values=_critic_micro(cfg),
+        reward_model_rows=cfg.reward_model.micro_batch_size_per_gpu,
+        temperature=rollout.temperature,
+    )
+
+
+def _guard(cfg: PPOConfig) -> GuardConfig:
+    """The guard's thresholds; KL guards need a reference model and are off without one."""
+    if uses_reference(cfg):
+        return dataclasses.replace(cfg.trainer.guard)
+    return dataclasses.replace(cfg.trainer.guard, early_stop_kl=None, rollback_kl=None)

@@ -1,0 +1,137 @@
+"""What every run sets up the same way, PPO, SFT and reward-model training alike: seeds, the
+process group, FSDP2 sharding, and the optimiser with its learning-rate schedule.
+
+Each builder takes flat arguments or one config section; none reads the whole config.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from klppo.config.schema import FSDPConfig, OptimConfig
+from klppo.distributed import DistEnv, apply_fsdp2, build_mesh, init_distributed
+from klppo.errors import UserError
+
+PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # None: no mixed precision
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ---- the world ----
+
+
+def join_world(device: str, n_gpus_per_node: int, nnodes: int, fsdp_configs: Iterable[FSDPConfig]) -> DistEnv:
+    """Join torchrun's process group and check it against ``trainer.n_gpus_per_node x nnodes``.
+
+    A single process gets a group of one when an ``fsdp_config`` asks for something only FSDP2
+    does (mixed precision, offload, ...), so it shards too.
+    """
+    env = init_distributed(device, group_of_one=any(f != FSDPConfig() for f in fsdp_configs))
+    check_world(n_gpus_per_node, nnodes, env.world_size)
+    return env
+
+
+def check_world(n_gpus_per_node: int, nnodes: int, world_size: int) -> None:
+    if n_gpus_per_node * nnodes != world_size:
+        raise UserError(
+            f"trainer.n_gpus_per_node x trainer.nnodes = {n_gpus_per_node} x {nnodes} = {n_gpus_per_node * nnodes}, "
+            f"but this run has {world_size} process(es); launch with torchrun --nnodes {nnodes} --nproc_per_node "
+            f"{n_gpus_per_node}, or set the two keys to the world you launch"
+        )
+
+
+class Sharder:
+    """FSDP2 over the ranks when the run has a process group; models as they are otherwise.
+
+    Device meshes are built once per ``fsdp_size`` and shared by the models of the run.
+    """
+
+    def __init__(self, env: DistEnv) -> None:
+        self.env = env
+        self.meshes: dict[int, object] = {}
+
+    def shard(self, model: torch.nn.Module, fsdp: FSDPConfig, *, keep_root_gathered: bool = False) -> torch.nn.Module:
+        if not self.env.is_distributed:
+            return model
+        if fsdp.fsdp_size not in self.meshes:
+            try:
+                self.meshes[fsdp.fsdp_size] = build_mesh(self.env.world_size, fsdp.fsdp_size, self.env.device.type)
+            except ValueError as exc:
+                raise UserError(f"fsdp_config.fsdp_size: {exc}") from None
+        return apply_fsdp2(model, self.meshes[fsdp.fsdp_size], param_dtype=PARAM_DTYPES[fsdp.dtype],
+                           reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.offload_policy,
+                           keep_root_gathered=keep_root_gathered)
+
+
+# ---- optimiser and schedule ----
+
+
+def build_optimizer(
+    model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; biases and norm weights get no weight decay."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+
+
+def warmup_steps(total_steps: int, lr_warmup_steps: int, lr_warmup_steps_ratio: float) -> int:
+    """verl's rule: an explicit step count wins; -1 means a ratio of the total."""
+    if lr_warmup_steps >= 0:
+        return lr_warmup_steps
+    return int(lr_warmup_steps_ratio * total_steps)
+
+
+def lr_multiplier(step: int, *, warmup: int, total_steps: int, style: str, min_lr_ratio: float) -> float:
+    """Linear warm-up to 1, then constant or cosine decay to ``min_lr_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if style == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    total_steps: int,
+    lr_warmup_steps: int,
+    lr_warmup_steps_ratio: float,
+    warmup_style: str,
+    min_lr_ratio: float,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A schedule stepped once per training step."""
+    warmup = warmup_steps(total_steps, lr_warmup_steps, lr_warmup_steps_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(
+            step, warmup=warmup, total_steps=total_steps, style=warmup_style, min_lr_ratio=min_lr_ratio
+        ),
+    )
+
+
+def build_optimizer_and_scheduler(model: torch.nn.Module, optim: OptimConfig, total_steps: int):
+    """AdamW and its schedule from an ``optim`` config section (actor, critic, SFT or RM)."""
+    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas)
+    scheduler = build_lr_scheduler(
+        optimizer,
+        total_steps=total_steps,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio,
+        warmup_style=optim.warmup_style,
+        min_lr_ratio=optim.min_lr_ratio,
+    )
+    return optimizer, scheduler
