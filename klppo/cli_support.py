@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Callable
@@ -29,3 +30,11 @@ def run_cli(action: Callable[[], object]) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def parse_config_args(argv: list[str] | None, prog: str, description: str) -> argparse.Namespace:
+    """``--config x.yaml`` and ``key.path=value`` overrides, as every training command takes them."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", "-c", help="YAML config (verl key names)")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. trainer.total_training_steps=10")
+    return parser.parse_args(argv)

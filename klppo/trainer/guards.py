@@ -15,7 +15,19 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Optional
 
-from klppo.config.schema import GuardConfig
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """The guard's thresholds (``trainer.guard.*``; None switches a check off)."""
+
+    early_stop_kl: Optional[float]  # stop when the KL exceeds it and no rollback is left
+    rollback_kl: Optional[float]  # roll back when the KL exceeds it
+    rollback_lr: float  # the actor's learning rate from the first rollback on
+    max_rollbacks: int
+    max_nonfinite_steps: int  # non-finite steps in a row before the run stops
+    entropy_floor: Optional[float]  # warn below this entropy
+    clipfrac_max: Optional[float]  # warn above this clipped fraction
 
 
 class Action(Enum):
@@ -39,7 +51,7 @@ class GuardEvent:
 class RunGuard:
     """Checks KL before an update, finiteness around it, and entropy / clipping after it."""
 
-    def __init__(self, settings: GuardConfig) -> None:
+    def __init__(self, settings: GuardSettings) -> None:
         self.s = settings
         self.rollbacks = 0
         self.nonfinite_in_a_row = 0

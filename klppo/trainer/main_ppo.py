@@ -7,10 +7,9 @@ that fails leaves at once, and torchrun stops the others.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from klppo.cli_support import quiet_libraries, run_cli
+from klppo.cli_support import parse_config_args, quiet_libraries, run_cli
 from klppo.config import format_config, load_ppo_config
 
 
@@ -39,15 +38,8 @@ def _train(cfg, env, print_fn) -> list[dict]:
     return PPOTrainer(parts, print_fn=print_fn).fit()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", help="YAML config (verl key names)")
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. trainer.total_training_steps=10")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="klppo ppo", description="Train with KL-regularised PPO.")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parse_config_args(argv, "klppo ppo", "Train with KL-regularised PPO.")
     return run_cli(lambda: run_ppo(args.config, args.overrides))
 
 

@@ -10,14 +10,13 @@ Runs under torchrun with FSDP2 and checkpoints as SFT does (``klppo.trainer.supe
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 from klppo.algo import bradley_terry_loss, plackett_luce_loss
-from klppo.cli_support import run_cli
+from klppo.cli_support import parse_config_args, run_cli
 from klppo.config import RMConfig, load_rm_config
 from klppo.data.batching import row_chunks
 from klppo.data.ranked import RankedRecord, ranked_pairs, ranking_tiers
@@ -136,10 +135,7 @@ def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="klppo rm", description="Train a reward model from ranked responses.")
-    parser.add_argument("--config", "-c", help="YAML config")
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
-    args = parser.parse_args(argv)
+    args = parse_config_args(argv, "klppo rm", "Train a reward model from ranked responses.")
     return run_cli(lambda: run_rm(load_rm_config(args.config, args.overrides)))
 
 

@@ -9,13 +9,12 @@ update) and writes the result to ``<trainer.default_local_dir>/hf``, the folder 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 import torch
 
 from klppo.algo import logprobs_from_logits
-from klppo.cli_support import run_cli
+from klppo.cli_support import parse_config_args, run_cli
 from klppo.config import SFTConfig, load_sft_config
 from klppo.data.batching import row_chunks
 from klppo.distributed import DistEnv, all_reduce_sum
@@ -103,10 +102,7 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="klppo sft", description="Supervised fine-tuning (warm start).")
-    parser.add_argument("--config", "-c", help="YAML config (verl's SFT key names)")
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
-    args = parser.parse_args(argv)
+    args = parse_config_args(argv, "klppo sft", "Supervised fine-tuning (warm start).")
     return run_cli(lambda: run_sft(load_sft_config(args.config, args.overrides)))
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Optional
 
 from klppo.config import PPOConfig
-from klppo.config.schema import GuardConfig
 from klppo.data.batching import MicroBatching
 from klppo.errors import UserError
 from klppo.rollout.hf import SamplingParams
+from klppo.trainer.guards import GuardSettings
 
 CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
@@ -120,7 +120,7 @@ class PPOSettings:
     kl: KLSettings
     uses_reference: bool
     reward: RewardSettings
-    guard: GuardConfig  # KL guards off without a reference
+    guard: GuardSettings  # KL guards off without a reference
     shard_chunk_rows: int  # global rows dealt to the ranks at a time: whole mini-batches of actor and critic
     balance_batch: bool
     save_freq: int
@@ -144,9 +144,9 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
     """The frozen settings of a validated PPO config on ``world_size`` ranks."""
     arf, trainer = cfg.actor_rollout_ref, cfg.trainer
     check_divisible_over_ranks(cfg, world_size)
-    actor = _actor(cfg, world_size)
-    critic = _critic(cfg, world_size) if uses_critic(cfg) else None
-    global_rows = [s.mini_batch_rows * world_size for s in (actor, critic) if s is not None]
+    global_rows = global_mini_batch_rows(cfg)
+    actor = _actor(cfg, global_rows["actor_rollout_ref.actor.ppo_mini_batch_size"] // world_size)
+    critic = _critic(cfg, global_rows["critic.ppo_mini_batch_size"] // world_size) if uses_critic(cfg) else None
     rm, algo, kl = cfg.reward_model, cfg.algorithm, cfg.algorithm.kl_ctrl
     return PPOSettings(
         run_dir=Path(trainer.default_local_dir), world_size=world_size, rollout=arf.rollout.name, n=arf.rollout.n,
@@ -157,7 +157,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon),
         uses_reference=uses_reference(cfg),
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
-        guard=_guard(cfg), shard_chunk_rows=math.gcd(*global_rows), balance_batch=trainer.balance_batch,
+        guard=_guard(cfg), shard_chunk_rows=math.gcd(*global_rows.values()), balance_batch=trainer.balance_batch,
         save_freq=trainer.save_freq, test_freq=trainer.test_freq, val_before_train=trainer.val_before_train,
         max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep, resume_mode=trainer.resume_mode,
         resume_from_path=trainer.resume_from_path,
@@ -166,13 +166,18 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
     )
 
 
+def global_mini_batch_rows(cfg: PPOConfig) -> dict[str, int]:
+    """Rows (prompts x rollout.n) of one global mini-batch of the actor and, with a critic, the critic."""
+    n = cfg.actor_rollout_ref.rollout.n
+    rows = {"actor_rollout_ref.actor.ppo_mini_batch_size": cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n}
+    if uses_critic(cfg):
+        rows["critic.ppo_mini_batch_size"] = cfg.critic.ppo_mini_batch_size * n
+    return rows
+
+
 def check_divisible_over_ranks(cfg: PPOConfig, world_size: int) -> None:
     """Prompts and every mini-batch must split evenly over the ranks (verl's rule too)."""
-    arf = cfg.actor_rollout_ref
-    sizes = {"data.train_batch_size": cfg.data.train_batch_size,
-             "actor_rollout_ref.actor.ppo_mini_batch_size": arf.actor.ppo_mini_batch_size * arf.rollout.n}
-    if uses_critic(cfg):
-        sizes["critic.ppo_mini_batch_size"] = cfg.critic.ppo_mini_batch_size * arf.rollout.n
+    sizes = {"data.train_batch_size": cfg.data.train_batch_size, **global_mini_batch_rows(cfg)}
     for key, size in sizes.items():
         if size % world_size:
             raise UserError(f"{key} gives {size} rows per batch, which do not split evenly over {world_size} ranks; "
@@ -190,14 +195,14 @@ def _budget(use_dynamic_bsz: bool, max_tokens: int) -> Optional[int]:
     return max_tokens if use_dynamic_bsz else None
 
 
-def _actor(cfg: PPOConfig, world_size: int) -> ActorUpdateSettings:
+def _actor(cfg: PPOConfig, mini_batch_rows: int) -> ActorUpdateSettings:
     arf = cfg.actor_rollout_ref
     actor = arf.actor
     micro = MicroBatching(rows=actor.ppo_micro_batch_size_per_gpu,
                           max_tokens=_budget(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
                           packed=arf.model.use_remove_padding, budget_key=ACTOR_BUDGET_KEY)
     return ActorUpdateSettings(
-        mini_batch_rows=actor.ppo_mini_batch_size * arf.rollout.n // world_size, micro=micro,
+        mini_batch_rows=mini_batch_rows, micro=micro,
         ppo_epochs=actor.ppo_epochs, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
         clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
@@ -212,11 +217,10 @@ def _critic_micro(cfg: PPOConfig) -> MicroBatching:
                          packed=critic.model.use_remove_padding, budget_key=CRITIC_BUDGET_KEY)
 
 
-def _critic(cfg: PPOConfig, world_size: int) -> CriticUpdateSettings:
+def _critic(cfg: PPOConfig, mini_batch_rows: int) -> CriticUpdateSettings:
     critic = cfg.critic
     return CriticUpdateSettings(
-        mini_batch_rows=critic.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // world_size,
-        micro=_critic_micro(cfg), ppo_epochs=critic.ppo_epochs, cliprange_value=critic.cliprange_value,
+        mini_batch_rows=mini_batch_rows, micro=_critic_micro(cfg), ppo_epochs=critic.ppo_epochs, cliprange_value=critic.cliprange_value,
         loss_agg_mode=critic.loss_agg_mode, grad_clip=critic.grad_clip,
     )
 
@@ -239,8 +243,9 @@ def _forwards(cfg: PPOConfig) -> ForwardSettings:
     )
 
 
-def _guard(cfg: PPOConfig) -> GuardConfig:
+def _guard(cfg: PPOConfig) -> GuardSettings:
     """The guard's thresholds; KL guards need a reference model and are off without one."""
+    settings = GuardSettings(**dataclasses.asdict(cfg.trainer.guard))
     if uses_reference(cfg):
-        return dataclasses.replace(cfg.trainer.guard)
-    return dataclasses.replace(cfg.trainer.guard, early_stop_kl=None, rollback_kl=None)
+        return settings
+    return dataclasses.replace(settings, early_stop_kl=None, rollback_kl=None)

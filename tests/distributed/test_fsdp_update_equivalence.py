@@ -51,7 +51,8 @@ def _critic_settings(mode: str, mini: int, micro: MicroBatching) -> CriticUpdate
 def _uneven_budget(batch: RolloutBatch) -> int:
     """A token budget under which rank 1's (longer) local mini-batches need more micro-batches than rank 0's.
 
-    Without ``max_over_ranks`` the ranks would run different numbers of FSDP forwards and hang.
+    Unless every rank runs the largest micro-batch count, the ranks would run different numbers of
+    FSDP forwards and hang.
     """
     lens = batch.attention_mask.sum(-1)
     budget = max(int(lens[idx].sum()) for idx in row_chunks(ROWS // WORLD, LOCAL_MINI))  # rank 0 fits in one

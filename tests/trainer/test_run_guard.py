@@ -2,10 +2,9 @@
 
 import math
 
-from klppo.config.schema import GuardConfig
-from klppo.trainer.guards import Action, RunGuard
+from klppo.trainer.guards import Action, GuardSettings, RunGuard
 
-SETTINGS = GuardConfig(early_stop_kl=0.2, rollback_kl=0.15, rollback_lr=1e-6, max_rollbacks=1,
+SETTINGS = GuardSettings(early_stop_kl=0.2, rollback_kl=0.15, rollback_lr=1e-6, max_rollbacks=1,
                          max_nonfinite_steps=2, entropy_floor=0.01, clipfrac_max=0.3)
 
 

@@ -1,0 +1,76 @@
+"""The PPO config is compiled once into frozen settings; the loop and what it calls read only those."""
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from klppo.config import load_ppo_config
+from klppo.errors import UserError
+from klppo.trainer.settings import compile_ppo
+
+TRAINER = Path(__file__).parents[2] / "klppo" / "trainer"
+# The loop and the code under it: they read PPOSettings, never the config.
+READS_SETTINGS_ONLY = ["ppo_trainer.py", "forwards.py", "update.py", "evaluate.py", "run_state.py", "guards.py"]
+
+
+def _config(**changes):
+    overrides = {
+        "data.train_files": "t.parquet", "actor_rollout_ref.model.path": "m", "data.train_batch_size": 8,
+        "actor_rollout_ref.rollout.n": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+    }
+    overrides.update(changes)
+    return load_ppo_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_mini_batches_are_per_rank_and_the_shard_chunk_covers_actor_and_critic():
+    s = compile_ppo(_config(**{"critic.ppo_mini_batch_size": 2}), world_size=2)
+    assert s.actor.mini_batch_rows == 4 * 4 // 2  # prompts x responses / ranks
+    assert s.critic.mini_batch_rows == 2 * 4 // 2
+    assert s.shard_chunk_rows == 8  # gcd of the global mini-batches: 16 (actor) and 8 (critic) rows
+
+
+def test_token_budgets_apply_only_where_dynamic_batch_sizes_are_on():
+    s = compile_ppo(_config(**{"actor_rollout_ref.actor.use_dynamic_bsz": "true",
+                               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 4096,
+                               "critic.ppo_max_token_len_per_gpu": 9999}), world_size=1)
+    assert s.actor.micro.max_tokens == 4096
+    assert s.actor.micro.budget_key == "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    assert s.critic.micro.max_tokens is None and s.forwards.values.max_tokens is None
+    assert s.forwards.old_log_prob.max_tokens is None and s.forwards.ref.max_tokens is None
+
+
+def test_critic_free_runs_have_no_critic_settings_and_kl_guards_need_a_reference():
+    s = compile_ppo(_config(**{"algorithm.adv_estimator": "grpo"}), world_size=1)
+    assert s.critic is None and not s.uses_reference
+    assert s.guard.rollback_kl is None and s.guard.early_stop_kl is None
+    with_ref = compile_ppo(_config(**{"actor_rollout_ref.actor.use_kl_loss": "true"}), world_size=1)
+    assert with_ref.uses_reference and with_ref.guard.rollback_kl == 0.15
+
+
+def test_sampling_and_validation_sampling_come_from_their_sections():
+    s = compile_ppo(_config(**{"actor_rollout_ref.rollout.temperature": 0.7, "data.max_response_length": 33}), 1)
+    assert (s.sampling.n, s.sampling.temperature, s.sampling.max_new_tokens, s.sampling.do_sample) == (4, 0.7, 33, True)
+    assert (s.val_sampling.n, s.val_sampling.do_sample, s.val_sampling.max_new_tokens) == (1, False, 33)
+    assert s.forwards.temperature == s.actor.temperature == 0.7
+
+
+def test_settings_are_frozen():
+    s = compile_ppo(_config(), world_size=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.actor.ppo_epochs = 3
+
+
+def test_batches_that_do_not_split_over_the_ranks_are_refused_with_the_key():
+    with pytest.raises(UserError, match="actor_rollout_ref.actor.ppo_mini_batch_size gives 4 rows .* multiple of 3"):
+        compile_ppo(_config(**{"actor_rollout_ref.rollout.n": 1, "data.train_batch_size": 12}), world_size=3)
+
+
+@pytest.mark.parametrize("name", READS_SETTINGS_ONLY)
+def test_the_loop_and_its_helpers_never_read_the_config(name):
+    tree = ast.parse((TRAINER / name).read_text())
+    imports = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    assert not [m for m in imports if m.startswith("klppo.config")], name
+    attributes = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert not {"cfg", "actor_rollout_ref", "algorithm", "trainer"} & attributes, name
