@@ -89,8 +89,15 @@ def encode_chats(tokenizer, conversations: Sequence[list[dict]], add_generation_
             "use an instruct model's tokenizer (its tokenizer_config.json has 'chat_template')"
         )
     # transformers 5 returns a dict for tokenize=True; render to text, then encode in one batch.
-    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=False)
-             for c in conversations]
+    texts = []
+    for i, conversation in enumerate(conversations):
+        try:
+            texts.append(tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=False))
+        except Exception as exc:  # the model's Jinja template refused the messages (e.g. roles must alternate)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"prompt {i}: the tokenizer's chat template cannot render its messages ({first}); "
+                            "fix the messages to the form the model's template expects") from None
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
@@ -212,10 +219,16 @@ def fit_prompts(
     """Apply the over-long-prompt policy; returns ``(position, ids)`` of the kept rows, logs counts.
 
     Over-long prompts are dropped when ``filter_overlong_prompts`` (as verl does), else cut per
-    ``truncation`` ("left" keeps the end, "right" keeps the start) or rejected ("error").
+    ``truncation`` ("left" keeps the end, "right" keeps the start) or rejected ("error"). A
+    prompt that encodes to no token at all is refused: generation and the forwards need at least
+    one token to continue from.
     """
     kept, n_filtered, n_truncated = [], 0, 0
     for position, (row, ids) in enumerate(zip(rows, prompt_ids)):
+        if not ids:
+            raise row_error(row, prompt_key, "the prompt encodes to no tokens (empty text, and a tokenizer or chat "
+                            "template that adds nothing)", "give the row a non-empty prompt, or use a model whose "
+                            "tokenizer encodes this text")
         if len(ids) > max_prompt_length:
             if filter_overlong_prompts:
                 n_filtered += 1

@@ -7,7 +7,10 @@ Each builder takes flat arguments or one config section; none reads the whole co
 from __future__ import annotations
 
 import math
+import os
 import random
+import tempfile
+from pathlib import Path
 from typing import Iterable
 
 import numpy as np
@@ -24,6 +27,36 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+# ---- the output folder ----
+
+
+def check_run_dir(path: str | os.PathLike, key: str = "trainer.default_local_dir") -> None:
+    """Refuse, before any model loads, an output folder the run could not write into.
+
+    The folder may exist (a run to resume) or not (it is made later); what must hold is that it
+    is not a file, that no part of its path is a file, and that the nearest existing folder
+    accepts a new file (probed with a temporary file that is removed at once). Nothing is left
+    on disk.
+    """
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{key} = '{path}' is an existing file, not a folder; point {key} at a folder "
+                        "(it is created if missing)")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{key} = '{path}' lies below '{existing}', which is a file; point {key} at a folder "
+                        "whose parents are folders")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".klppo-write-check-", dir=existing)
+    except OSError as exc:
+        raise UserError(f"{key} = '{path}': cannot write into '{existing}' ({exc.strerror or exc}); point {key} "
+                        "at a folder you can write to") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 # ---- the world ----

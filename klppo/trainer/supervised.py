@@ -30,7 +30,7 @@ from klppo.distributed import DistEnv, barrier, load_training_state, run_on_rank
 from klppo.errors import UserError
 from klppo.monitoring.jsonl import set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
-from klppo.trainer.setup import Sharder, build_optimizer_and_scheduler, join_world, seed_everything
+from klppo.trainer.setup import Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, seed_everything
 
 SupervisedConfig = Union[SFTConfig, RMConfig]
 
@@ -65,6 +65,7 @@ def run_supervised(cfg: SupervisedConfig, prepare: PrepareJob, print_fn: Callabl
 
     Runs on every rank of a torchrun launch; returns the Hugging Face folder written.
     """
+    check_run_dir(cfg.trainer.default_local_dir)
     quiet_libraries()
     env = start_supervised(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
     return run_on_ranks(env, lambda log: _train(cfg, env, prepare, log), print_fn)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from klppo.checkpoint.state import LATEST_FILE
 from klppo.monitoring.jsonl import EVENTS_FILE, read_jsonl
 from klppo.monitoring.logger import read_metrics
 from klppo.trainer.main_ppo import run_ppo
@@ -25,12 +26,12 @@ def _comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/"))}
 
 
-def _train_cli(overrides):
+def _train_cli(overrides, stdout=subprocess.DEVNULL):
     # One thread per process: multi-threaded CPU kernels may sum in a different order when the
     # cores are contended, and this test compares two processes' numbers exactly.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "klppo.trainer.main_ppo", *overrides],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 240.0) -> None:
@@ -52,9 +53,15 @@ def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_o
     victim = _train_cli(ppo_overrides(killed_dir, **changes))
     _wait_for_step(killed_dir, kill_at, victim)
     victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    resumed = _train_cli(ppo_overrides(killed_dir, **changes))
-    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
+    assert victim.wait() == -signal.SIGKILL  # it died by the signal, not by finishing first
+    checkpoint = int((killed_dir / LATEST_FILE).read_text())
+    assert 1 <= checkpoint < 6
+    resumed = _train_cli(ppo_overrides(killed_dir, **changes), stdout=subprocess.PIPE)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    # It resumed (a fresh start would reproduce the same numbers, runs being deterministic), and
+    # from the step of the checkpoint the kill left.
+    assert f"resumed from {killed_dir / f'global_step_{checkpoint}'} at step {checkpoint}" in out, out
     expected = [_comparable(r) for r in read_metrics(full_dir)]
     assert [_comparable(r) for r in read_metrics(killed_dir)] == expected, f"killed at step {kill_at}"
 
