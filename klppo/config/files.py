@@ -72,6 +72,8 @@ def _read_text(path: str) -> str:
         raise UserError(f"cannot read config file {path}: {e.strerror or e}; give a readable YAML file") from None
     if len(data) > _MAX_BYTES:
         raise UserError(f"config file {path} is over {_MAX_BYTES // 2**20} MB, not a config; give the YAML file")
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise UserError(f"config file {path} is UTF-16 text; save it as UTF-8, e.g. iconv -f utf-16 -t utf-8 {path} -o {path}.utf8")
     if b"\0" in data:
         raise UserError(f"config file {path} is a binary file (it holds NUL bytes), not YAML text; give the YAML file")
     try:
@@ -94,6 +96,8 @@ def _yaml_message(path: str, e: yaml.MarkedYAMLError, text: str) -> str:
         fix = "indent with spaces, not tabs"
     elif "given twice" in what:
         fix = ""
+    elif "expected ',' or ']'" in what or "expected ',' or '}'" in what:
+        fix = "close the [list] or {mapping} opened before it"
     elif "could not determine a constructor" in what:
         fix = "klppo reads plain YAML only; remove the !tag"
     else:

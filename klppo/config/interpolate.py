@@ -19,7 +19,6 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from klppo.config.checks import Problem
-from klppo.config.verl import _absolute, _get_dotted
 
 _DOTTED = re.compile(r"\.*[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]*)*")
 _MISSING = "???"  # OmegaConf's "mandatory, not set"
@@ -56,7 +55,9 @@ class Interpolator:
     def expand(self, text: str, key: str, stack: tuple[str, ...]) -> Any:
         spans = _spans(text)
         if spans is None:
-            return self._fail(key, text, "its ${ and } do not pair up")
+            self.problems.append(Problem((key,), f"{key}: cannot resolve {text!r}: its ${{ and }} do not pair up; "
+                                         "close each ${...}"))
+            return INVALID
         if len(spans) == 1 and spans[0][0] == 0 and spans[0][1] == len(text):
             return self.lookup(spans[0][2], key, stack)
         out, at = [], 0
@@ -75,7 +76,7 @@ class Interpolator:
         if not _DOTTED.fullmatch(target):
             why = "klppo resolves only ${dotted.key} and ${oc.select:key,default}, not resolvers such as oc.env; write the value itself"
             return self._fail(key, expr, why)
-        target = _absolute(target, key)
+        target = absolute_key(target, key)
         if target in stack:
             return self._fail(key, expr, f"interpolation cycle {' -> '.join(stack + (target,))}; write a value in one of them")
         found, value = self.find(target)
@@ -89,7 +90,7 @@ class Interpolator:
 
     def find(self, target: str) -> tuple[bool, Any]:
         for tree in self.trees:
-            found, value = _get_dotted(tree, target)
+            found, value = get_dotted(tree, target)
             if found and value != _MISSING:
                 return True, value
         if target in self.flat and self.flat[target] != _MISSING:
@@ -167,3 +168,21 @@ def _number(value: Any) -> float | None:
         except ValueError:
             return None
     return None
+
+
+def absolute_key(target: str, key: str) -> str:
+    """An OmegaConf key relative to ``key``'s section (``.x``, ``..x``) as a full dotted key."""
+    dots = len(target) - len(target.lstrip("."))
+    if not dots:
+        return target
+    base = key.split(".")[:-dots]
+    return ".".join(base + [target[dots:]])
+
+
+def get_dotted(tree: Any, key: str) -> tuple[bool, Any]:
+    """(found, value) of a dotted key in nested dicts."""
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return False, None
+        tree = tree[part]
+    return True, tree

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Optional
 import yaml
 
 from klppo.config.checks import Problem
+from klppo.config.interpolate import absolute_key, get_dotted
 from klppo.config.verl_reasons import FOLLOWS, REFUSE, RULES
 
 VERL_VERSION = "0.9.1"
@@ -50,7 +51,7 @@ ALIASES: dict[str, str] = {
     # verl 0.9.1's engine clips with optim.clip_grad; its actor/critic grad_clip is the older name.
     "actor_rollout_ref.actor.optim.clip_grad": "actor_rollout_ref.actor.grad_clip",
     "critic.optim.clip_grad": "critic.grad_clip",
-    # lr_scheduler_type replaced warmup_style in verl 0.7.
+    # lr_scheduler_type is verl's newer name of warmup_style (which klppo keeps).
     "actor_rollout_ref.actor.optim.lr_scheduler_type": "actor_rollout_ref.actor.optim.warmup_style",
     "critic.optim.lr_scheduler_type": "critic.optim.warmup_style",
     # verl 0.9.1 moved critic.model.fsdp_config to critic.fsdp.
@@ -130,10 +131,6 @@ def open_mapping(key: str) -> Optional[str]:
     return None
 
 
-def is_verl_key(key: str) -> bool:
-    return key in verl_defaults() or open_mapping(key) is not None
-
-
 def reason_for(key: str, schema_leaves: Mapping[str, Any] = {}) -> tuple[str, bool] | None:
     """(why ``key`` has no effect in klppo, whether a non-default value is refused), or None.
 
@@ -156,20 +153,11 @@ def _follows(key: str) -> Optional[str]:
     """The key that verl's default of ``key`` copies (``${X}`` or ``${oc.select:X,...}``), if any."""
     default = verl_defaults().get(key)
     match = _FOLLOWS.fullmatch(default.strip()) if isinstance(default, str) else None
-    return _absolute(match.group(1), key) if match else None
+    return absolute_key(match.group(1), key) if match else None
 
 
 def _matches(key: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(key, p) for p in patterns)
-
-
-def _absolute(target: str, key: str) -> str:
-    """An OmegaConf key relative to ``key``'s section (``.x``, ``..x``) as a full dotted key."""
-    dots = len(target) - len(target.lstrip("."))
-    if not dots:
-        return target
-    base = key.split(".")[:-dots]
-    return ".".join(base + [target[dots:]])
 
 
 # ---- splitting a raw config ----
@@ -226,7 +214,9 @@ def _walk(split: _Split, node: dict, prefix: str) -> dict:
             _walk_verl_only(split, value, key)
         elif key in verl_defaults() or open_mapping(key):
             _no_effect(split, key, value)
-        elif not (key in verl_sections() and value is None):  # an empty verl-only section is nothing
+        elif key in verl_sections():
+            _section_value(split, key, value)
+        else:
             kept[name] = value  # neither klppo's nor verl's: the builder reports it
     return kept
 
@@ -235,12 +225,24 @@ def _walk_verl_only(split: _Split, node: dict, prefix: str) -> None:
     """A section klppo's schema lacks: every key in it must be verl's."""
     for name, value in node.items():
         key = f"{prefix}.{name}"
-        if key in verl_sections() and isinstance(value, dict):
+        if key in ALIASES:
+            _alias(split, key, value)
+        elif key in verl_sections() and isinstance(value, dict):
             _walk_verl_only(split, value, key)
         elif key in verl_defaults() or open_mapping(key):
             _no_effect(split, key, value)
-        elif not (key in verl_sections() and value is None):
+        elif key in verl_sections():
+            _section_value(split, key, value)
+        else:
             split.unknown(prefix, str(name), value)
+
+
+def _section_value(split: _Split, key: str, value: Any) -> None:
+    """A value where verl has a section: nothing when empty (``multi_turn:`` in YAML), else a problem."""
+    if value is not None:
+        example = f"{key}.{next(n for n in verl_sections()[key] + ('<key>',) if not n.startswith('_'))}"
+        split.problems.append(Problem((key,), f"{key}: is a section of verl's config, not a value; write its keys "
+                                      f"under it (e.g. {example}=...), got {show(value)}"))
 
 
 def _null_is_unset(key: str) -> bool:
@@ -268,7 +270,7 @@ def _alias(split: _Split, key: str, value: Any) -> None:
     target = ALIASES[key]
     if split.is_default(key, value, verl_defaults().get(key)):
         return  # left at verl's default: klppo's own default for the target applies
-    found, theirs = _get_dotted(split.full, target)
+    found, theirs = get_dotted(split.full, target)
     if found and theirs is not None and theirs != value:
         split.problems.append(Problem((key, target), f"{key} = {show(value)} and {target} = {show(theirs)} set the "
                                       f"same knob (verl's two spellings of it); keep one of them"))
@@ -283,9 +285,9 @@ def _global_micro(split: _Split, key: str, value: Any) -> None:
     target = GLOBAL_MICRO[key]
     world = 1
     for name in ("trainer.n_gpus_per_node", "trainer.nnodes"):
-        found, count = _get_dotted(split.full, name)
+        found, count = get_dotted(split.full, name)
         world *= count if found and isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
-    found, per_gpu = _get_dotted(split.full, target)
+    found, per_gpu = get_dotted(split.full, target)
     if found and per_gpu is not None:
         why = f"{key} (verl's global size, deprecated there too) and {target} are both set; keep {target} only"
     elif not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % world:
@@ -298,14 +300,6 @@ def _global_micro(split: _Split, key: str, value: Any) -> None:
 
 
 # ---- helpers ----
-
-
-def _get_dotted(tree: Any, key: str) -> tuple[bool, Any]:
-    for part in key.split("."):
-        if not isinstance(tree, dict) or part not in tree:
-            return False, None
-        tree = tree[part]
-    return True, tree
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
