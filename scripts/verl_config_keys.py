@@ -9,9 +9,14 @@ default, plus the keys only its Megatron variant has. With ``--git`` (a verl clo
 the keys of those earlier releases that the current tree lacks are written to
 ``klppo/config/verl_keys_older.yaml``, each with the releases that have it; that file's
 hand-kept ``from_scripts`` section (keys only verl's example scripts set) is carried over.
-After regenerating, point ``VERL_KEYS_FILE`` in ``klppo/config/verl.py`` at the new file and
+After regenerating, set ``VERL_VERSION`` in ``klppo/config/verl.py`` to the new version and
 run ``pytest tests/config``: the test that walks the key list names every key that needs a
-reason in ``klppo/config/verl.py``.
+reason in ``klppo/config/verl_reasons.py``.
+
+The files in the repository were made from the verl 0.9.1 wheel and volcengine/verl's tags:
+    python scripts/verl_config_keys.py <unpacked verl-0.9.1 wheel> --git <verl clone>/.git \
+        --tags v0.3.0.post1 v0.4.1 v0.5.0 v0.6.1 v0.7.0 b178a3cd56f5
+(b178a3cd56f5: main of 2026-01-29, version 0.8.0.dev).
 """
 
 from __future__ import annotations

@@ -193,8 +193,8 @@ def _check_reward_model(cfg: PPOConfig, out: list[Problem]) -> None:
     if rm.rank_responses and not rm.enable:
         out.append(Problem(("reward_model.rank_responses",), "reward_model.rank_responses = true ranks responses by a "
                            "reward model: set reward_model.enable = true and reward_model.model.path"))
-    lengths = (("prompt_length", cfg.data.max_prompt_length), ("response_length", cfg.actor_rollout_ref.rollout.response_length))
-    for name, source in lengths:
+    sources = {"prompt_length": cfg.data.max_prompt_length, "response_length": cfg.actor_rollout_ref.rollout.response_length}
+    for name, source in sources.items():
         if getattr(rm.rollout, name) != source:  # a copy of its source has been checked there
             _positive(out, f"reward_model.rollout.{name}", getattr(rm.rollout, name), "number of tokens")
     if rm.rank_responses and cfg.actor_rollout_ref.rollout.n < 2:
@@ -443,7 +443,8 @@ def not_yet_supported_ppo(cfg: PPOConfig) -> list[Problem]:
     """Knobs of later work, refused when set: left alone they would silently do nothing."""
     out: list[Problem] = []
     arf = cfg.actor_rollout_ref
-    for prefix, model in ((f"{ARF}.model", arf.model), ("critic.model", cfg.critic.model)):
+    models = [(f"{ARF}.model", arf.model)] + [("critic.model", cfg.critic.model)] * (cfg.algorithm.adv_estimator == "gae")
+    for prefix, model in models:  # the critic trains with gae only
         if model.lora_rank != 0:
             out.append(Problem((f"{prefix}.lora_rank",), f"{prefix}.lora_rank = {model.lora_rank}: LoRA is not "
                                "implemented in klppo yet, and without it every parameter would train; set "
