@@ -21,13 +21,24 @@ DELEGATED = {
 def _validate_config(argv: list[str]) -> int:
     from klppo.config import format_config, load_ppo_config, load_sft_config
 
-    parser = argparse.ArgumentParser(prog="klppo validate-config", description="Print the resolved config, or its errors.")
-    parser.add_argument("config", help="YAML file")
-    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    parser = argparse.ArgumentParser(prog="klppo validate-config", description="Print the resolved config (YAML, on "
+                                     "stdout) and its warnings (stderr), or its errors.")
+    parser.add_argument("config", nargs="?", help="YAML file; may be left out when only overrides are given")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides (verl's command-line form)")
     parser.add_argument("--sft", action="store_true", help="validate against the SFT schema")
     args = parser.parse_args(argv)
+    if args.config is not None and "=" in args.config:  # a verl-style command line: overrides only
+        args.overrides, args.config = [args.config, *args.overrides], None
     load = load_sft_config if args.sft else load_ppo_config
-    return run_cli(lambda: print(format_config(load(args.config, args.overrides)), end=""))
+
+    def show() -> None:
+        notes: list[str] = []
+        text = format_config(load(args.config, args.overrides, notes=notes))
+        for line in notes:  # warnings first, on stderr, so stdout stays the YAML
+            print(line, file=sys.stderr)
+        print(text, end="")
+
+    return run_cli(show)
 
 
 def _usage() -> str:

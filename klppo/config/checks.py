@@ -10,6 +10,7 @@ is wrong and how to fix it.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -46,10 +47,12 @@ class Problem:
 # ---- derived defaults ----
 
 
-def resolve_ppo(cfg: PPOConfig) -> None:
-    """Fill, in place, every PPO field whose ``None`` means "derive from another field"."""
+def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
+    """Fill, in place, every PPO field whose ``None`` means "derive from another field", and pick
+    the response source that can run here (``notes`` gets a line when it differs from the asked one)."""
     arf = cfg.actor_rollout_ref
     actor, critic = arf.actor, cfg.critic
+    _resolve_rollout_engine(arf.rollout, notes if notes is not None else [])
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:
@@ -64,15 +67,39 @@ def resolve_ppo(cfg: PPOConfig) -> None:
         critic.ppo_epochs = actor.ppo_epochs
     if critic.model.path is None:
         critic.model.path = arf.model.path
+    rm_rollout = cfg.reward_model.rollout
+    if rm_rollout.prompt_length is None:
+        rm_rollout.prompt_length = cfg.data.max_prompt_length
+    if rm_rollout.response_length is None:
+        rm_rollout.response_length = arf.rollout.response_length
     _resolve_output_dir(cfg.trainer)
 
 
-def resolve_sft(cfg: SFTConfig) -> None:
-    """Fill, in place, every SFT field whose ``None`` means "derive from another field"."""
+def resolve_sft(cfg: SFTConfig | RMConfig, notes: Optional[list[str]] = None) -> None:
+    """Fill, in place, every SFT (or reward-model training) field whose ``None`` means "derive"."""
     _resolve_output_dir(cfg.trainer)
 
 
-def _resolve_output_dir(trainer) -> None:
+def _resolve_rollout_engine(rollout: RolloutConfig, notes: list[str]) -> None:
+    """vLLM / SGLang rollouts generate with Hugging Face generate, with the same sampling settings.
+
+    klppo has no vLLM (or SGLang) backend yet, so a verl script's ``rollout.name=vllm`` runs
+    with ``hf``: slower, same distribution (temperature, top_p, top_k, n, response_length apply).
+    """
+    if rollout.name not in ("vllm", "sglang"):
+        return
+    why = [f"klppo has no {rollout.name} backend yet"]
+    if importlib.util.find_spec(rollout.name) is None:
+        why.append(f"the {rollout.name} package is not installed")
+    notes.append(f"warning: {ROLLOUT}.name = '{rollout.name}': generating with 'hf' (Hugging Face generate) "
+                 f"instead, since {' and '.join(why)}; the same sampling settings apply (temperature, top_p, "
+                 f"top_k, n, response_length)")
+    rollout.name = "hf"
+
+
+def _resolve_output_dir(trainer: TrainerConfig | SFTTrainerConfig) -> None:
+    if isinstance(trainer.logger, str):  # verl accepts trainer.logger=console
+        trainer.logger = [trainer.logger]
     if trainer.default_local_dir is None:
         trainer.default_local_dir = f"checkpoints/{trainer.project_name}/{trainer.experiment_name}"
 
@@ -144,6 +171,7 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
     _check_guard(cfg.trainer.guard, out)
     _positive(out, "reward_model.ranking.scale", cfg.reward_model.ranking.scale)
     _check_reward_model(cfg, out)
+    _check_critic_warmup(cfg, out)
     for prefix, fsdp in ((f"{ACTOR}.fsdp_config", cfg.actor_rollout_ref.actor.fsdp_config),
                          (f"{ARF}.ref.fsdp_config", cfg.actor_rollout_ref.ref.fsdp_config),
                          ("critic.model.fsdp_config", cfg.critic.model.fsdp_config)):
@@ -165,9 +193,23 @@ def _check_reward_model(cfg: PPOConfig, out: list[Problem]) -> None:
     if rm.rank_responses and not rm.enable:
         out.append(Problem(("reward_model.rank_responses",), "reward_model.rank_responses = true ranks responses by a "
                            "reward model: set reward_model.enable = true and reward_model.model.path"))
+    sources = {"prompt_length": cfg.data.max_prompt_length, "response_length": cfg.actor_rollout_ref.rollout.response_length}
+    for name, source in sources.items():
+        if getattr(rm.rollout, name) != source:  # a copy of its source has been checked there
+            _positive(out, f"reward_model.rollout.{name}", getattr(rm.rollout, name), "number of tokens")
     if rm.rank_responses and cfg.actor_rollout_ref.rollout.n < 2:
         out.append(Problem(("reward_model.rank_responses", "actor_rollout_ref.rollout.n"), "reward_model.rank_responses "
                            "ranks each prompt's responses against each other: set actor_rollout_ref.rollout.n >= 2"))
+
+
+def _check_critic_warmup(cfg: PPOConfig, out: list[Problem]) -> None:
+    warmup = cfg.trainer.critic_warmup
+    _at_least(out, "trainer.critic_warmup", warmup, 0)
+    if warmup > 0 and cfg.algorithm.adv_estimator != "gae":
+        out.append(Problem(("trainer.critic_warmup", "algorithm.adv_estimator"), f"trainer.critic_warmup = {warmup} "
+                           f"holds back the actor while the critic trains, but algorithm.adv_estimator = "
+                           f"'{cfg.algorithm.adv_estimator}' trains no critic, so those steps would train nothing; "
+                           "set trainer.critic_warmup=0"))
 
 
 def _check_guard(guard, out: list[Problem]) -> None:
@@ -277,6 +319,7 @@ def _check_actor(actor: ActorConfig, out: list[Problem]) -> None:
         out.append(Problem((f"{ACTOR}.kl_loss_coef",), f"{ACTOR}.kl_loss_coef = {actor.kl_loss_coef!r} must be >= 0"))
     _at_least(out, f"{ACTOR}.ppo_epochs", actor.ppo_epochs, 1)
     _positive(out, f"{ACTOR}.grad_clip", actor.grad_clip, "max gradient norm")
+    _positive(out, f"{ACTOR}.entropy_from_logits_chunk_size", actor.entropy_from_logits_chunk_size, "number of tokens")
 
 
 def _check_sampling(sampling: RolloutConfig | ValKwargsConfig, prefix: str, out: list[Problem]) -> None:
@@ -400,8 +443,19 @@ def not_yet_supported_ppo(cfg: PPOConfig) -> list[Problem]:
     """Knobs of later work, refused when set: left alone they would silently do nothing."""
     out: list[Problem] = []
     arf = cfg.actor_rollout_ref
-    if arf.rollout.name == "vllm":
-        out.append(Problem((f"{ROLLOUT}.name",), f"{ROLLOUT}.name = 'vllm' needs CUDA and the vllm package and is not supported yet; use 'hf' (generate with the model) or 'offline' (responses from the data)"))
+    models = [(f"{ARF}.model", arf.model)] + [("critic.model", cfg.critic.model)] * (cfg.algorithm.adv_estimator == "gae")
+    for prefix, model in models:  # the critic trains with gae only
+        if model.lora_rank != 0:
+            out.append(Problem((f"{prefix}.lora_rank",), f"{prefix}.lora_rank = {model.lora_rank}: LoRA is not "
+                               "implemented in klppo yet, and without it every parameter would train; set "
+                               f"{prefix}.lora_rank=0 for full fine-tuning"))
+        if model.lora_adapter_path is not None:
+            out.append(Problem((f"{prefix}.lora_adapter_path",), f"{prefix}.lora_adapter_path: LoRA is not "
+                               "implemented in klppo yet; merge the adapter into the model folder, or remove the key"))
+    backend = f"{ARF}.model.fused_kernel_options.impl_backend"
+    if arf.model.fused_kernel_options.impl_backend != "torch":
+        out.append(Problem((backend,), f"{backend} = {arf.model.fused_kernel_options.impl_backend!r}: klppo's fused "
+                           f"kernels have the torch backend only (same quantities); set {backend}=torch"))
     _refuse_loggers(out, cfg.trainer.logger)
     return out
 

@@ -1,11 +1,12 @@
-"""Load a config: YAML file -> key=value overrides -> ${...} interpolation -> typed tree ->
-derived defaults -> validation.
+"""Load a config: YAML file -> key=value overrides -> verl's keys klppo does not act on set
+aside -> ${...} interpolation -> typed tree -> derived defaults -> validation.
 
 Every problem found on the way is collected and raised together as one ``UserError`` whose
 first line is a summary and whose other lines each name one dotted key, what is wrong and the
 fix. The typed tree is built from the dataclass annotations in ``schema.py``; nothing here
 knows a particular key except through those annotations (the value checks live in
-``validate.py``).
+``checks.py``, verl's other keys in ``verl.py``). Warnings (verl keys without effect, a
+fallback) go to the caller's ``notes`` list, one printable line each.
 """
 
 from __future__ import annotations
@@ -20,16 +21,18 @@ from typing import Any, Callable, Literal, Sequence, TypeVar, Union, get_args, g
 
 import yaml
 
-from klppo.config.schema import PPOConfig, RMConfig, SFTConfig
 from klppo.config.checks import Problem, check_ppo, check_rm, check_sft, resolve_ppo, resolve_sft
+from klppo.config.files import read_yaml
+from klppo.config.interpolate import INVALID, DefaultTest, Interpolator, Invalid
+from klppo.config.schema import PPOConfig, RMConfig, SFTConfig
+from klppo.config.verl import split_verl_keys, summary, verl_defaults, verl_sections
 from klppo.errors import UserError
 
 C = TypeVar("C")
 
-_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]*)*")  # verl has keys such as capture-range
 # PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string; float fields accept these.
 _FLOAT_RE = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
-_INTERP_RE = re.compile(r"\$\{([^{}]*)\}")
 _HINTS = {
     bool: "write true or false",
     int: "write a whole number without quotes, e.g. 8",
@@ -38,34 +41,30 @@ _HINTS = {
 }
 
 
-class _Invalid:
-    """Marks a value that failed its type check (the field keeps its default)."""
-
-
-_INVALID = _Invalid()
-
-
 # ---- public API ----
 
 
-def load_ppo_config(path: str | None, overrides: Sequence[str] = ()) -> PPOConfig:
+def load_ppo_config(path: str | None, overrides: Sequence[str] = (), notes: list[str] | None = None) -> PPOConfig:
     """Load, resolve and validate a PPO config from a YAML file (None = defaults) and overrides.
 
     ``overrides`` are ``key.path=value`` strings (also hydra's ``+key=value``), the value parsed
     as YAML (``trainer.logger=[console,jsonl]``, ``data.val_files=null``). ``~key.path`` drops a
-    key so its default applies. Raises ``UserError`` listing every problem found.
+    key so its default applies. Any key of verl's config tree is accepted; the ones klppo does
+    not act on, when set, are listed in one warning. Raises ``UserError`` listing every problem
+    found; on success appends the warnings to ``notes`` (lines to print, first ones start with
+    ``warning:``).
     """
-    return _load(PPOConfig, path, overrides, resolve_ppo, check_ppo)
+    return _load(PPOConfig, path, overrides, resolve_ppo, check_ppo, notes, verl=True)
 
 
-def load_sft_config(path: str | None, overrides: Sequence[str] = ()) -> SFTConfig:
-    """Load, resolve and validate an SFT config; same rules as ``load_ppo_config``."""
-    return _load(SFTConfig, path, overrides, resolve_sft, check_sft)
+def load_sft_config(path: str | None, overrides: Sequence[str] = (), notes: list[str] | None = None) -> SFTConfig:
+    """Load, resolve and validate an SFT config; same rules as ``load_ppo_config`` (klppo's keys only)."""
+    return _load(SFTConfig, path, overrides, resolve_sft, check_sft, notes)
 
 
-def load_rm_config(path: str | None, overrides: Sequence[str] = ()) -> RMConfig:
-    """Load, resolve and validate a reward-model training config; same rules as ``load_ppo_config``."""
-    return _load(RMConfig, path, overrides, resolve_sft, check_rm)
+def load_rm_config(path: str | None, overrides: Sequence[str] = (), notes: list[str] | None = None) -> RMConfig:
+    """Load, resolve and validate a reward-model training config; same rules as ``load_sft_config``."""
+    return _load(RMConfig, path, overrides, resolve_sft, check_rm, notes)
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
@@ -85,24 +84,35 @@ def _load(
     schema: type[C],
     path: str | os.PathLike | None,
     overrides: Sequence[str],
-    resolve: Callable[[C], None],
+    resolve: Callable[[C, list[str]], None],
     check: Callable[[C], list[Problem]],
+    notes: list[str] | None,
+    verl: bool = False,
 ) -> C:
-    """YAML -> overrides -> interpolation -> typed tree -> derived defaults -> checks; all problems at once."""
+    """YAML -> overrides -> verl keys -> interpolation -> typed tree -> derived defaults -> checks; all problems at once."""
     if isinstance(overrides, str):
         overrides = [overrides]
     source = "(defaults)" if path is None else os.fspath(path)
-    raw = {} if path is None else _read_yaml(source)
+    full = {} if path is None else read_yaml(source)
     problems: list[Problem] = []
-    raw = _apply_overrides(raw, overrides, problems)
-    interpolator = _Interpolator(raw, config_to_dict(schema()), problems)
-    raw = interpolator.walk(raw, "")
-    builder = _Builder(schema, problems, bad=set(interpolator.failed))
-    cfg = builder.build(schema, raw, "")
-    resolve(cfg)
+    full = _apply_overrides(full, overrides, problems)
+    defaults = config_to_dict(schema())
+    kept, ignored = full, []
+    builder = _Builder(schema, problems, bad=set(), verl=verl)
+    if verl:  # verl's keys that klppo does not act on leave the tree here
+        same = DefaultTest([full, defaults], verl_defaults()).same
+        kept, ignored = split_verl_keys(full, _field_kinds(schema), same, builder.unknown, problems)
+    interpolator = Interpolator([kept, full, defaults], verl_defaults() if verl else {}, problems)
+    kept = interpolator.walk(kept, "")
+    builder.bad.update(interpolator.failed)
+    cfg = builder.build(schema, kept, "")
+    found: list[str] = []
+    resolve(cfg, found)
     problems += [p for p in check(cfg) if not builder.touches_bad(p)]
     if problems:
         raise UserError(_summary(source, overrides, problems))
+    if notes is not None:
+        notes += found + summary(ignored)
     return cfg
 
 
@@ -113,23 +123,6 @@ def _summary(source: str, overrides: Sequence[str], problems: list[Problem]) -> 
         return f"{problems[0].message} (in {where})"
     lines = [f"{where} has {n} errors:"]
     return "\n".join(lines + [f"  - {p.message}" for p in problems])
-
-
-def _read_yaml(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise UserError(f"config file {path} does not exist; check the path given as the config") from None
-    except OSError as e:
-        raise UserError(f"cannot read config file {path}: {e}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserError(f"config file {path} must hold a mapping of sections (data:, trainer:, ...) at the top level, got {_show(data)}")
-    return data
 
 
 # ---- overrides ----
@@ -183,86 +176,19 @@ def _set_dotted(raw: dict, key: str, value: Any, delete: bool, text: str, proble
         node[parts[-1]] = value
 
 
-def _get_dotted(tree: Any, key: str) -> tuple[bool, Any]:
-    """(found, value) of a dotted key in nested dicts."""
-    for part in key.split("."):
-        if not isinstance(tree, dict) or part not in tree:
-            return False, None
-        tree = tree[part]
-    return True, tree
-
-
-# ---- ${dotted.key} interpolation (the subset of OmegaConf's that verl's YAML files use) ----
-
-
-class _Interpolator:
-    """Replaces ``${a.b}`` in string values by the value at ``a.b`` (the user's, else the default).
-
-    A string that is exactly one ``${...}`` takes the target's value and type; otherwise each
-    ``${...}`` is replaced by the target's text. Resolvers (``${oc.env:X}``) are refused.
-    """
-
-    def __init__(self, raw: dict, defaults: dict, problems: list[Problem]):
-        self.raw, self.defaults, self.problems = raw, defaults, problems
-        self.failed: list[str] = []  # keys whose interpolation failed; their checks are skipped
-
-    def walk(self, value: Any, key: str) -> Any:
-        if isinstance(value, dict):
-            out = {k: self.walk(v, _join(key, str(k))) for k, v in value.items()}
-            return {k: v for k, v in out.items() if v is not _INVALID}
-        if isinstance(value, list):
-            items = [self.walk(v, key) for v in value]
-            return _INVALID if any(v is _INVALID for v in items) else items
-        if isinstance(value, str) and "${" in value:
-            result = self.expand(value, key, (key,))
-            if result is _INVALID:
-                self.failed.append(key)
-            return result
-        return value
-
-    def expand(self, text: str, key: str, stack: tuple[str, ...]) -> Any:
-        whole = _INTERP_RE.fullmatch(text)
-        if whole:
-            return self.lookup(whole.group(1), key, stack)
-        parts = []
-        for m in _INTERP_RE.finditer(text):
-            parts.append(self.lookup(m.group(1), key, stack))
-        if any(p is _INVALID for p in parts):
-            return _INVALID
-        values = iter(parts)
-        return _INTERP_RE.sub(lambda _: str(next(values)), text)
-
-    def lookup(self, target: str, key: str, stack: tuple[str, ...]) -> Any:
-        found, value = False, None
-        if not _KEY_RE.fullmatch(target):
-            why = "klppo resolves only ${dotted.key} interpolations, not resolvers such as oc.env; write the value itself"
-        elif target in stack:
-            why = f"interpolation cycle {' -> '.join(stack + (target,))}; write a value in one of them"
-        else:
-            found, value = _get_dotted(self.raw, target)
-            if not found:
-                found, value = _get_dotted(self.defaults, target)
-            why = f"it refers to the unknown key '{target}'; write the value itself or fix the key"
-        if not found:
-            self.problems.append(Problem((key,), f"{key}: cannot resolve '${{{target}}}': {why}"))
-            return _INVALID
-        if isinstance(value, str) and "${" in value:
-            return self.expand(value, key, stack + (target,))
-        return copy.deepcopy(value)
-
-
 # ---- building the typed tree ----
 
 
 class _Builder:
     """Builds dataclass instances from nested dicts against their annotations.
 
-    Unknown keys and values of the wrong type become ``Problem``s; a wrong value leaves its
-    field at the default and its key in ``bad``, so later value checks that read it are dropped.
+    Unknown keys and values of the wrong type become ``Problem``s (an invalid value is
+    INVALID); a wrong value leaves its field at the default and its key in ``bad``, so later
+    value checks that read it are dropped. With ``verl``, verl's keys count for suggestions.
     """
 
-    def __init__(self, schema: type, problems: list[Problem], bad: set[str]):
-        self.problems, self.bad = problems, bad
+    def __init__(self, schema: type, problems: list[Problem], bad: set[str], verl: bool = False):
+        self.problems, self.bad, self.verl = problems, bad, verl
         self.all_paths = _all_paths(schema)
 
     def build(self, cls: type[C], data: dict, path: str) -> C:
@@ -271,10 +197,10 @@ class _Builder:
         for key, value in data.items():
             key_path = _join(path, str(key))
             if key not in hints:
-                self._unknown(path, str(key), list(hints))
+                self.unknown(path, str(key), value)
                 continue
             result = self._field(hints[key], value, key_path)
-            if result is not _INVALID:
+            if result is not INVALID:
                 kwargs[key] = result
         return cls(**kwargs)
 
@@ -293,44 +219,46 @@ class _Builder:
         except _Mismatch as e:
             return self._bad(path, str(e))
 
-    def _bad(self, path: str, message: str) -> _Invalid:
+    def _bad(self, path: str, message: str) -> Invalid:
         self.bad.add(path)
         self.problems.append(Problem((path,), message))
-        return _INVALID
+        return INVALID
 
-    def _unknown(self, prefix: str, key: str, names: list[str]) -> None:
+    def unknown(self, prefix: str, key: str, value: Any = None) -> None:
+        """Record the unknown key ``prefix.key`` (holding ``value``) with the most helpful fix."""
         full = _join(prefix, key)
-        near = _suggest(prefix, key, names, self.all_paths)
-        if near:
-            fix = f"did you mean '{near}'?"
-        else:
-            fix = f"valid keys {f'under {prefix!r}' if prefix else 'at the top level'} are: {', '.join(names)}"
-        self.problems.append(Problem((full,), f"unknown key '{full}'; {fix}"))
+        self.problems.append(Problem((full,), _unknown_message(prefix, key, value, self.all_paths, self.verl)))
 
 
-def _suggest(prefix: str, key: str, names: list[str], all_paths: tuple[str, ...]) -> str | None:
-    """The most likely intended full key: the same name elsewhere in the tree (a misplaced key),
-    a longer name that starts with it (verl's old `ppo_micro_batch_size` -> `..._per_gpu`),
-    a close name at this level (a typo), a close name elsewhere, or a close full path."""
+def _unknown_message(prefix: str, key: str, value: Any, all_paths: tuple[str, ...], verl: bool) -> str:
+    """The fix for an unknown key: a top-level section nested by mistake; the same name where it
+    lives (a misplaced key or section: the one holding most of its keys); a close name in the same
+    section (a typo, or verl's longer name such as ``..._per_gpu``); else the section's keys."""
     full = _join(prefix, key)
-    leaf = {p: p.rsplit(".", 1)[-1] for p in all_paths}
-    for matches in (lambda name: name == key, lambda name: name.startswith(key + "_")):
-        candidates = [p for p in all_paths if matches(leaf[p])]
-        if candidates:
-            return _closest(full, candidates)
-    close = difflib.get_close_matches(key, names, n=1)
+    parent = {p: p.rpartition(".")[0] for p in all_paths}
+    names = [p.rpartition(".")[2] for p in all_paths if parent[p] == prefix]
+    if prefix and key in [p for p in all_paths if not parent[p]]:
+        return (f"unknown key '{full}': '{key}' is a top-level section, not part of '{prefix}'; move it to the "
+                f"top level (no indentation in the YAML file, or {key}.<key>=... on the command line)")
+    paths = all_paths + (tuple(verl_defaults()) if verl else ())
+    elsewhere = [p for p in paths if p.rpartition(".")[2] == key and p != full and not full.startswith(p + ".")]
+    if elsewhere:
+        children = [str(k) for k in value] if isinstance(value, dict) else []
+        best = max(elsewhere, key=lambda p: (sum(f"{p}.{c}" in paths for c in children), _similarity(full, p)))
+        return f"unknown key '{full}'; did you mean '{best}'? '{key}' lives there, not {_where(prefix)}"
+    candidates = names + [n for n in (verl_sections().get(prefix, ()) if verl else ()) if n not in names]
+    close = difflib.get_close_matches(key, candidates, n=1) or [n for n in candidates if n.startswith(key + "_")]
     if close:
-        return _join(prefix, close[0])
-    similar = [p for p in all_paths if difflib.SequenceMatcher(None, key, leaf[p]).ratio() >= 0.8]
-    if similar:
-        return _closest(full, similar)
-    not_ancestors = [p for p in all_paths if not full.startswith(p + ".")]
-    close = difflib.get_close_matches(full, not_ancestors, n=1, cutoff=0.85)  # shared prefixes inflate the ratio
-    return close[0] if close else None
+        return f"unknown key '{full}'; did you mean '{_join(prefix, close[0])}'?"
+    return f"unknown key '{full}'; valid keys {_where(prefix)} are: {', '.join(names or candidates)}"
 
 
-def _closest(target: str, candidates: list[str]) -> str:
-    return max(candidates, key=lambda c: difflib.SequenceMatcher(None, target, c).ratio())
+def _where(prefix: str) -> str:
+    return f"under '{prefix}'" if prefix else "at the top level"
+
+
+def _similarity(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
 
 
 @lru_cache(maxsize=None)
@@ -350,6 +278,20 @@ def _all_paths(cls: type, prefix: str = "") -> tuple[str, ...]:
         if dataclasses.is_dataclass(tp):
             paths += _all_paths(tp, path)
     return tuple(paths)
+
+
+@lru_cache(maxsize=None)
+def _field_kinds(cls: type, prefix: str = "") -> dict[str, str]:
+    """Every dotted key of the tree -> "section", "optional" (None allowed) or "value"."""
+    kinds: dict[str, str] = {}
+    for name, tp in _field_types(cls).items():
+        path = _join(prefix, name)
+        if dataclasses.is_dataclass(tp):
+            kinds[path] = "section"
+            kinds.update(_field_kinds(tp, path))
+        else:
+            kinds[path] = "optional" if type(None) in get_args(tp) else "value"
+    return kinds
 
 
 def _join(prefix: str, key: str) -> str:

@@ -59,6 +59,12 @@ class FSDPConfig:
 
 
 @dataclass
+class FusedKernelOptionsConfig:
+    # Backend of the fused kernels; klppo has the torch one only (verl also offers triton).
+    impl_backend: str = "torch"
+
+
+@dataclass
 class ModelConfig:
     # Local Hugging Face folder of the model (no hub downloads).
     path: str = ""
@@ -66,6 +72,19 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     # Pack sequences without padding (sequence packing).
     use_remove_padding: bool = False
+    # Compute log-probs and entropy from the hidden states in fused chunks, without the full logits.
+    use_fused_kernels: bool = False
+    fused_kernel_options: FusedKernelOptionsConfig = field(default_factory=FusedKernelOptionsConfig)
+    # LoRA rank; 0 trains every parameter (LoRA itself is not implemented yet: non-zero is refused).
+    lora_rank: int = 0
+    # LoRA scaling alpha (the update is scaled by lora_alpha / lora_rank).
+    lora_alpha: int = 16
+    # Modules that get adapters: "all-linear" or a list of module names.
+    target_modules: Union[str, list[str]] = "all-linear"
+    # Modules never given adapters (names or a regex); None excludes none.
+    exclude_modules: Optional[Union[str, list[str]]] = None
+    # Folder of a trained LoRA adapter to start from; None starts new adapters.
+    lora_adapter_path: Optional[str] = None
 
 
 @dataclass
@@ -120,6 +139,12 @@ class ActorConfig:
     ppo_epochs: int = 1
     # Max global gradient norm.
     grad_clip: float = 1.0
+    # Compute the entropy from the logits in chunks of entropy_from_logits_chunk_size tokens.
+    entropy_from_logits_with_chunking: bool = False
+    # Tokens per chunk of the chunked entropy.
+    entropy_from_logits_chunk_size: int = 2048
+    # Recompute the entropy in the backward pass instead of keeping its activations.
+    entropy_checkpointing: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -140,8 +165,9 @@ class ValKwargsConfig:
 
 @dataclass
 class RolloutConfig:
-    # Where responses come from: recorded in the data, HF generate, or vLLM (GPU).
-    name: Literal["offline", "hf", "vllm"] = "offline"
+    # Where responses come from: recorded in the data, or generated with HF generate. verl's
+    # vllm and sglang are accepted and resolve to hf (klppo has no such backend yet).
+    name: Literal["offline", "hf", "vllm", "sglang"] = "offline"
     # Responses per prompt (offline: the first n recorded responses of each row; a row with
     # fewer is an error). None: 4 when reward_model.rank_responses ranks them, else 1.
     n: Optional[int] = None
@@ -193,6 +219,16 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = False
     # Pack sequences without padding.
     use_remove_padding: bool = False
+    # LoRA rank of the critic; 0 trains every parameter (non-zero is refused until LoRA lands).
+    lora_rank: int = 0
+    # LoRA scaling alpha.
+    lora_alpha: int = 16
+    # Modules that get adapters: "all-linear" or a list of module names.
+    target_modules: Union[str, list[str]] = "all-linear"
+    # Modules never given adapters; None excludes none.
+    exclude_modules: Optional[Union[str, list[str]]] = None
+    # Folder of a trained LoRA adapter to start from; None starts new adapters.
+    lora_adapter_path: Optional[str] = None
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -232,6 +268,20 @@ class RewardModelInnerConfig:
     # rank_responses each model's ranking of a prompt's responses counts as one annotator's,
     # and the rankings are distilled together (method below).
     extra_paths: list[str] = field(default_factory=list)
+    # Score packed sequences without padding.
+    use_remove_padding: bool = False
+    # FSDP2 options of the reward models (offload, sharding, dtype), as the actor's.
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RewardModelRolloutConfig:
+    # Longest prompt the reward model sees, in its tokens (a longer one keeps its last tokens);
+    # None = data.max_prompt_length. verl sizes its reward-model server with it.
+    prompt_length: Optional[int] = None
+    # Longest response the reward model sees (a longer one keeps its first tokens);
+    # None = actor_rollout_ref.rollout.response_length.
+    response_length: Optional[int] = None
 
 
 @dataclass
@@ -258,6 +308,8 @@ class RewardModelConfig:
     model: RewardModelInnerConfig = field(default_factory=RewardModelInnerConfig)
     # Samples per reward-model forward.
     micro_batch_size_per_gpu: Optional[int] = None
+    # Truncation lengths of the reward model's inputs (verl's reward_model.rollout section).
+    rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
 
 
 @dataclass
@@ -327,12 +379,14 @@ class TrainerConfig:
     project_name: str = "klppo"
     # Experiment name (used in the default output folder and by loggers).
     experiment_name: str = "run"
-    # Where metrics go besides <default_local_dir>/metrics.jsonl.
-    logger: list[str] = field(default_factory=lambda: ["console"])
+    # Where metrics go besides <default_local_dir>/metrics.jsonl; a plain string is a list of one.
+    logger: Union[str, list[str]] = field(default_factory=lambda: ["console"])
     # Devices per node (checked against the actual world).
     n_gpus_per_node: int = 1
     # Nodes (checked against the actual world).
     nnodes: int = 1
+    # Steps that train the critic only; actor updates start after them (as verl's critic_warmup).
+    critic_warmup: int = 0
     # Save a checkpoint every this many steps (and at the end); -1 = only at the end.
     save_freq: int = -1
     # Validate every this many steps (and at the end); -1 = never.
@@ -426,8 +480,8 @@ class SFTTrainerConfig:
     project_name: str = "klppo-sft"
     # Experiment name.
     experiment_name: str = "run"
-    # Where metrics go besides <default_local_dir>/metrics.jsonl.
-    logger: list[str] = field(default_factory=lambda: ["console"])
+    # Where metrics go besides <default_local_dir>/metrics.jsonl; a plain string is a list of one.
+    logger: Union[str, list[str]] = field(default_factory=lambda: ["console"])
     # Output folder; the final Hugging Face folder is written to <default_local_dir>/hf.
     default_local_dir: Optional[str] = None
     # cpu, cuda, or auto.

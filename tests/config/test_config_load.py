@@ -128,7 +128,12 @@ def test_wrong_list_element_names_its_index():
 
 
 def test_scalar_for_a_list_field_is_an_error_that_shows_a_list():
-    assert "trainer.logger: expected a list of strings, got 'console'" in errors_of("trainer.logger=console")
+    message = errors_of("actor_rollout_ref.actor.optim.betas=0.9")
+    assert "actor_rollout_ref.actor.optim.betas: expected a list of numbers, got 0.9 (a number)" in message
+
+
+def test_logger_written_as_one_string_is_a_list_of_one_as_in_verl():
+    assert load("trainer.logger=console").trainer.logger == ["console"]
 
 
 def test_literal_violation_lists_the_choices_and_the_nearest_one():
@@ -171,7 +176,8 @@ def test_misplaced_key_suggests_its_full_path():
 
 def test_unknown_key_without_a_near_one_lists_the_valid_keys():
     message = errors_of("reward_model.zzzzzzzz=1")
-    assert "unknown key 'reward_model.zzzzzzzz'; valid keys under 'reward_model' are: enable, rank_responses, ranking, model, micro_batch_size_per_gpu" in message
+    assert ("unknown key 'reward_model.zzzzzzzz'; valid keys under 'reward_model' are: enable, rank_responses, ranking, "
+            "model, micro_batch_size_per_gpu, rollout") in message
 
 
 # ---- interpolation ----
@@ -242,6 +248,16 @@ def test_config_to_dict_is_plain_nested_dicts():
     assert type(d["trainer"]) is dict
 
 
-def test_verl_old_global_micro_batch_key_suggests_the_per_gpu_key():
-    message = errors_of("actor_rollout_ref.actor.ppo_micro_batch_size=4")
-    assert "did you mean 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu'?" in message
+def test_verl_global_micro_batch_is_divided_over_the_devices_as_verl_does():
+    cfg = load("actor_rollout_ref.actor.ppo_micro_batch_size=16", "actor_rollout_ref.rollout.log_prob_micro_batch_size=32",
+               "trainer.n_gpus_per_node=4", "trainer.nnodes=2")
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 2
+    assert cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 4
+
+
+def test_verl_global_micro_batch_with_the_per_gpu_one_or_not_dividing_is_an_error():
+    message = errors_of("actor_rollout_ref.actor.ppo_micro_batch_size=16", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                        "critic.ppo_micro_batch_size=6", "trainer.n_gpus_per_node=4")
+    assert "keep actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu only" in message
+    assert "critic.ppo_micro_batch_size = 6 is verl's global micro-batch, split over" in message
+    assert "set critic.ppo_micro_batch_size_per_gpu (samples per device) instead" in message
