@@ -65,6 +65,7 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
         critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
     if critic.ppo_epochs is None:
         critic.ppo_epochs = actor.ppo_epochs
+    _follow_actor_budgets(cfg)
     if critic.model.path is None:
         critic.model.path = arf.model.path
     rm_rollout = cfg.reward_model.rollout
@@ -73,6 +74,22 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
     if rm_rollout.response_length is None:
         rm_rollout.response_length = arf.rollout.response_length
     _resolve_output_dir(cfg.trainer)
+
+
+def _follow_actor_budgets(cfg: PPOConfig) -> None:
+    """verl's defaults: the log-prob, reference and critic forwards size their micro-batches as the
+    actor does (``${oc.select:actor_rollout_ref.actor.use_dynamic_bsz}`` and its token budget),
+    and the critic aggregates its loss as the actor does."""
+    actor, critic = cfg.actor_rollout_ref.actor, cfg.critic
+    for section in (cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref):
+        if section.log_prob_use_dynamic_bsz is None:
+            section.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
+        if section.log_prob_max_token_len_per_gpu is None:
+            section.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+    if critic.use_dynamic_bsz is None:
+        critic.use_dynamic_bsz = actor.use_dynamic_bsz
+    if critic.loss_agg_mode is None:
+        critic.loss_agg_mode = actor.loss_agg_mode
 
 
 def resolve_sft(cfg: SFTConfig | RMConfig, notes: Optional[list[str]] = None) -> None:
@@ -269,14 +286,16 @@ def _check_token_budgets(cfg: PPOConfig, out: list[Problem]) -> None:
         (arf.ref.log_prob_use_dynamic_bsz, f"{ARF}.ref.log_prob_use_dynamic_bsz", f"{ARF}.ref.log_prob_max_token_len_per_gpu", arf.ref.log_prob_max_token_len_per_gpu),
         (cfg.critic.use_dynamic_bsz and cfg.algorithm.adv_estimator == "gae", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu),
     ]
+    reported = set()
     for used, switch, key, budget in budgets:
-        if used and 0 < budget < longest:
+        if used and 0 < budget < longest and budget not in reported:  # a budget copied from the actor's once
             out.append(Problem(
                 (key, switch, "data.max_prompt_length", f"{ROLLOUT}.response_length"),
                 f"{key} = {budget} is smaller than the longest sequence {switch} may meet: data.max_prompt_length + "
                 f"{ROLLOUT}.response_length = {longest} tokens; raise it to at least {longest} (a few times that "
                 "packs more sequences per micro-batch)",
             ))
+            reported.add(budget)
 
 
 def _check_ppo_batches(cfg: PPOConfig, out: list[Problem]) -> None:

@@ -183,10 +183,10 @@ class RolloutConfig:
     response_length: Optional[int] = None
     # Samples per no-grad forward when computing old log-probs; None = all at once.
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
-    # Size log-prob micro-batches by tokens.
-    log_prob_use_dynamic_bsz: bool = False
-    # Token budget of one log-prob micro-batch.
-    log_prob_max_token_len_per_gpu: int = 16384
+    # Size log-prob micro-batches by tokens; None = actor.use_dynamic_bsz (as verl).
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    # Token budget of one log-prob micro-batch; None = actor.ppo_max_token_len_per_gpu (as verl).
+    log_prob_max_token_len_per_gpu: Optional[int] = None
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 
@@ -196,10 +196,10 @@ class RefConfig:
     strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
     # Samples per no-grad reference forward; None = all at once.
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
-    # Size reference micro-batches by tokens.
-    log_prob_use_dynamic_bsz: bool = False
-    # Token budget of one reference micro-batch.
-    log_prob_max_token_len_per_gpu: int = 16384
+    # Size reference micro-batches by tokens; None = actor.use_dynamic_bsz (as verl).
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    # Token budget of one reference micro-batch; None = actor.ppo_max_token_len_per_gpu (as verl).
+    log_prob_max_token_len_per_gpu: Optional[int] = None
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -246,9 +246,9 @@ class CriticConfig:
     ppo_mini_batch_size: Optional[int] = None
     # Samples per critic forward/backward; None = the whole mini-batch.
     ppo_micro_batch_size_per_gpu: Optional[int] = None
-    # Size critic micro-batches by tokens.
-    use_dynamic_bsz: bool = False
-    # Token budget of one critic micro-batch.
+    # Size critic micro-batches by tokens; None = actor.use_dynamic_bsz (as verl).
+    use_dynamic_bsz: Optional[bool] = None
+    # Token budget of one critic micro-batch (values and update).
     ppo_max_token_len_per_gpu: int = 32768
     # Critic passes over each batch; None = the actor's ppo_epochs.
     ppo_epochs: Optional[int] = None
@@ -256,8 +256,8 @@ class CriticConfig:
     grad_clip: float = 1.0
     # Value clip range around the old values.
     cliprange_value: float = 0.5
-    # How token value losses are reduced.
-    loss_agg_mode: LossAggMode = "token-mean"
+    # How token value losses are reduced; None = actor.loss_agg_mode (as verl).
+    loss_agg_mode: Optional[LossAggMode] = None
 
 
 @dataclass

@@ -34,11 +34,23 @@ def test_mini_batches_are_per_rank_and_the_shard_chunk_covers_actor_and_critic()
 def test_token_budgets_apply_only_where_dynamic_batch_sizes_are_on():
     s = compile_ppo(_config(**{"actor_rollout_ref.actor.use_dynamic_bsz": "true",
                                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 4096,
-                               "critic.ppo_max_token_len_per_gpu": 9999}), world_size=1)
+                               "critic.use_dynamic_bsz": "false"}), world_size=1)
     assert s.actor.micro.max_tokens == 4096
     assert s.actor.micro.budget_key == "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
     assert s.critic.micro.max_tokens is None and s.forwards.values.max_tokens is None
-    assert s.forwards.old_log_prob.max_tokens is None and s.forwards.ref.max_tokens is None
+    off = compile_ppo(_config(), world_size=1)
+    assert off.actor.micro.max_tokens is None and off.forwards.old_log_prob.max_tokens is None
+
+
+def test_forwards_and_critic_follow_the_actors_dynamic_batch_sizes_as_in_verl():
+    s = compile_ppo(_config(**{"actor_rollout_ref.actor.use_dynamic_bsz": "true",
+                               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 4096,
+                               "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean",
+                               "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 8192}), world_size=1)
+    assert s.forwards.old_log_prob.max_tokens == 4096  # verl: ${actor.ppo_max_token_len_per_gpu}
+    assert s.forwards.ref.max_tokens == 8192  # set by the user
+    assert s.critic.micro.max_tokens == 32768 and s.forwards.values.max_tokens == 32768  # critic's own budget
+    assert s.critic.loss_agg_mode == "seq-mean-token-mean"
 
 
 def test_critic_free_runs_have_no_critic_settings_and_kl_guards_need_a_reference():
