@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from klppo.distributed.dcp_reader import SafeFileSystemReader, WeightsOnlyLoadPlanner
+from klppo.distributed.dcp_reader import METADATA_FILE, SafeFileSystemReader, WeightsOnlyLoadPlanner
 from klppo.errors import reading
 
 
@@ -50,15 +50,16 @@ def save_sharded(state: dict, folder: str | Path) -> None:
 def load_sharded(state: dict, folder: str | Path) -> None:
     """Fill ``state`` in place from the DCP checkpoint in ``folder``; collective.
 
-    A checkpoint that cannot be read is a ``UserError`` naming the folder (DCP wraps each
-    rank's failure in a ``CheckpointException``; the first rank's cause is reported).
+    A checkpoint that cannot be read is a ``UserError`` naming the file (the metadata) or the
+    folder (DCP wraps each rank's failure in a ``CheckpointException``; the first cause is shown).
     """
     fix = "this is not a klppo checkpoint or was modified; resume from another checkpoint or start fresh"
+    reader = SafeFileSystemReader(str(folder))
+    # Read once up front: inside dcp.load a failed metadata read is logged with a traceback.
+    with reading(Path(folder) / METADATA_FILE, "checkpoint file", fix):
+        reader.read_metadata()
     with reading(folder, "checkpoint weights", fix), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        reader = SafeFileSystemReader(str(folder))
-        # Read once up front: inside dcp.load a failed metadata read is logged with a traceback.
-        reader.read_metadata()
         try:
             dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=_single_process())
         except CheckpointException as exc:  # a BaseException: unwrap it so that reading() sees the cause
