@@ -29,6 +29,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from klppo.errors import UserError, reading
 
@@ -95,7 +96,13 @@ def _from_pretrained(auto_class, folder: Path, key: str, **kwargs) -> PreTrained
 
 
 def _model_config(folder: Path, key: str):
-    with reading(folder / "config.json", f"{key}: the model config", "save the model again with save_pretrained"):
+    path, fix = folder / "config.json", "save the model again with save_pretrained"
+    with reading(path, f"{key}: the model config", fix):
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(raw, dict) and "auto_map" in raw and raw.get("model_type") not in CONFIG_MAPPING:
+        raise UserError(f"{key}: '{folder}' needs the Python code its config.json names (auto_map), and klppo never "
+                        "runs code from a model folder; use a model whose architecture transformers ships")
+    with reading(path, f"{key}: the model config", fix):
         return AutoConfig.from_pretrained(folder, **_SAFE)
 
 
