@@ -16,6 +16,7 @@ refusing changes nothing on disk.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -61,6 +62,9 @@ def check_resume_target(folder: str | Path, *, kind: str, world_size: int, shard
         raise UserError(f"{key}: '{folder}' is not a folder; point it at a global_step_N folder of an earlier "
                         f"run, or start fresh with trainer.resume_mode=disable")
     shared = _check_shared_state(folder, kind, key)
+    named = re.fullmatch(r"global_step_([0-9]+)", folder.name)
+    if named and int(named.group(1)) != shared["step"]:
+        raise _not_a_checkpoint(folder / STATE_FILE, f"is the state of step {shared['step']}, not of {folder.name}")
     _check_rank_files(folder, world_size, rank)
     has_critic = "critic_scheduler" in shared
     if sharded is not None and kind == "ppo" and "critic" in sharded and not has_critic:

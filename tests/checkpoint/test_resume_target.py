@@ -2,6 +2,7 @@
 damaged newest checkpoint and names the newest complete one."""
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,13 @@ def test_plain_data_of_the_wrong_shape_is_refused(save, tmp_path):
     state = torch.load(ckpt.step_dir(tmp_path, 2) / ckpt.STATE_FILE, weights_only=True)
     torch.save({**state, "data": {"epoch": "zero"}}, ckpt.step_dir(tmp_path, 2) / ckpt.STATE_FILE)
     with pytest.raises(UserError, match="'data' is not a data position"):
+        check_resume_target(ckpt.step_dir(tmp_path, 2), kind="ppo", world_size=1)
+
+
+def test_a_state_of_another_step_than_its_folder_is_refused(save, tmp_path):
+    save(tmp_path, 1), save(tmp_path, 2)
+    shutil.copy(ckpt.step_dir(tmp_path, 1) / ckpt.STATE_FILE, ckpt.step_dir(tmp_path, 2) / ckpt.STATE_FILE)
+    with pytest.raises(UserError, match="is the state of step 1, not of global_step_2"):
         check_resume_target(ckpt.step_dir(tmp_path, 2), kind="ppo", world_size=1)
 
 
