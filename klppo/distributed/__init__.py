@@ -1,6 +1,7 @@
 """The only user of ``torch.distributed``: process group, collectives, device mesh, FSDP2, DCP."""
 
 from klppo.distributed.checkpoint import load_sharded, load_training_state, save_sharded, training_state
+from klppo.distributed.dcp_reader import ShardedContents, read_sharded_contents, requested_keys
 from klppo.distributed.env import (
     SINGLE_PROCESS,
     DistEnv,
@@ -22,8 +23,9 @@ from klppo.distributed.env import (
 from klppo.distributed.fsdp import apply_fsdp2, build_mesh, full_state_dict, gather_full_model, is_sharded
 
 __all__ = [
-    "SINGLE_PROCESS", "DistEnv", "abandon", "all_gather_objects", "all_gather_padded", "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2",
-    "barrier", "build_mesh", "close", "full_state_dict", "gather_full_model", "init_distributed", "on_rank_zero", "is_sharded",
-    "load_sharded", "load_training_state", "reduce_counts", "reduce_stats", "run_on_ranks", "save_sharded", "shard_range",
-    "training_state",
+    "SINGLE_PROCESS", "DistEnv", "ShardedContents", "abandon", "all_gather_objects", "all_gather_padded",
+    "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2", "barrier", "build_mesh", "close",
+    "full_state_dict", "gather_full_model", "init_distributed", "on_rank_zero", "is_sharded", "load_sharded",
+    "load_training_state", "read_sharded_contents", "reduce_counts", "reduce_stats", "requested_keys", "run_on_ranks",
+    "save_sharded", "shard_range", "training_state",
 ]

@@ -2,7 +2,8 @@
 
 Each rank writes only its own shards into one folder, and reads back whatever shards it needs,
 so a checkpoint costs every rank its share and never gathers a model onto one rank. The same
-calls serve a single process without a process group (plain modules, one shard file).
+calls serve a single process without a process group (plain modules, one shard file). Loading
+runs no code from the checkpoint (``klppo.distributed.dcp_reader``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from klppo.distributed.dcp_reader import METADATA_FILE, SafeFileSystemReader, WeightsOnlyLoadPlanner
+from klppo.errors import reading
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -43,7 +48,20 @@ def save_sharded(state: dict, folder: str | Path) -> None:
 
 
 def load_sharded(state: dict, folder: str | Path) -> None:
-    """Fill ``state`` in place from the DCP checkpoint in ``folder``; collective."""
-    with warnings.catch_warnings():
+    """Fill ``state`` in place from the DCP checkpoint in ``folder``; collective.
+
+    A checkpoint that cannot be read is a ``UserError`` naming the file (the metadata) or the
+    folder (DCP wraps each rank's failure in a ``CheckpointException``; the first cause is shown).
+    """
+    fix = "this is not a klppo checkpoint or was modified; resume from another checkpoint or start fresh"
+    reader = SafeFileSystemReader(str(folder))
+    # Read once up front: inside dcp.load a failed metadata read is logged with a traceback.
+    with reading(Path(folder) / METADATA_FILE, "checkpoint file", fix):
+        reader.read_metadata()
+    with reading(folder, "checkpoint weights", fix), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder), no_dist=_single_process())
+        try:
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=_single_process())
+        except CheckpointException as exc:  # a BaseException: unwrap it so that reading() sees the cause
+            causes = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+            raise (causes[0] if causes else RuntimeError(str(exc))) from exc

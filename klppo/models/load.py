@@ -5,10 +5,18 @@ Nothing is fetched from a hub: a path that is not a folder holding a config is a
 one label on the actor's backbone (verl's choice): the backbone weights come from the folder,
 the one-output value head is freshly initialised, and the result saves and loads as an
 ordinary Hugging Face model.
+
+Loading runs no code from a folder: every ``from_pretrained`` is called with
+``trust_remote_code=False``, and weights load with ``weights_only=True`` (safetensors, or a
+``pytorch_model.bin`` read by torch's weights-only unpickler, which builds tensors and plain
+containers and refuses anything else). A folder that cannot give a usable model (no or damaged
+weights, weights missing from the backbone, a tokenizer that cannot encode text) is a
+``UserError`` naming the folder and the fix, before any training starts.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -21,8 +29,16 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from klppo.errors import UserError
+from klppo.errors import UserError, reading
+
+# The weight files from_pretrained reads (transformers' names), the safe format first.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json")
+# Text every usable tokenizer turns into tokens (a tokenizer built without its files maps it to nothing).
+_PROBE = "The quick brown fox jumps over the lazy dog. What is 12 + 30? It is 42."
+_SAFE = {"trust_remote_code": False}
 
 
 def check_model_folder(path: str, key: str) -> Path:
@@ -38,13 +54,65 @@ def check_model_folder(path: str, key: str) -> Path:
     return folder
 
 
+def check_weight_files(folder: Path, key: str) -> None:
+    """The folder holds weights that from_pretrained can find: one of ``WEIGHT_FILES`` (and every shard an
+    index lists)."""
+    present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not present:
+        raise UserError(f"{key}: '{folder}' holds no model weights ({' or '.join(WEIGHT_FILES[::2])}); "
+                        "point it at a folder that save_pretrained wrote, with its weights")
+    if present[0].endswith(".index.json"):
+        with reading(folder / present[0], f"{key}: the weight index", "save the model again with save_pretrained"):
+            shards = set(json.loads((folder / present[0]).read_text())["weight_map"].values())
+        missing = sorted(name for name in shards if not (folder / name).is_file())
+        if missing:
+            raise UserError(f"{key}: '{folder}' lacks the weight shard '{missing[0]}' that {present[0]} lists; "
+                            "copy the folder again, whole")
+
+
+def _weights_fix(folder: Path) -> str:
+    if not any((folder / name).is_file() for name in WEIGHT_FILES[:2]):
+        return ("the folder has only pickled weights (pytorch_model.bin), which klppo reads as plain tensors only: "
+                "convert them to safetensors from a copy you trust (save_pretrained), or copy the folder again")
+    return "the weights are damaged or incomplete: copy the folder again, or save the model again with save_pretrained"
+
+
+def _from_pretrained(auto_class, folder: Path, key: str, **kwargs) -> PreTrainedModel:
+    """``auto_class.from_pretrained`` with no remote code and weights-only loading; a failure names the folder.
+
+    Weights the model has but the folder lacks are refused, except a freshly initialised head (a
+    critic's or reward model's one-output layer on a language model's backbone).
+    """
+    check_weight_files(folder, key)
+    with reading(folder, f"{key}: model folder", _weights_fix(folder)):
+        model, info = auto_class.from_pretrained(folder, weights_only=True, output_loading_info=True, **_SAFE,
+                                                 **kwargs)
+    backbone = f"{model.base_model_prefix}."
+    missing = sorted(k for k in info["missing_keys"] if auto_class is AutoModelForCausalLM or k.startswith(backbone))
+    if missing:
+        raise UserError(f"{key}: the weights in '{folder}' lack '{missing[0]}' ({len(missing)} tensors missing); "
+                        "copy the folder again, or save the model again with save_pretrained")
+    return model
+
+
+def _model_config(folder: Path, key: str):
+    path, fix = folder / "config.json", "save the model again with save_pretrained"
+    with reading(path, f"{key}: the model config", fix):
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(raw, dict) and "auto_map" in raw and raw.get("model_type") not in CONFIG_MAPPING:
+        raise UserError(f"{key}: '{folder}' needs the Python code its config.json names (auto_map), and klppo never "
+                        "runs code from a model folder; use a model whose architecture transformers ships")
+    with reading(path, f"{key}: the model config", fix):
+        return AutoConfig.from_pretrained(folder, **_SAFE)
+
+
 def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreTrainedTokenizerBase:
     """The tokenizer saved with the model, left-padding, with a pad token (EOS if it had none)."""
     folder = check_model_folder(path, key)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{key}: cannot load a tokenizer from '{path}' ({exc}); save one next to the model") from exc
+    fix = "save the tokenizer next to the model (tokenizer.save_pretrained)"
+    with reading(folder, f"{key}: the tokenizer in", fix):
+        tokenizer = AutoTokenizer.from_pretrained(folder, **_SAFE)
+    check_tokenizer_usable(tokenizer, _model_config(folder, key), folder, key)
     if tokenizer.eos_token_id is None:
         raise UserError(f"{key}: the tokenizer in '{path}' has no eos_token; set one and save it again")
     if tokenizer.pad_token_id is None:
@@ -55,8 +123,29 @@ def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreT
     return tokenizer
 
 
+def check_tokenizer_usable(tokenizer: PreTrainedTokenizerBase, config, folder: Path, key: str) -> None:
+    """Refuse a tokenizer that cannot stand for the model's vocabulary.
+
+    transformers 5 builds a near-empty tokenizer when a folder lacks tokenizer.json; it encodes
+    ordinary text to nothing (or to unknown tokens), and a run trained on it has loss nan. A
+    vocabulary under half the model's embedding rows is the same mistake in a milder form (real
+    models pad their embeddings by far less).
+    """
+    fix = "save the model's own tokenizer next to it (tokenizer.save_pretrained), tokenizer.json included"
+    with reading(folder, f"{key}: the tokenizer in", fix):
+        ids = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+    unknown = tokenizer.unk_token_id
+    if not ids or all(i == unknown for i in ids):
+        raise UserError(f"{key}: the tokenizer in '{folder}' turns ordinary text into no tokens "
+                        f"(its vocabulary has {len(tokenizer)} entries); {fix}")
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    if rows and len(tokenizer) < rows // 2:
+        raise UserError(f"{key}: the tokenizer in '{folder}' has {len(tokenizer)} tokens but the model has {rows} "
+                        f"embedding rows, so it is not the model's tokenizer; {fix}")
+
+
 def _causal_lm_config(folder: Path, key: str):
-    config = AutoConfig.from_pretrained(folder)
+    config = _model_config(folder, key)
     architectures = config.architectures or []
     if architectures and not any(name.endswith("ForCausalLM") for name in architectures):
         raise UserError(
@@ -71,7 +160,7 @@ def load_causal_lm(
     """An ``AutoModelForCausalLM`` in fp32 on ``device`` (actor or reference)."""
     folder = check_model_folder(path, key)
     _causal_lm_config(folder, key)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = _from_pretrained(AutoModelForCausalLM, folder, key, dtype=torch.float32)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -87,13 +176,13 @@ def load_critic(
     loads as it is.
     """
     folder = check_model_folder(path, key)
-    config = AutoConfig.from_pretrained(folder)
+    config = _model_config(folder, key)
     config.num_labels = 1
     # The head must be deterministic: no dropout in front of the value projection.
     config.classifier_dropout = 0.0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        critic = AutoModelForTokenClassification.from_pretrained(folder, config=config, dtype=torch.float32)
+        critic = _from_pretrained(AutoModelForTokenClassification, folder, key, config=config, dtype=torch.float32)
     if gradient_checkpointing:
         critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     critic.config.use_cache = False
@@ -118,11 +207,11 @@ def load_reward_model(
     """A one-output ``AutoModelForSequenceClassification``: a trained reward model, or (to train
     one) a causal LM's backbone with a fresh score head initialised from ``seed``."""
     folder = check_model_folder(path, key)
-    config = AutoConfig.from_pretrained(folder)
+    config = _model_config(folder, key)
     config.num_labels = 1
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_pretrained(folder, config=config, dtype=torch.float32)
+        model = _from_pretrained(AutoModelForSequenceClassification, folder, key, config=config, dtype=torch.float32)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:

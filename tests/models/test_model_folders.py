@@ -1,0 +1,133 @@
+"""Model folders load without running code from them, and a folder that cannot give a usable model
+(no or damaged weights, weights missing from the backbone, a tokenizer that cannot encode text)
+is one UserError naming the folder and the fix, before any training starts."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from klppo.errors import UserError
+from klppo.models.load import load_causal_lm, load_critic, load_reward_model, load_tokenizer
+
+KEY = "actor_rollout_ref.model.path"
+CPU = torch.device("cpu")
+
+
+class Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+@pytest.fixture
+def folder(tiny_model_dir, tmp_path) -> Path:
+    """A copy of the tiny model folder to break."""
+    return Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+
+
+def _as_bin_only(folder: Path, weights: dict) -> None:
+    torch.save(weights, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+
+
+def test_a_folder_with_only_pytorch_model_bin_loads_the_same_weights_safely(folder, tiny_model_dir):
+    _as_bin_only(folder, load_file(folder / "model.safetensors"))
+    loaded = load_causal_lm(str(folder), key=KEY, device=CPU).state_dict()
+    expected = load_causal_lm(str(tiny_model_dir), key=KEY, device=CPU).state_dict()
+    assert loaded.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(loaded[name], expected[name], rtol=0, atol=0)
+
+
+def test_a_pickled_bin_with_a_payload_is_refused_and_never_runs(folder, tmp_path):
+    marker = tmp_path / "payload_ran"
+    weights = load_file(folder / "model.safetensors")
+    _as_bin_only(folder, {**weights, "model.norm.weight": Payload(marker)})
+    with pytest.raises(UserError, match=r"model folder '.*' cannot be read .*convert them to safetensors"):
+        load_causal_lm(str(folder), key=KEY, device=CPU)
+    assert not marker.exists()
+
+
+def test_a_folder_without_weights_is_refused_naming_the_files(folder):
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=r"holds no model weights \(model.safetensors or pytorch_model.bin\)"):
+        load_causal_lm(str(folder), key=KEY, device=CPU)
+
+
+@pytest.mark.parametrize("keep", [4, 100, 20_000])
+def test_a_truncated_safetensors_file_is_refused(folder, keep):
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(UserError, match=f"{KEY}: model folder '{folder}' cannot be read .*copy the folder again"):
+        load_causal_lm(str(folder), key=KEY, device=CPU)
+
+
+def test_weights_missing_from_the_backbone_are_refused_but_a_fresh_head_is_not(folder):
+    weights = load_file(folder / "model.safetensors")
+    assert load_critic(str(folder), key="critic.model.path", device=CPU) is not None  # value head is new
+    assert load_reward_model(str(folder), key="reward_model.model.path", device=CPU) is not None  # score head too
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    for load in (load_causal_lm, load_critic, load_reward_model):
+        with pytest.raises(UserError, match=r"lack 'model.layers.1.mlp.up_proj.weight' \(1 tensors missing\)"):
+            load(str(folder), key=KEY, device=CPU)
+
+
+def test_a_sharded_folder_missing_a_shard_is_refused(folder):
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(weights)
+    first = folder / "model-00001-of-00002.safetensors"
+    save_file({k: weights[k] for k in names[:5]}, first, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f"model-0000{1 + (i >= 5)}-of-00002.safetensors"
+                                            for i, k in enumerate(names)}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match="lacks the weight shard 'model-00002-of-00002.safetensors'"):
+        load_causal_lm(str(folder), key=KEY, device=CPU)
+
+
+def test_remote_code_named_by_a_folder_is_never_run(folder, tmp_path):
+    marker = tmp_path / "remote_code_ran"
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="klppo_evil", architectures=["EvilForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                            "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("configuration_evil.py", "modeling_evil.py"):
+        (folder / name).write_text(f"open({str(marker)!r}, 'w').close()\n")
+    for load in (load_causal_lm, load_critic):
+        with pytest.raises(UserError, match=r"needs the Python code its config.json names \(auto_map\)"):
+            load(str(folder), key=KEY, device=CPU)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("removed", [("tokenizer.json",),
+                                     ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")])
+def test_a_folder_without_its_tokenizer_files_is_refused_before_training(folder, removed):
+    for name in removed:
+        (folder / name).unlink()
+    with pytest.raises(UserError, match="turns ordinary text into no tokens .*tokenizer.json included"):
+        load_tokenizer(str(folder), KEY)
+
+
+def test_a_tokenizer_far_smaller_than_the_models_vocabulary_is_refused(folder):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 4096}))
+    with pytest.raises(UserError, match=r"has 385 tokens but the model has 4096 embedding rows"):
+        load_tokenizer(str(folder), KEY)
+
+
+def test_a_damaged_tokenizer_file_is_refused_naming_the_folder(folder):
+    (folder / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(UserError, match=f"{KEY}: the tokenizer in '{folder}' cannot be read"):
+        load_tokenizer(str(folder), KEY)
+
+
+def test_the_tiny_models_own_tokenizer_is_usable(tiny_model_dir):
+    assert load_tokenizer(str(tiny_model_dir), KEY).padding_side == "left"
