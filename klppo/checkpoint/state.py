@@ -181,15 +181,6 @@ def _prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
 
 
-def resume_folder(run_dir: str | Path, resume_mode: str, resume_from_path: str | None) -> Path | None:
-    """The checkpoint a run continues from (``trainer.resume_mode``), or None for a fresh start."""
-    if resume_mode == "auto":
-        return latest_checkpoint(run_dir)
-    if resume_mode == "resume_path":
-        return Path(resume_from_path)
-    return None
-
-
 def pointed_step(run_dir: str | Path) -> int | None:
     """The step the pointer file names, or None if there is no pointer file; a damaged one is a UserError."""
     pointer = Path(run_dir) / LATEST_FILE

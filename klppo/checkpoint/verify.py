@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -45,12 +45,15 @@ _GUARD_KEYS = ("rollbacks", "nonfinite_in_a_row", "good_checkpoints", "pending_c
 _SHARDED_NAMES = {"ppo": ("actor", "actor_optimizer"), "sft": ("model", "optimizer"), "rm": ("model", "optimizer")}
 
 
-def check_resume_target(folder: str | Path, *, kind: str, world_size: int, sharded: dict | None = None,
+def check_resume_target(folder: str | Path, *, kind: str, world_size: int,
+                        sharded: dict | Callable[[], dict] | None = None,
                         rank: int | None = None, key: str = "trainer.resume_from_path") -> int:
     """Raise a ``UserError`` unless ``folder`` is a complete checkpoint this run can resume; returns its step.
 
     ``kind``: "ppo", "sft" or "rm". ``sharded``: the models and optimisers shaped as the run
-    will load them (``run_state``'s sharded state), to check every key and shape; without it
+    will load them (``run_state``'s sharded state), or a function that makes them, called only
+    once there is a folder to check (making them materialises a fresh optimiser's state, which
+    a run that starts fresh must not do: AdamW would count a step); without it
     only the top-level names are checked. ``rank``: check only this rank's rank file (each
     rank checks its own); None checks them all. ``key``: the config key the folder came from.
     Reads only small files and the weights' metadata; no shard is loaded.
@@ -67,6 +70,8 @@ def check_resume_target(folder: str | Path, *, kind: str, world_size: int, shard
         raise _not_a_checkpoint(folder / STATE_FILE, f"is the state of step {shared['step']}, not of {folder.name}")
     _check_rank_files(folder, world_size, rank)
     has_critic = "critic_scheduler" in shared
+    if callable(sharded):
+        sharded = sharded()
     if sharded is not None and kind == "ppo" and "critic" in sharded and not has_critic:
         raise IncompatibleCheckpoint(
             f"{key}: '{folder}' was saved by a PPO run without a critic and this run trains one; resume with the "
@@ -226,7 +231,7 @@ def _check_keys(folder: Path, keys: dict, names: Iterable[str], sharded: dict | 
 
 
 def find_resume_folder(run_dir: str | Path, mode: str, path: str | None, *, kind: str, world_size: int,
-                       sharded: dict | None = None, rank: int | None = None) -> Path | None:
+                       sharded: dict | Callable[[], dict] | None = None, rank: int | None = None) -> Path | None:
     """The checkpoint a run continues from (``trainer.resume_mode``), checked whole; None for a fresh start.
 
     ``resume_path`` refuses a bad ``path``. ``auto`` resumes from the checkpoint that

@@ -30,14 +30,16 @@ def _train(cfg, env, print_fn) -> list[dict]:
     from klppo.distributed import barrier
     from klppo.trainer.build import build_ppo
     from klppo.trainer.ppo_trainer import PPOTrainer
+    from klppo.trainer.run_state import resume_target
 
     parts = build_ppo(cfg, log=print_fn, env=env)  # every user error surfaces here, before anything is written
+    resume_from = resume_target(parts)  # so does a checkpoint that cannot be resumed
     if env.rank == 0:
         run_dir = parts.settings.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(format_config(cfg))
     barrier()
-    return PPOTrainer(parts, print_fn=print_fn).fit()
+    return PPOTrainer(parts, print_fn=print_fn).fit(resume_from)
 
 
 def main(argv: list[str] | None = None) -> int:

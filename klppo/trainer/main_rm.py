@@ -131,7 +131,7 @@ def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
     return SupervisedJob(model, len(train), ("train/loss", "train/pair_accuracy", "val/pair_accuracy"), train_step,
                          validate if val is not None else None,
-                         "reward model saved to {} (use it as reward_model.model.path)")
+                         "reward model saved to {} (use it as reward_model.model.path)", kind="rm")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,7 +98,7 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
         return {"val/loss": _evaluate(model, val, tokenizer.pad_token_id, micro_rows)}
 
     return SupervisedJob(model, len(train), ("train/loss", "val/loss", "train/lr", "train/grad_norm"), train_step,
-                         evaluate if val is not None else None, "SFT model saved to {}")
+                         evaluate if val is not None else None, "SFT model saved to {}", kind="sft")
 
 
 def main(argv: list[str] | None = None) -> int:

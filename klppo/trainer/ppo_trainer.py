@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
-from klppo.checkpoint.state import checkpoint_steps, export_hf, resume_folder, step_dir
+from klppo.checkpoint.state import checkpoint_steps, export_hf, step_dir
 from klppo.data.batching import rank_shards, seqlen_balance_metrics
 from klppo.distributed import all_gather_padded, barrier, on_rank_zero, shard_range
 from klppo.monitoring.flops import update_efficiency_metrics
@@ -55,9 +55,10 @@ class PPOTrainer:
         self.guard = RunGuard(self.s.guard)
         self.step = 0
 
-    def fit(self) -> list[dict[str, float]]:
-        """Train to the last step (or until a guard stops the run); returns the metrics logged."""
-        self._resume()
+    def fit(self, resume_from: Path | None = None) -> list[dict[str, float]]:
+        """Train to the last step (or until a guard stops the run), continuing after checkpoint
+        ``resume_from`` if given (``run_state.resume_target``); returns the metrics logged."""
+        self._resume(resume_from)
         self.progress = Progress(total=self.p.total_steps, initial=self.step, desc="ppo",
                                  quiet=None if self.env.rank == 0 else True)
         if self.print is print:  # console lines go above the bar
@@ -235,9 +236,8 @@ class PPOTrainer:
                 run_state.restore(self.p, step_dir(self.s.run_dir, target), self.guard, weights_only=True)
         run_state.apply_lr_override(self.p, self.guard.lr_override)
 
-    def _resume(self) -> None:
-        s, run_dir = self.s, self.s.run_dir
-        folder = resume_folder(run_dir, s.resume_mode, s.resume_from_path)
+    def _resume(self, folder: Path | None) -> None:
+        run_dir = self.s.run_dir
         if folder is None:
             if self.env.rank == 0:
                 set_aside(run_dir, (METRICS_FILE, EVENTS_FILE), self.print)

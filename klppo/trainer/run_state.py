@@ -20,6 +20,7 @@ import torch
 from klppo.checkpoint.state import (
     load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint, set_rng_state,
 )
+from klppo.checkpoint.verify import find_resume_folder
 from klppo.distributed import load_training_state, training_state
 from klppo.trainer.build import PPOParts
 from klppo.trainer.guards import RunGuard
@@ -32,7 +33,7 @@ def _trained(parts: PPOParts) -> list[tuple[str, torch.nn.Module, torch.optim.Op
     return pairs
 
 
-def _sharded_state(parts: PPOParts) -> dict:
+def sharded_state(parts: PPOParts) -> dict:
     """Models and optimisers as DCP saves and loads them: {"actor": ..., "actor_optimizer": ...}."""
     state = {}
     for name, model, optimizer in _trained(parts):
@@ -51,15 +52,24 @@ def save(parts: PPOParts, step: int, guard: RunGuard, keep: int | None) -> Path:
     }
     if parts.critic is not None:
         shared["critic_scheduler"] = parts.critic_scheduler.state_dict()
-    return save_checkpoint(parts.settings.run_dir, step, shared, sharded=_sharded_state(parts),
-                           rank_state={"rng": rng_state()}, env=parts.env, keep=keep)
+    return save_checkpoint(parts.settings.run_dir, step, shared, sharded=sharded_state(parts),
+                           rank_state={"rng": rng_state(parts.env.device)}, env=parts.env, keep=keep,
+                           kind="ppo")
+
+
+def resume_target(parts: PPOParts) -> Path | None:
+    """The checkpoint this run continues from (``trainer.resume_mode``), checked whole before the run
+    writes anything; None for a fresh start."""
+    s, env = parts.settings, parts.env
+    return find_resume_folder(s.run_dir, s.resume_mode, s.resume_from_path, kind="ppo", world_size=env.world_size,
+                              sharded=lambda: sharded_state(parts), rank=env.rank)
 
 
 def restore(parts: PPOParts, folder: Path, guard: RunGuard, *, weights_only: bool = False) -> int:
     """Load checkpoint ``folder`` into ``parts`` (and ``guard``); returns the step to continue after."""
     shared = load_checkpoint(folder)
     rank_state = None if weights_only else load_rank_state(folder, parts.env)  # refuses another world size
-    sharded = _sharded_state(parts)
+    sharded = sharded_state(parts)
     load_sharded_state(folder, sharded)
     for name, model, optimizer in _trained(parts):
         load_training_state(model, optimizer, sharded[name], sharded[f"{name}_optimizer"])
@@ -70,7 +80,7 @@ def restore(parts: PPOParts, folder: Path, guard: RunGuard, *, weights_only: boo
     if parts.critic is not None:
         parts.critic_scheduler.load_state_dict(shared["critic_scheduler"])
     parts.batches.load_state_dict(shared["data"])
-    set_rng_state(rank_state["rng"])
+    set_rng_state(rank_state["rng"], parts.env.device)
     guard.load_state_dict(shared["guard"])
     return shared["step"]
 

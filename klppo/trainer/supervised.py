@@ -19,9 +19,9 @@ from typing import Callable, Optional, Union
 import torch
 
 from klppo.checkpoint.state import (
-    export_hf, load_checkpoint, load_rank_state, load_sharded_state, resume_folder, rng_state,
-    save_checkpoint, set_rng_state,
+    export_hf, load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint, set_rng_state,
 )
+from klppo.checkpoint.verify import find_resume_folder
 from klppo.cli_support import quiet_libraries
 from klppo.config import RMConfig, SFTConfig, format_config
 from klppo.config.schema import FSDPConfig, SFTTrainerConfig
@@ -54,6 +54,7 @@ class SupervisedJob:
     train_step: Callable[["SupervisedRun", list[int]], dict]  # (run, this rank's example indices) -> metrics
     evaluate: Optional[Callable[[], dict]]  # validation metrics, every rank in step; None without val_files
     saved: str  # the closing line, with {} for the exported folder
+    kind: str  # "sft" or "rm": what its checkpoints are (a resume checks it)
 
 
 # (config, this rank, tokenizer, sharder, print function) -> the job
@@ -77,8 +78,15 @@ def _train(cfg: SupervisedConfig, env: DistEnv, prepare: PrepareJob, print_fn: C
     seed_everything(cfg.data.seed + env.rank)
     tokenizer = load_tokenizer(cfg.model.partial_pretrain, key="model.partial_pretrain")
     job = prepare(cfg, env, tokenizer, Sharder(env), print_fn)
-    run, logger = prepare_run(cfg, env, job.model, job.n_examples, job.console_keys, print_fn)
-    supervised_loop(run, lambda indices: job.train_step(run, indices), job.evaluate, logger)
+    run = prepare_run(cfg, env, job, print_fn)
+    resume_from = run.resume_target()  # the whole checkpoint is checked before anything is written
+    if env.rank == 0:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / "config.yaml").write_text(format_config(cfg))
+    barrier()
+    logger = MetricsLogger(run.run_dir, cfg.trainer.logger, print_fn=print_fn, rank=env.rank,
+                           console_keys=job.console_keys)
+    supervised_loop(run, lambda indices: job.train_step(run, indices), job.evaluate, logger, resume_from)
     out = finish(run, tokenizer)
     print_fn(job.saved.format(out))
     return out
@@ -94,64 +102,69 @@ class SupervisedRun:
     batches: PromptBatches  # the global batches, the same on every rank
     total_steps: int
     trainer: SFTTrainerConfig
+    kind: str  # "sft" or "rm"
     print: Callable = print
 
     def my_share(self, indices: list[int]) -> list[int]:
         """This rank's equal, contiguous share of a global batch."""
         return indices[shard_range(len(indices), self.env)]
 
+    def sharded_state(self) -> dict:
+        """The model and optimiser as DCP saves and loads them."""
+        model_state, optimizer_state = training_state(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
     def save(self, step: int) -> Path:
         shared = {"step": step, "scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict()}
-        model_state, optimizer_state = training_state(self.model, self.optimizer)
-        return save_checkpoint(self.run_dir, step, shared, sharded={"model": model_state, "optimizer": optimizer_state},
-                               rank_state={"rng": rng_state()}, env=self.env, keep=self.trainer.max_ckpt_to_keep)
+        return save_checkpoint(self.run_dir, step, shared, sharded=self.sharded_state(),
+                               rank_state={"rng": rng_state(self.env.device)}, env=self.env,
+                               keep=self.trainer.max_ckpt_to_keep, kind=self.kind)
 
-    def resume(self) -> int:
-        """The step to continue after: that of the checkpoint resumed from, or 0 for a fresh run."""
-        folder = resume_folder(self.run_dir, self.trainer.resume_mode, self.trainer.resume_from_path)
+    def resume_target(self) -> Optional[Path]:
+        """The checkpoint to continue from (``trainer.resume_mode``), checked whole; None: a fresh run."""
+        return find_resume_folder(self.run_dir, self.trainer.resume_mode, self.trainer.resume_from_path,
+                                  kind=self.kind, world_size=self.env.world_size, sharded=self.sharded_state,
+                                  rank=self.env.rank)
+
+    def resume(self, folder: Optional[Path]) -> int:
+        """The step to continue after: that of checkpoint ``folder``, or 0 for a fresh run (None)."""
         if folder is None:
             if self.env.rank == 0:
                 set_aside(self.run_dir, (METRICS_FILE,), self.print)
             barrier()
             return 0
         shared, mine = load_checkpoint(folder), load_rank_state(folder, self.env)
-        model_state, optimizer_state = training_state(self.model, self.optimizer)
-        sharded = {"model": model_state, "optimizer": optimizer_state}
+        sharded = self.sharded_state()
         load_sharded_state(folder, sharded)
         load_training_state(self.model, self.optimizer, sharded["model"], sharded["optimizer"])
         self.scheduler.load_state_dict(shared["scheduler"])
         self.batches.load_state_dict(shared["data"])
-        set_rng_state(mine["rng"])
+        set_rng_state(mine["rng"], self.env.device)
         if self.env.rank == 0:  # steps logged after the checkpoint will be run (and logged) again
             truncate_jsonl(self.run_dir / METRICS_FILE, shared["step"])
         self.print(f"resumed from {folder} at step {shared['step']}")
         return shared["step"]
 
 
-def prepare_run(cfg: SupervisedConfig, env: DistEnv, model: torch.nn.Module, n_examples: int,
-                console_keys: tuple[str, ...], print_fn: Callable) -> tuple[SupervisedRun, MetricsLogger]:
-    """Once data and model have loaded: the batches, the run folder, optimiser, schedule and logger."""
+def prepare_run(cfg: SupervisedConfig, env: DistEnv, job: SupervisedJob, print_fn: Callable) -> SupervisedRun:
+    """Once data and model have loaded: the batches, optimiser and schedule (nothing is written)."""
     data, trainer = cfg.data, cfg.trainer
-    batches = PromptBatches(n_examples, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    batches = PromptBatches(job.n_examples, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
     total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
-    run_dir = Path(trainer.default_local_dir)
-    if env.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(format_config(cfg))
-    barrier()
-    optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optim, total_steps)
-    logger = MetricsLogger(run_dir, trainer.logger, print_fn=print_fn, rank=env.rank, console_keys=console_keys)
-    return SupervisedRun(env, run_dir, model, optimizer, scheduler, batches, total_steps, trainer, print_fn), logger
+    optimizer, scheduler = build_optimizer_and_scheduler(job.model, cfg.optim, total_steps)
+    return SupervisedRun(env, Path(trainer.default_local_dir), job.model, optimizer, scheduler, batches, total_steps,
+                         trainer, job.kind, print_fn)
 
 
 def supervised_loop(run: SupervisedRun, train_step: Callable[[list[int]], dict],
-                    evaluate: Optional[Callable[[], dict]], logger: MetricsLogger) -> None:
+                    evaluate: Optional[Callable[[], dict]], logger: MetricsLogger,
+                    resume_from: Optional[Path] = None) -> None:
     """Optimiser steps of ``train_step(this rank's example indices) -> metrics`` to the last step;
     validation and the console table ten times a run, checkpoints every ``save_freq`` steps."""
     every = max(1, run.total_steps // 10)
     save_freq, backends = run.trainer.save_freq, run.trainer.logger
     try:
-        for step in range(run.resume() + 1, run.total_steps + 1):
+        for step in range(run.resume(resume_from) + 1, run.total_steps + 1):
             metrics = train_step(run.my_share(run.batches.next_batch()))
             metrics["train/lr"] = run.scheduler.get_last_lr()[0]
             run.scheduler.step()

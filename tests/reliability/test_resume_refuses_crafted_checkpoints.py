@@ -113,7 +113,6 @@ def test_resuming_from_a_crafted_checkpoint_file_refuses_it_and_never_runs_its_p
     assert not marker.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="wired by the trainer refactor: check the resume target before writing")
 @pytest.mark.parametrize("target", ["trainer_state", "rank_file", "dcp_metadata"])
 def test_a_refused_crafted_checkpoint_leaves_the_run_folder_byte_identical(resume, tmp_path, target):
     marker = tmp_path / "payload_ran"
@@ -162,7 +161,6 @@ DAMAGED = {  # name -> (break the copied run, returning extra overrides; text th
 }
 
 
-@pytest.mark.xfail(strict=True, reason="wired by the trainer refactor: check the resume target before writing")
 @pytest.mark.parametrize("case", sorted(DAMAGED))
 def test_resuming_from_a_damaged_or_foreign_checkpoint_is_refused_before_anything_is_written(
         resume, runs, tmp_path, case):

@@ -147,3 +147,15 @@ def test_cli_runs_a_yaml_config_on_a_parquet_file(ppo_overrides, tmp_path):
     assert "step 1/1" in result.stdout
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 1 and record["actor/reward_kl_penalty_coeff"] == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("mode", ["auto", "disable"])
+def test_looking_for_a_checkpoint_to_resume_leaves_a_fresh_runs_optimiser_untouched(ppo_overrides, mode):
+    """Materialising the optimiser's state for the checkpoint check would make AdamW count a step."""
+    from klppo.config import load_ppo_config
+    from klppo.trainer.build import build_ppo
+    from klppo.trainer.run_state import resume_target
+
+    parts = build_ppo(load_ppo_config(None, ppo_overrides(**{"trainer.resume_mode": mode})), log=quiet)
+    assert resume_target(parts) is None
+    assert not parts.actor_optimizer.state and not parts.critic_optimizer.state
