@@ -47,7 +47,7 @@ from transformers.masking_utils import sdpa_mask
 
 from klppo.algo import entropy_from_logits, logprobs_from_logits
 from klppo.data.batching import PackedBatch, pack
-from klppo.models.fused_head import DEFAULT_CHUNK_SIZE, fused_lm_head
+from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_lm_head
 
 PACKED_SDPA = "klppo_packed_sdpa"
 
@@ -212,7 +212,9 @@ class HeadSettings:
     fused: chunk by chunk through the head (``klppo.models.fused_head``), recomputing each
         chunk's logits in backward; the (.., V) logits are never held whole. verl's
         ``actor_rollout_ref.model.use_fused_kernels`` with ``fused_kernel_options.impl_backend: torch``.
-    chunk_size: tokens per logits chunk of the fused head.
+    chunk_logits: logits (tokens x vocabulary entries) the fused head computes at a time; it
+        takes the vocabulary in slices of ceil(chunk_logits / tokens) entries. Memory grows
+        with it (3 fp32 slices at peak), speed too up to a point (see benchmarks/README.md).
     entropy_chunking: unfused only; the entropy's softmax is computed for 2,048 rows at a time,
         which lowers the forward's peak (verl's ``actor.entropy_from_logits_with_chunking``).
     entropy_checkpointing: unfused only; the entropy's softmax is recomputed in backward
@@ -221,7 +223,7 @@ class HeadSettings:
     """
 
     fused: bool = False
-    chunk_size: int = DEFAULT_CHUNK_SIZE
+    chunk_logits: int = DEFAULT_CHUNK_LOGITS
     entropy_chunking: bool = False
     entropy_checkpointing: bool = False
 
@@ -250,7 +252,7 @@ def response_logprobs(
                                    with_entropy=with_entropy, packed=True, head=head) for g in groups]
         return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
     rows, mask = input_ids.shape[0], attention_mask.bool()
-    fused = partial(fused_lm_head, model, temperature=temperature, chunk_size=head.chunk_size,
+    fused = partial(fused_lm_head, model, temperature=temperature, chunk_logits=head.chunk_logits,
                     with_entropy=with_entropy) if head.fused else None
     if packed:
         out, labels, out_rows, slots = _packed_forward(model, input_ids, mask, response_length, lm=True, head=fused)

@@ -1,13 +1,22 @@
-"""Log-probs and entropies straight from the final hidden states, chunk by chunk through the LM head.
+"""Log-probs and entropies straight from the final hidden states, slice by slice of the LM head.
 
-Legend: N tokens, H hidden size, V vocab, C tokens per chunk.
+Legend: N tokens, H hidden size, V vocab, W vocabulary entries per slice.
 
 The naive path materialises the (N, V) logits, upcasts them to fp32, and autograd keeps several
 (N, V) tensors alive for backward (logits, softmax, products): about 7 fp32 (N, V) tensors at
-peak. Here the logits of C tokens at a time are computed, reduced to per-token numbers and
-dropped; backward recomputes each chunk's logits from the saved hidden states and weight
-(verl's ``FusedLinearForPPO``, ``use_fused_kernels`` with ``impl_backend: torch``). Only
-(C, V) chunks, the inputs and the (N,) statistics exist at any time.
+peak. Here the logits of all N tokens for W vocabulary entries at a time are computed, folded
+into per-token running statistics and dropped; backward recomputes each slice's logits from the
+saved hidden states and weight (verl's ``FusedLinearForPPO``: ``use_fused_kernels`` with
+``impl_backend: torch``). Only (N, W) slices, the inputs and (N,) statistics exist at a time;
+W = ceil(chunk_logits / N), so a slice holds about ``chunk_logits`` logits whatever N is.
+
+Why slices of the vocabulary, not chunks of tokens: the weight's gradient is a sum over tokens,
+so token chunks add a (V, H) product per chunk (V x H memory traffic each time), while a slice
+of the vocabulary sees all tokens and writes its rows of the weight's gradient in one matmul;
+and every matmul keeps N rows, which a CPU or GPU runs faster than a chunk of a hundred tokens.
+The price: logsumexp is accumulated slice by slice (the running-max form of the online
+softmax, Milakov & Gimelshein 2018), so values match the naive path to float rounding, not bit
+for bit.
 
 The math per token, with z = (h W^T + b) / temperature in fp32, p = softmax(z):
   log_prob = z[label] - logsumexp(z)
@@ -32,12 +41,18 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-DEFAULT_CHUNK_SIZE = 128  # tokens; see benchmarks/README.md ("Logits memory") for the measurements
+DEFAULT_CHUNK_LOGITS = 2**24  # 64 MB of fp32 per slice; see benchmarks/README.md ("Logits memory")
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """(C, H) -> (C, V) fp32 logits / temperature; the matmul runs in the model's dtype, as the model's head does."""
-    z = F.linear(h, weight, bias).float()  # a fresh tensor (a new one when upcast), safe to divide in place
+def _slice_width(tokens: int, vocab: int, chunk_logits: int) -> int:
+    return min(vocab, max(1, -(-chunk_logits // max(tokens, 1))))
+
+
+def _slice_logits(hidden, weight, bias, start: int, width: int, temperature: float) -> torch.Tensor:
+    """(N, W) fp32 logits / temperature of vocabulary entries [start, start + W); the matmul runs in
+    the model's dtype, as the model's head does, and the result is upcast as the naive path does."""
+    cols = slice(start, start + width)
+    z = F.linear(hidden, weight[cols], None if bias is None else bias[cols]).float()  # fresh: safe to modify
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -45,52 +60,66 @@ class _ChunkedHead(torch.autograd.Function):
     """(hidden (N, H), weight (V, H), bias (V,) | None, labels (N,)) -> log-probs (N,) [, entropies (N,)]."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature: float, chunk_size: int, with_entropy: bool):
-        n = hidden.shape[0]
-        lse = hidden.new_empty(n, dtype=torch.float32)
-        log_probs = torch.empty_like(lse)
-        mu = torch.empty_like(lse) if with_entropy else None
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            z = _chunk_logits(hidden[rows], weight, bias, temperature)  # (C, V)
-            # The same ops as klppo.algo's logprobs_from_logits / entropy_from_logits, row for row.
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            log_probs[rows] = z.gather(-1, labels[rows, None]).squeeze(-1) - lse[rows]
+    def forward(ctx, hidden, weight, bias, labels, temperature: float, chunk_logits: int, with_entropy: bool):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        width = _slice_width(n, vocab, chunk_logits)
+        m = hidden.new_full((n,), float("-inf"), dtype=torch.float32)  # running max of z
+        s = torch.zeros_like(m)  # running sum of exp(z - m)
+        t = torch.zeros_like(m) if with_entropy else None  # running sum of exp(z - m) * z
+        picked = torch.zeros_like(m)  # z[label]
+        for start in range(0, vocab, width):
+            z = _slice_logits(hidden, weight, bias, start, width, temperature)  # (N, W)
+            new_m = torch.maximum(m, z.amax(-1))
+            scale = torch.exp(m - new_m)  # 0 on the first slice (m = -inf)
+            e = torch.sub(z, new_m[:, None]).exp_()
+            s = s * scale + e.sum(-1)
             if with_entropy:
-                mu[rows] = torch.softmax(z, dim=-1).mul_(z).sum(dim=-1)
+                t = t * scale + e.mul_(z).sum(-1)
+            picked += _at_labels(z, labels - start)
+            m = new_m
+        lse = m + s.log()
+        mu = t / s if with_entropy else None
         ctx.save_for_backward(hidden, weight, bias, labels, lse, mu)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.width = temperature, width
         ctx.set_materialize_grads(False)
+        log_probs = picked - lse
         return (log_probs, lse - mu) if with_entropy else log_probs
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy=None):
         hidden, weight, bias, labels, lse, mu = ctx.saved_tensors
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros_like(hidden) if want_h else None
-        # Accumulated over chunks in fp32: a bf16 sum of many chunk products would round each time.
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
+        grad_h = torch.zeros_like(hidden, dtype=torch.float32) if want_h else None  # summed over slices
+        grad_w = torch.zeros_like(weight) if want_w else None  # one slice of rows at a time
+        grad_b = torch.zeros_like(bias) if want_b else None
         if grad_log_probs is None and grad_entropy is None:
-            return grad_h, _as(grad_w, weight), _as(grad_b, bias), None, None, None, None
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            g_lp = None if grad_log_probs is None else grad_log_probs[rows]
-            g_ent = None if grad_entropy is None else grad_entropy[rows]
-            z = _chunk_logits(hidden[rows], weight, bias, ctx.temperature)
-            dz = _grad_logits(z, labels[rows], lse[rows], None if mu is None else mu[rows], g_lp, g_ent)
+            return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None
+        for start in range(0, weight.shape[0], ctx.width):
+            cols = slice(start, start + ctx.width)
+            z = _slice_logits(hidden, weight, bias, start, ctx.width, ctx.temperature)
+            dz = _grad_logits(z, labels - start, lse, mu, grad_log_probs, grad_entropy)
             dz = dz.div_(ctx.temperature).to(hidden.dtype)  # the gradient the model's head output would get
-            if want_h:
-                grad_h[rows] = dz @ weight
             if want_w:
-                _accumulate(grad_w, dz.T, hidden[rows])
+                torch.mm(dz.T, hidden, out=grad_w[cols])
             if want_b:
-                grad_b += dz.float().sum(0)
-        return grad_h, _as(grad_w, weight), _as(grad_b, bias), None, None, None, None
+                grad_b[cols] = dz.float().sum(0)
+            if want_h:
+                _accumulate(grad_h, dz, weight[cols])
+        return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None
+
+
+def _at_labels(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N,) z[i, labels[i]] where the label falls in this slice ([0, W)), else 0; no host-device sync."""
+    inside = (labels >= 0) & (labels < z.shape[1])
+    return z.gather(-1, labels.clamp(0, z.shape[1] - 1)[:, None]).squeeze(-1) * inside
 
 
 def _grad_logits(z, labels, lse, mu, g_lp, g_ent) -> torch.Tensor:
-    """d(loss)/dz for one chunk: g_lp * onehot - p * (g_lp + g_ent * (z - mu)); z (C, V) is reused in place."""
+    """d(loss)/dz for one vocabulary slice: g_lp * onehot - p * (g_lp + g_ent * (z - mu)).
+
+    z (N, W) is reused in place; ``labels`` are relative to the slice (outside [0, W) where the
+    label lies in another slice, which then gets no one-hot term).
+    """
     p = torch.sub(z, lse[:, None]).exp_()  # softmax(z), from the forward's logsumexp
     if g_ent is not None:
         coef = z.sub_(mu[:, None]).mul_(g_ent[:, None])
@@ -100,16 +129,18 @@ def _grad_logits(z, labels, lse, mu, g_lp, g_ent) -> torch.Tensor:
     else:
         dz = p.mul_(g_lp[:, None]).neg_()
     if g_lp is not None:
-        dz.scatter_add_(-1, labels[:, None], g_lp[:, None])
+        inside = (labels >= 0) & (labels < z.shape[1])
+        dz.scatter_add_(-1, labels.clamp(0, z.shape[1] - 1)[:, None], (g_lp * inside)[:, None])
     return dz
 
 
 def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """total (fp32) += a @ b: in place when a, b are fp32 (no (V, H) temporary), else via a product in their dtype."""
+    """total (fp32) += a @ b: in place when a, b are fp32, else via their product in their dtype (CPU
+    has no mixed-dtype matmul)."""
     if a.dtype == total.dtype:
         total.addmm_(a, b)
     else:
-        total += (a @ b).float()  # CPU has no mixed-dtype mm; a (V, H) product in the model's dtype
+        total += (a @ b).float()
 
 
 def _as(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
@@ -123,17 +154,18 @@ def chunked_logprobs(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_logits: int = DEFAULT_CHUNK_LOGITS,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(h W^T + b / temperature)[label] (N,) and optionally its entropy (N,), both
-    differentiable w.r.t. ``hidden`` (N, H), ``weight`` (V, H) and ``bias`` (V,), never holding
-    more than ``chunk_size`` rows of logits. Equals ``logprobs_from_logits`` /
-    ``entropy_from_logits`` on ``(F.linear(hidden, weight, bias).float() / temperature)``.
+    """log softmax((h W^T + b) / temperature)[label] (N,) and optionally the entropy (N,), both
+    differentiable w.r.t. ``hidden`` (N, H), ``weight`` (V, H) and ``bias`` (V,), holding about
+    ``chunk_logits`` logits at a time (vocabulary slices of ceil(chunk_logits / N) entries).
+    Equals ``logprobs_from_logits`` / ``entropy_from_logits`` on
+    ``F.linear(hidden, weight, bias).float() / temperature`` up to float rounding.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size}: the tokens per logits chunk must be at least 1")
-    out = _ChunkedHead.apply(hidden, weight, bias, labels, float(temperature), int(chunk_size), with_entropy)
+    if chunk_logits < 1:
+        raise ValueError(f"chunk_logits={chunk_logits}: the logits per chunk must be at least 1")
+    out = _ChunkedHead.apply(hidden, weight, bias, labels, float(temperature), int(chunk_logits), with_entropy)
     return out if with_entropy else (out, None)
 
 
@@ -148,7 +180,7 @@ def fused_lm_head(
     labels: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_logits: int = DEFAULT_CHUNK_LOGITS,
     with_entropy: bool = False,
 ) -> Iterator[None]:
     """While open, ``model(...).logits`` is (..., 2) [log-prob, entropy] (or (..., 1) [log-prob])
@@ -173,7 +205,7 @@ def fused_lm_head(
         calls.append(1)
         flat = hidden.reshape(-1, hidden.shape[-1])
         lp, ent = chunked_logprobs(flat, head.weight, labels.reshape(-1), bias=head.bias, temperature=temperature,
-                                   chunk_size=chunk_size, with_entropy=with_entropy)
+                                   chunk_logits=chunk_logits, with_entropy=with_entropy)
         out = torch.stack([lp, ent], -1) if with_entropy else lp[:, None]
         return out.view(*hidden.shape[:-1], out.shape[-1])
 

@@ -20,7 +20,7 @@ def _run_case(model, batch, case: dict, mesh):
     sharded = apply_fsdp2(copy.deepcopy(model), mesh, param_dtype=case.get("param_dtype"))
     ids, mask, width = batch
     lp, ent = response_logprobs(sharded, ids, mask, width, temperature=0.7, with_entropy=True, packed=case["packed"],
-                                head=HeadSettings(fused=case["fused"], chunk_size=3))
+                                head=HeadSettings(fused=case["fused"], chunk_logits=40))
     weights = torch.linspace(-1, 1, lp.numel()).view_as(lp)
     ((lp * weights).sum() + 0.3 * ent.sum()).backward()
     grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
