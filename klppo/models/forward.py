@@ -209,8 +209,8 @@ def _row_groups(attention_mask: torch.Tensor, max_tokens: int | None) -> list[sl
 class HeadSettings:
     """How response_logprobs reads log-probs and entropies from the LM head.
 
-    fused: chunk by chunk through the head (``klppo.models.fused_head``), recomputing each
-        chunk's logits in backward; the (.., V) logits are never held whole. verl's
+    fused: through the head one slice of the vocabulary at a time (``klppo.models.fused_head``),
+        recomputing each slice's logits in backward; the (.., V) logits are never held whole. verl's
         ``actor_rollout_ref.model.use_fused_kernels`` with ``fused_kernel_options.impl_backend: torch``.
     chunk_logits: logits (tokens x vocabulary entries) the fused head computes at a time; it
         takes the vocabulary in slices of ceil(chunk_logits / tokens) entries. Memory grows
