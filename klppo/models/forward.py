@@ -25,19 +25,29 @@ the squared sequence lengths, which on a row of thousands of tokens is most of t
 causally on each sequence of a packed row (from ``cu_seq_lens_q``, or from the position ids)
 and is plain sdpa for everything else. Flash-attention models (CUDA, ``flash_attention_2``)
 read the same ``cu_seq_lens_*`` / ``max_length_*`` keyword arguments and run varlen kernels.
+
+How log-probs are read from the head (``HeadSettings``): by default the (.., V) logits are
+computed whole, upcast to fp32 and reduced; ``fused`` reads them chunk by chunk through the
+head instead (``klppo.models.fused_head``), never holding the logits of all tokens.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from functools import partial
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from klppo.algo import entropy_from_logits, logprobs_from_logits
 from klppo.data.batching import PackedBatch, pack
+from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_lm_head
 
 PACKED_SDPA = "klppo_packed_sdpa"
 
@@ -135,14 +145,20 @@ def _trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, respons
     return input_ids[:, first : last + 1], attention_mask[:, first : last + 1], prompt_length - first, last + 1 - prompt_length
 
 
-def _padded_forward(model, input_ids, attention_mask, response_length, lm: bool):
-    """(B, T', ...) model outputs at the positions that predict the response, and T'."""
+# labels -> a context in which the model's head returns per-token scores of those labels (fused_lm_head)
+Head = Callable[[torch.Tensor], AbstractContextManager] | None
+
+
+def _padded_forward(model, input_ids, attention_mask, response_length, lm: bool, head: Head = None):
+    """(B, T', ...) model outputs at the positions that predict the response, the labels (B, T') and T'."""
     ids, mask, p, t = _trim_padding(input_ids, attention_mask, response_length)
+    labels = ids[:, p : p + t]
     extra = {"logits_to_keep": torch.arange(p - 1, p - 1 + t, device=ids.device)} if lm else {}
-    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask),
-                use_cache=False, **extra)
+    with head(labels) if head else nullcontext():
+        out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask),
+                    use_cache=False, **extra)
     logits = out.logits if lm else out.logits[:, p - 1 : p - 1 + t]
-    return logits, ids[:, p : p + t], t
+    return logits, labels, t
 
 
 def _packed_reads(packed: PackedBatch, attention_mask: torch.Tensor, response_length: int):
@@ -155,19 +171,20 @@ def _packed_reads(packed: PackedBatch, attention_mask: torch.Tensor, response_le
     return positions, packed.rows[positions], packed.cols[positions] + 1 - prompt_length
 
 
-def _packed_forward(model, input_ids, attention_mask, response_length, lm: bool):
+def _packed_forward(model, input_ids, attention_mask, response_length, lm: bool, head: Head = None):
     """(n, ...) outputs at the packed positions that predict real response tokens, their labels and slots."""
     packed = pack(input_ids, attention_mask)
     positions, rows, slots = _packed_reads(packed, attention_mask.bool(), response_length)
+    labels = input_ids[rows, slots + input_ids.shape[1] - response_length]  # (n,)
     varlen = {  # flash-attention's varlen arguments; PACKED_SDPA reads cu_seq_lens_q; sdpa/eager ignore them
         "cu_seq_lens_q": packed.cu_seqlens, "cu_seq_lens_k": packed.cu_seqlens,
         "max_length_q": packed.max_seqlen, "max_length_k": packed.max_seqlen,
     }
     extra = {"logits_to_keep": positions} if lm else {}
-    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                use_cache=False, **varlen, **extra)
+    with head(labels) if head else nullcontext():
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                    use_cache=False, **varlen, **extra)
     logits = out.logits[0] if lm else out.logits[0, positions]  # (n, V) or (n, 1)
-    labels = input_ids[rows, slots + input_ids.shape[1] - response_length]
     return logits, labels, rows, slots
 
 
@@ -188,6 +205,29 @@ def _row_groups(attention_mask: torch.Tensor, max_tokens: int | None) -> list[sl
 # ---- the forwards ----
 
 
+@dataclass(frozen=True)
+class HeadSettings:
+    """How response_logprobs reads log-probs and entropies from the LM head.
+
+    fused: through the head one slice of the vocabulary at a time (``klppo.models.fused_head``),
+        recomputing each slice's logits in backward; the (.., V) logits are never held whole. verl's
+        ``actor_rollout_ref.model.use_fused_kernels`` with ``fused_kernel_options.impl_backend: torch``.
+    chunk_logits: logits (tokens x vocabulary entries) the fused head computes at a time; it
+        takes the vocabulary in slices of ceil(chunk_logits / tokens) entries. Memory grows
+        with it (3 fp32 slices at peak), speed too up to a point (see benchmarks/README.md).
+    entropy_chunking: unfused only; the entropy's softmax is computed for 2,048 rows at a time,
+        which lowers the forward's peak (verl's ``actor.entropy_from_logits_with_chunking``).
+    entropy_checkpointing: unfused only; the entropy's softmax is recomputed in backward
+        instead of kept (verl's ``actor.entropy_checkpointing``).
+    The fused head already does both; the two entropy options are ignored there.
+    """
+
+    fused: bool = False
+    chunk_logits: int = DEFAULT_CHUNK_LOGITS
+    entropy_chunking: bool = False
+    entropy_checkpointing: bool = False
+
+
 def response_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -198,6 +238,7 @@ def response_logprobs(
     with_entropy: bool = False,
     packed: bool = False,
     max_tokens: int | None = None,
+    head: HeadSettings = HeadSettings(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, T) of the response tokens under ``model``, and optionally entropies (B, T).
 
@@ -208,25 +249,42 @@ def response_logprobs(
     groups = _row_groups(attention_mask, max_tokens) if packed else [slice(None)]
     if len(groups) > 1:
         parts = [response_logprobs(model, input_ids[g], attention_mask[g], response_length, temperature=temperature,
-                                   with_entropy=with_entropy, packed=True) for g in groups]
+                                   with_entropy=with_entropy, packed=True, head=head) for g in groups]
         return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
     rows, mask = input_ids.shape[0], attention_mask.bool()
-    log_probs = torch.zeros(rows, response_length, device=input_ids.device)
-    entropy = torch.zeros_like(log_probs) if with_entropy else None
+    fused = partial(fused_lm_head, model, temperature=temperature, chunk_logits=head.chunk_logits,
+                    with_entropy=with_entropy) if head.fused else None
     if packed:
-        logits, labels, out_rows, slots = _packed_forward(model, input_ids, mask, response_length, lm=True)
-        logits = logits.float() / temperature  # (n, V)
-        log_probs = log_probs.index_put((out_rows, slots), logprobs_from_logits(logits, labels))
-        if with_entropy:
-            entropy = entropy.index_put((out_rows, slots), entropy_from_logits(logits))
-        return log_probs, entropy
-    logits, labels, t = _padded_forward(model, input_ids, mask, response_length, lm=True)
-    logits = logits.float() / temperature  # (B, T', V)
+        out, labels, out_rows, slots = _packed_forward(model, input_ids, mask, response_length, lm=True, head=fused)
+        lp, ent = _token_scores(out, labels, temperature, with_entropy, head)  # (n,)
+        log_probs = torch.zeros(rows, response_length, device=input_ids.device)
+        entropy = torch.zeros_like(log_probs).index_put((out_rows, slots), ent) if with_entropy else None
+        return log_probs.index_put((out_rows, slots), lp), entropy
+    out, labels, t = _padded_forward(model, input_ids, mask, response_length, lm=True, head=fused)
+    lp, ent = _token_scores(out, labels, temperature, with_entropy, head)  # (B, T')
     real = mask[:, -response_length:]  # (B, T)
-    log_probs = torch.where(real, _widen(logprobs_from_logits(logits, labels), response_length), 0.0)
-    if with_entropy:
-        entropy = torch.where(real, _widen(entropy_from_logits(logits), response_length), 0.0)
+    log_probs = torch.where(real, _widen(lp, response_length), 0.0)
+    entropy = torch.where(real, _widen(ent, response_length), 0.0) if with_entropy else None
     return log_probs, entropy
+
+
+def _token_scores(out: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool, head: HeadSettings):
+    """(..., V) logits, or the fused head's (..., 1 or 2) scores -> log-probs (...) and entropies (...) or None."""
+    if head.fused:
+        return out[..., 0], (out[..., 1] if with_entropy else None)
+    logits = out.float() / temperature
+    if not with_entropy:
+        return logprobs_from_logits(logits, labels), None
+    entropy = _chunked_entropy if head.entropy_chunking else entropy_from_logits
+    if head.entropy_checkpointing and logits.requires_grad:
+        return logprobs_from_logits(logits, labels), checkpoint(entropy, logits, use_reentrant=False)
+    return logprobs_from_logits(logits, labels), entropy(logits)
+
+
+def _chunked_entropy(logits: torch.Tensor, rows: int = 2048) -> torch.Tensor:
+    """entropy_from_logits over (..., V), 2,048 rows at a time (verl's entropy_from_logits_with_chunking)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return torch.cat([entropy_from_logits(chunk) for chunk in flat.split(rows)]).view(logits.shape[:-1])
 
 
 def response_values(

@@ -1,0 +1,224 @@
+"""Log-probs and entropies straight from the final hidden states, slice by slice of the LM head.
+
+Legend: N tokens, H hidden size, V vocab, W vocabulary entries per slice.
+
+The naive path materialises the (N, V) logits, upcasts them to fp32, and autograd keeps several
+(N, V) tensors alive for backward (logits, softmax, products): about 7 fp32 (N, V) tensors at
+peak. Here the logits of all N tokens for W vocabulary entries at a time are computed, folded
+into per-token running statistics and dropped; backward recomputes each slice's logits from the
+saved hidden states and weight (verl's ``FusedLinearForPPO``: ``use_fused_kernels`` with
+``impl_backend: torch``). Only (N, W) slices, the inputs and (N,) statistics exist at a time;
+W = ceil(chunk_logits / N), so a slice holds about ``chunk_logits`` logits whatever N is.
+
+Why slices of the vocabulary, not chunks of tokens: the weight's gradient is a sum over tokens,
+so token chunks add a (V, H) product per chunk (V x H memory traffic each time), while a slice
+of the vocabulary sees all tokens and writes its rows of the weight's gradient in one matmul;
+and every matmul keeps N rows, which a CPU or GPU runs faster than a chunk of a hundred tokens.
+The price: logsumexp is accumulated slice by slice (the running-max form of the online
+softmax, Milakov & Gimelshein 2018), so values match the naive path to float rounding, not bit
+for bit.
+
+The math per token, with z = (h W^T + b) / temperature in fp32, p = softmax(z):
+  log_prob = z[label] - logsumexp(z)
+  entropy  = logsumexp(z) - sum_j p_j z_j  (= lse - mu)
+  d log_prob / dz = onehot(label) - p
+  d entropy  / dz = -p * (z - mu)          (from H = -sum p log p)
+so dz = g_lp * onehot - p * (g_lp + g_H * (z - mu)), and d(h W^T + b) = dz / temperature.
+
+``fused_lm_head`` plugs this into a Hugging Face causal LM without calling its parts separately:
+for the duration of one forward, the output embedding's ``forward`` (an instance attribute, so
+the state dict and tied embeddings are untouched) returns [log-prob, entropy] per position
+instead of logits. The head still runs inside the model's own forward, which is where FSDP2
+has the root's parameters (embeddings, norm, head) gathered, and the result is the root's
+output, whose backward hook gathers them again before this backward runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_CHUNK_LOGITS = 2**24  # 64 MB of fp32 per slice; see benchmarks/README.md ("Logits memory")
+
+
+def _slice_width(tokens: int, vocab: int, chunk_logits: int) -> int:
+    return min(vocab, max(1, -(-chunk_logits // max(tokens, 1))))
+
+
+def _slice_logits(hidden, weight, bias, start: int, width: int, temperature: float) -> torch.Tensor:
+    """(N, W) fp32 logits / temperature of vocabulary entries [start, start + W); the matmul runs in
+    the model's dtype, as the model's head does, and the result is upcast as the naive path does."""
+    cols = slice(start, start + width)
+    z = F.linear(hidden, weight[cols], None if bias is None else bias[cols]).float()  # fresh: safe to modify
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """(hidden (N, H), weight (V, H), bias (V,) | None, labels (N,)) -> log-probs (N,) [, entropies (N,)]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature: float, chunk_logits: int, with_entropy: bool):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        width = _slice_width(n, vocab, chunk_logits)
+        m = hidden.new_full((n,), float("-inf"), dtype=torch.float32)  # running max of z
+        s = torch.zeros_like(m)  # running sum of exp(z - m)
+        t = torch.zeros_like(m) if with_entropy else None  # running sum of exp(z - m) * z
+        picked = torch.zeros_like(m)  # z[label]
+        for start in range(0, vocab, width):
+            z = _slice_logits(hidden, weight, bias, start, width, temperature)  # (N, W)
+            new_m = torch.maximum(m, z.amax(-1))
+            scale = torch.exp(m - new_m)  # 0 on the first slice (m = -inf)
+            e = torch.sub(z, new_m[:, None]).exp_()
+            s = s * scale + e.sum(-1)
+            if with_entropy:
+                t = t * scale + e.mul_(z).sum(-1)
+            picked += _at_labels(z, labels - start)
+            m = new_m
+        lse = m + s.log()
+        mu = t / s if with_entropy else None
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, mu)
+        ctx.temperature, ctx.width = temperature, width
+        ctx.set_materialize_grads(False)
+        log_probs = picked - lse
+        return (log_probs, lse - mu) if with_entropy else log_probs
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy=None):
+        hidden, weight, bias, labels, lse, mu = ctx.saved_tensors
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden, dtype=torch.float32) if want_h else None  # summed over slices
+        grad_w = torch.zeros_like(weight) if want_w else None  # one slice of rows at a time
+        grad_b = torch.zeros_like(bias) if want_b else None
+        if grad_log_probs is None and grad_entropy is None:
+            return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None
+        for start in range(0, weight.shape[0], ctx.width):
+            cols = slice(start, start + ctx.width)
+            z = _slice_logits(hidden, weight, bias, start, ctx.width, ctx.temperature)
+            dz = _grad_logits(z, labels - start, lse, mu, grad_log_probs, grad_entropy)
+            dz = dz.div_(ctx.temperature).to(hidden.dtype)  # the gradient the model's head output would get
+            if want_w:
+                torch.mm(dz.T, hidden, out=grad_w[cols])
+            if want_b:
+                grad_b[cols] = dz.float().sum(0)
+            if want_h:
+                _accumulate(grad_h, dz, weight[cols])
+        return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None
+
+
+def _at_labels(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N,) z[i, labels[i]] where the label falls in this slice ([0, W)), else 0; no host-device sync."""
+    inside = (labels >= 0) & (labels < z.shape[1])
+    return z.gather(-1, labels.clamp(0, z.shape[1] - 1)[:, None]).squeeze(-1) * inside
+
+
+def _grad_logits(z, labels, lse, mu, g_lp, g_ent) -> torch.Tensor:
+    """d(loss)/dz for one vocabulary slice: g_lp * onehot - p * (g_lp + g_ent * (z - mu)).
+
+    z (N, W) is reused in place; ``labels`` are relative to the slice (outside [0, W) where the
+    label lies in another slice, which then gets no one-hot term).
+    """
+    p = torch.sub(z, lse[:, None]).exp_()  # softmax(z), from the forward's logsumexp
+    if g_ent is not None:
+        coef = z.sub_(mu[:, None]).mul_(g_ent[:, None])
+        if g_lp is not None:
+            coef.add_(g_lp[:, None])
+        dz = p.mul_(coef).neg_()
+    else:
+        dz = p.mul_(g_lp[:, None]).neg_()
+    if g_lp is not None:
+        inside = (labels >= 0) & (labels < z.shape[1])
+        dz.scatter_add_(-1, labels.clamp(0, z.shape[1] - 1)[:, None], (g_lp * inside)[:, None])
+    return dz
+
+
+def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total (fp32) += a @ b: in place when a, b are fp32, else via their product in their dtype (CPU
+    has no mixed-dtype matmul)."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    else:
+        total += (a @ b).float()
+
+
+def _as(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    return None if grad is None else grad.to(like.dtype)
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_logits: int = DEFAULT_CHUNK_LOGITS,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax((h W^T + b) / temperature)[label] (N,) and optionally the entropy (N,), both
+    differentiable w.r.t. ``hidden`` (N, H), ``weight`` (V, H) and ``bias`` (V,), holding about
+    ``chunk_logits`` logits at a time (vocabulary slices of ceil(chunk_logits / N) entries).
+    Equals ``logprobs_from_logits`` / ``entropy_from_logits`` on
+    ``F.linear(hidden, weight, bias).float() / temperature`` up to float rounding.
+    """
+    if chunk_logits < 1:
+        raise ValueError(f"chunk_logits={chunk_logits}: the logits per chunk must be at least 1")
+    out = _ChunkedHead.apply(hidden, weight, bias, labels, float(temperature), int(chunk_logits), with_entropy)
+    return out if with_entropy else (out, None)
+
+
+# Heads whose logits the model changes after the head runs (Gemma2's soft-capping, Cohere's
+# scale): the numbers this head returns are not logits and must not be transformed.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale")
+
+
+@contextmanager
+def fused_lm_head(
+    model: torch.nn.Module,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_logits: int = DEFAULT_CHUNK_LOGITS,
+    with_entropy: bool = False,
+) -> Iterator[None]:
+    """While open, ``model(...).logits`` is (..., 2) [log-prob, entropy] (or (..., 1) [log-prob])
+    of ``labels`` at the positions the head sees, instead of (..., V) logits.
+
+    ``labels`` has the shape of the head's input without the hidden dim (what ``logits_to_keep``
+    selects): (B, T') for the padded path, (1, n) or (n,) for a packed row. One forward only.
+    """
+    config = getattr(model, "config", None)
+    changed = [k for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1.0)]
+    if changed:
+        raise ValueError(f"{type(model).__name__} transforms its logits after the LM head ({changed[0]}); "
+                         f"the chunked head cannot; set actor_rollout_ref.model.use_fused_kernels=false")
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__}'s output embedding is a {type(head).__name__}, not a Linear; "
+                         f"set actor_rollout_ref.model.use_fused_kernels=false")
+    calls = []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., 1 or 2)
+        assert not calls, "fused_lm_head serves one forward; open it again for the next"
+        calls.append(1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        lp, ent = chunked_logprobs(flat, head.weight, labels.reshape(-1), bias=head.bias, temperature=temperature,
+                                   chunk_logits=chunk_logits, with_entropy=with_entropy)
+        out = torch.stack([lp, ent], -1) if with_entropy else lp[:, None]
+        return out.view(*hidden.shape[:-1], out.shape[-1])
+
+    had_own = "forward" in vars(head)
+    own = vars(head).get("forward")
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if had_own:
+            head.forward = own
+        else:
+            del head.forward
+    if not calls:
+        raise ValueError(f"{type(model).__name__}'s forward never called its output embedding; "
+                         f"set actor_rollout_ref.model.use_fused_kernels=false")

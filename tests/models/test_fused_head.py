@@ -1,0 +1,265 @@
+"""The chunked LM head must give the naive path's log-probs, entropies and gradients.
+
+Naive path: the whole (N, V) logits, upcast to fp32, divided by the temperature, then
+klppo.algo's logprobs_from_logits / entropy_from_logits, differentiated by autograd.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2ForCausalLM
+
+from klppo.algo import entropy_from_logits, logprobs_from_logits
+from klppo.models.forward import HeadSettings, response_logprobs
+from klppo.models.fused_head import chunked_logprobs, fused_lm_head
+from klppo.models.tiny import tiny_model_config
+
+HERE = Path(__file__).parent
+TOL = dict(atol=1e-5, rtol=1e-5)
+TEMPERATURES = [1.0, 0.7, 1.3]
+
+
+def _naive(hidden, weight, bias, labels, temperature):
+    logits = F.linear(hidden, weight, bias).float() / temperature
+    return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+
+
+def _assert_bf16_close(got: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
+    """Within 2% in norm: bf16 gradients summed in another order differ by a few bf16 steps
+    (2**-8 relative), which elementwise tolerances cannot take where terms cancel."""
+    error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+    assert error < 2e-2, (name, error)
+
+
+def _loss(lp, ent, g, uses):
+    """A loss that weights each token differently; ``uses`` picks which outputs it reads."""
+    if uses == "both":
+        return (lp * g).sum() + (ent * g.flip(0)).sum()
+    return (lp * g).sum() if uses == "log_probs" else (ent * g).sum()
+
+
+def _case(seed: int, with_bias: bool):
+    """Random N, H, V, inputs scaled like a model's (logits of order 1), and a chunk_logits giving
+    vocabulary slices of 1 entry, uneven slices, exactly V entries or more than V."""
+    g = torch.Generator().manual_seed(seed)
+    n, h, v = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((1, 70), (4, 40), (3, 300)))
+    hidden = torch.randn(n, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h**0.5).requires_grad_()
+    bias = (torch.randn(v, generator=g) * 0.1).requires_grad_() if with_bias else None
+    labels = torch.randint(v, (n,), generator=g)
+    width = [1, 3, 7, max(1, v - 1), v, v + 5][seed % 6]
+    return hidden, weight, bias, labels, torch.randn(n, generator=g), n * width
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("uses", ["both", "log_probs", "entropy"])
+def test_chunked_head_equals_the_naive_path_in_values_and_gradients(seed, temperature, uses):
+    hidden, weight, bias, labels, g, chunk = _case(seed, with_bias=seed % 2 == 0)
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+    lp, ent = _naive(hidden, weight, bias, labels, temperature)
+    expected = torch.autograd.grad(_loss(lp, ent, g, uses), inputs)
+    with_entropy = uses != "log_probs" or seed % 3 == 0  # entropy computed but unused, sometimes
+    lp_c, ent_c = chunked_logprobs(hidden, weight, labels, bias=bias, temperature=temperature, chunk_logits=chunk,
+                                   with_entropy=with_entropy)
+    torch.testing.assert_close(lp_c, lp, **TOL)
+    if with_entropy:
+        torch.testing.assert_close(ent_c, ent, **TOL)
+    else:
+        assert ent_c is None
+    got = torch.autograd.grad(_loss(lp_c, ent_c, g, uses), inputs)
+    for name, a, b in zip(["hidden", "weight", "bias"], got, expected):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
+def test_bf16_head_runs_its_matmul_in_bf16_and_its_softmax_in_fp32():
+    hidden, weight, _, labels, g, _ = _case(3, with_bias=False)
+    hidden16, weight16 = (t.detach().bfloat16().requires_grad_() for t in (hidden, weight))
+    lp, ent = _naive(hidden16, weight16, None, labels, 1.3)
+    expected = torch.autograd.grad(_loss(lp, ent, g, "both"), [hidden16, weight16])
+    lp_c, ent_c = chunked_logprobs(hidden16, weight16, labels, temperature=1.3, chunk_logits=4 * len(labels),
+                                   with_entropy=True)
+    got = torch.autograd.grad(_loss(lp_c, ent_c, g, "both"), [hidden16, weight16])
+    assert lp_c.dtype == ent_c.dtype == torch.float32
+    assert got[0].dtype == got[1].dtype == torch.bfloat16
+    torch.testing.assert_close(lp_c, lp, **TOL)  # the same bf16 logits, the same math in fp32
+    torch.testing.assert_close(ent_c, ent, **TOL)
+    for a, b in zip(got, expected):  # bf16 matmuls, the hidden states' gradient summed over slices
+        _assert_bf16_close(a, b)
+
+
+def test_chunk_logits_below_one_are_refused():
+    hidden, weight, _, labels, _, _ = _case(0, with_bias=False)
+    with pytest.raises(ValueError, match="chunk_logits=0"):
+        chunked_logprobs(hidden, weight, labels, chunk_logits=0)
+
+
+# ---- inside a Hugging Face model ----
+
+
+def _model(tied: bool) -> Qwen2ForCausalLM:
+    config = tiny_model_config(61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config.tie_word_embeddings = tied
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(config)
+
+
+def _batch():
+    """Left-padded prompts + right-padded responses, one response empty, one column all padding."""
+    g = torch.Generator().manual_seed(1)
+    prompts, responses, p_width, r_width = (5, 2, 1, 3), (6, 1, 4, 0), 5, 7
+    ids = torch.randint(2, 61, (4, p_width + r_width), generator=g)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for row, (p, t) in enumerate(zip(prompts, responses)):
+        mask[row, p_width - p : p_width + t] = True
+    return torch.where(mask, ids, 0), mask, r_width
+
+
+def _scores_and_grads(model, head: HeadSettings, *, packed: bool, temperature: float, with_entropy: bool, **kw):
+    ids, mask, width = _batch()
+    model.zero_grad()
+    lp, ent = response_logprobs(model, ids, mask, width, temperature=temperature, with_entropy=with_entropy,
+                                packed=packed, head=head, **kw)
+    weights = torch.linspace(-1, 1, lp.numel()).view_as(lp)
+    ((lp * weights).sum() + (0.3 * ent.sum() if with_entropy else 0)).backward()
+    return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_fused_head_gives_the_unfused_log_probs_entropies_and_parameter_gradients(packed, tied, temperature, with_entropy):
+    model = _model(tied)
+    kw = dict(packed=packed, temperature=temperature, with_entropy=with_entropy)
+    lp, ent, grads = _scores_and_grads(model, HeadSettings(), **kw)
+    lp_f, ent_f, grads_f = _scores_and_grads(model, HeadSettings(fused=True, chunk_logits=40), **kw)
+    torch.testing.assert_close(lp_f, lp, **TOL)
+    if with_entropy:
+        torch.testing.assert_close(ent_f.detach(), ent.detach(), **TOL)
+    assert grads_f.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_f[name], grads[name], **TOL, msg=name)
+
+
+def test_fused_head_works_with_gradient_checkpointing_and_split_packed_rows():
+    model = _model(tied=True)
+    lp, ent, grads = _scores_and_grads(model, HeadSettings(), packed=True, temperature=0.7, with_entropy=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    lp_f, ent_f, grads_f = _scores_and_grads(model, HeadSettings(fused=True, chunk_logits=100), packed=True,
+                                             temperature=0.7, with_entropy=True, max_tokens=12)
+    torch.testing.assert_close(lp_f, lp, **TOL)
+    torch.testing.assert_close(ent_f, ent, **TOL)
+    for name in grads:
+        torch.testing.assert_close(grads_f[name], grads[name], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("head", [HeadSettings(entropy_chunking=True), HeadSettings(entropy_checkpointing=True),
+                                  HeadSettings(entropy_chunking=True, entropy_checkpointing=True)])
+def test_entropy_chunking_and_checkpointing_do_not_change_numbers(head):
+    model = _model(tied=True)
+    lp, ent, grads = _scores_and_grads(model, HeadSettings(), packed=False, temperature=1.3, with_entropy=True)
+    lp_o, ent_o, grads_o = _scores_and_grads(model, head, packed=False, temperature=1.3, with_entropy=True)
+    assert torch.equal(lp_o, lp) and torch.equal(ent_o, ent)
+    for name in grads:
+        torch.testing.assert_close(grads_o[name], grads[name], **TOL, msg=name)
+
+
+def test_the_head_is_restored_after_the_forward_even_when_it_fails():
+    model = _model(tied=True)
+    keys = list(model.state_dict())
+    with pytest.raises(RuntimeError):
+        with fused_lm_head(model, torch.zeros(1, 3, dtype=torch.long)):
+            model(torch.ones(1, 3, dtype=torch.long), logits_to_keep=torch.arange(2))  # 2 positions, 3 labels
+    assert "forward" not in vars(model.lm_head)
+    assert list(model.state_dict()) == keys
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model(torch.ones(1, 3, dtype=torch.long)).logits.shape == (1, 3, 61)
+
+
+def test_models_that_transform_their_logits_after_the_head_are_refused():
+    model = _model(tied=True)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="use_fused_kernels=false"):
+        with fused_lm_head(model, torch.zeros(1, 3, dtype=torch.long)):
+            pass
+
+
+def test_fused_head_without_autograd_gives_the_same_scores():
+    model, (ids, mask, width) = _model(tied=False), _batch()
+    with torch.no_grad():
+        lp, ent = response_logprobs(model, ids, mask, width, with_entropy=True, packed=True)
+    with torch.inference_mode():
+        lp_f, ent_f = response_logprobs(model, ids, mask, width, with_entropy=True, packed=True,
+                                        head=HeadSettings(fused=True, chunk_logits=50))
+    torch.testing.assert_close(lp_f, lp, **TOL)
+    torch.testing.assert_close(ent_f, ent, **TOL)
+
+
+# ---- under FSDP2 ----
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_worker(folder: Path, nproc: int) -> None:
+    """The worker as one plain process (a group of one, no rendezvous) or under torchrun."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    runner = [] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                                    "--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, *runner, str(HERE / "fused_head_fsdp_worker.py"), str(folder)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-rank", "2-ranks"])
+def fsdp_runs(request, tmp_path_factory):
+    """(plain model, ranks, {case: (log-probs, entropies, grads)}) from FSDP2 over 1 or 2 ranks."""
+    folder = tmp_path_factory.mktemp("fused_fsdp")
+    cases = {f"{layout}/{'fused' if fused else 'unfused'}": dict(packed=layout == "packed", fused=fused)
+             for layout in ("padded", "packed") for fused in (False, True)}
+    cases.update({f"bf16/{'fused' if fused else 'unfused'}": dict(packed=True, fused=fused, param_dtype=torch.bfloat16)
+                  for fused in (False, True)})
+    model = _model(tied=True)
+    torch.save(dict(model=model, batch=_batch(), cases=cases), folder / "inputs.pt")
+    _run_worker(folder, request.param)
+    return model, request.param, torch.load(folder / "results.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_fused_head_under_fsdp2_gives_the_unsharded_log_probs_and_gradients(fsdp_runs, layout):
+    model, ranks, results = fsdp_runs
+    lp, ent, grads = _scores_and_grads(model, HeadSettings(), packed=layout == "packed", temperature=0.7,
+                                       with_entropy=True)
+    grads = {name: g * ranks for name, g in grads.items()}  # every rank ran the same batch; FSDP2 sums
+    for case in (f"{layout}/unfused", f"{layout}/fused"):
+        lp_s, ent_s, grads_s = results[case]
+        torch.testing.assert_close(lp_s, lp, **TOL, msg=case)
+        torch.testing.assert_close(ent_s, ent.detach(), **TOL, msg=case)
+        assert grads_s.keys() == grads.keys()
+        for name in grads:
+            torch.testing.assert_close(grads_s[name], grads[name], **TOL, msg=f"{case} {name}")
+
+
+def test_fused_head_under_fsdp2_bf16_mixed_precision_matches_the_unfused_head(fsdp_runs):
+    _, _, results = fsdp_runs
+    (lp, ent, grads), (lp_f, ent_f, grads_f) = results["bf16/unfused"], results["bf16/fused"]
+    torch.testing.assert_close(lp_f, lp, **TOL)  # the same bf16 logits, the same fp32 softmax
+    torch.testing.assert_close(ent_f, ent, **TOL)
+    for name in grads:  # bf16 matmuls over other splits of the work
+        _assert_bf16_close(grads_f[name], grads[name], name)
+
