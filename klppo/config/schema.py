@@ -72,8 +72,10 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     # Pack sequences without padding (sequence packing).
     use_remove_padding: bool = False
-    # Compute log-probs and entropy from the hidden states in fused chunks, without the full logits.
-    use_fused_kernels: bool = False
+    # Compute log-probs and entropy through the LM head one vocabulary slice at a time, never
+    # holding the (tokens x vocab) logits whole. None (klppo's default; verl's is false): on
+    # wherever the model's head allows it (a Linear head the model does not rescale afterwards).
+    use_fused_kernels: Optional[bool] = None
     fused_kernel_options: FusedKernelOptionsConfig = field(default_factory=FusedKernelOptionsConfig)
     # LoRA rank; 0 trains every parameter (LoRA itself is not implemented yet: non-zero is refused).
     lora_rank: int = 0

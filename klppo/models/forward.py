@@ -36,7 +36,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -47,7 +47,7 @@ from transformers.masking_utils import sdpa_mask
 
 from klppo.algo import entropy_from_logits, logprobs_from_logits
 from klppo.data.batching import PackedBatch, pack
-from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_lm_head
+from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_head_unsupported, fused_lm_head
 
 PACKED_SDPA = "klppo_packed_sdpa"
 
@@ -212,20 +212,27 @@ class HeadSettings:
     fused: through the head one slice of the vocabulary at a time (``klppo.models.fused_head``),
         recomputing each slice's logits in backward; the (.., V) logits are never held whole. verl's
         ``actor_rollout_ref.model.use_fused_kernels`` with ``fused_kernel_options.impl_backend: torch``.
+        None (the default): fused wherever the model's head allows it (a Linear head whose logits
+        the model does not rescale afterwards), the whole logits otherwise.
     chunk_logits: logits (tokens x vocabulary entries) the fused head computes at a time; it
         takes the vocabulary in slices of ceil(chunk_logits / tokens) entries. Memory grows
         with it (3 fp32 slices at peak), speed too up to a point (see benchmarks/README.md).
-    entropy_chunking: unfused only; the entropy's softmax is computed for 2,048 rows at a time,
-        which lowers the forward's peak (verl's ``actor.entropy_from_logits_with_chunking``).
+    entropy_chunking: unfused only; the entropy's softmax is computed for ``entropy_chunk_rows``
+        rows at a time, which lowers the forward's peak (verl's ``actor.entropy_from_logits_with_chunking``).
     entropy_checkpointing: unfused only; the entropy's softmax is recomputed in backward
         instead of kept (verl's ``actor.entropy_checkpointing``).
     The fused head already does both; the two entropy options are ignored there.
     """
 
-    fused: bool = False
+    fused: bool | None = None
     chunk_logits: int = DEFAULT_CHUNK_LOGITS
     entropy_chunking: bool = False
+    entropy_chunk_rows: int = 2048
     entropy_checkpointing: bool = False
+
+    def fused_for(self, model: torch.nn.Module) -> bool:
+        """Whether ``model``'s log-probs go through the fused head."""
+        return self.fused if self.fused is not None else fused_head_unsupported(model) is None
 
 
 def response_logprobs(
@@ -252,6 +259,7 @@ def response_logprobs(
                                    with_entropy=with_entropy, packed=True, head=head) for g in groups]
         return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
     rows, mask = input_ids.shape[0], attention_mask.bool()
+    head = replace(head, fused=head.fused_for(model))
     fused = partial(fused_lm_head, model, temperature=temperature, chunk_logits=head.chunk_logits,
                     with_entropy=with_entropy) if head.fused else None
     if packed:
@@ -275,7 +283,7 @@ def _token_scores(out: torch.Tensor, labels: torch.Tensor, temperature: float, w
     logits = out.float() / temperature
     if not with_entropy:
         return logprobs_from_logits(logits, labels), None
-    entropy = _chunked_entropy if head.entropy_chunking else entropy_from_logits
+    entropy = partial(_chunked_entropy, rows=head.entropy_chunk_rows) if head.entropy_chunking else entropy_from_logits
     if head.entropy_checkpointing and logits.requires_grad:
         return logprobs_from_logits(logits, labels), checkpoint(entropy, logits, use_reentrant=False)
     return logprobs_from_logits(logits, labels), entropy(logits)

@@ -174,6 +174,20 @@ def chunked_logprobs(
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale")
 
 
+def fused_head_unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``fused_lm_head`` cannot serve ``model`` (a reason naming the fix), or None when it can."""
+    config = getattr(model, "config", None)
+    changed = [k for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1.0)]
+    if changed:
+        return (f"{type(model).__name__} transforms its logits after the LM head ({changed[0]}); "
+                f"the chunked head cannot; set actor_rollout_ref.model.use_fused_kernels=false")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return (f"{type(model).__name__}'s output embedding is a {type(head).__name__}, not a Linear; "
+                f"set actor_rollout_ref.model.use_fused_kernels=false")
+    return None
+
+
 @contextmanager
 def fused_lm_head(
     model: torch.nn.Module,
@@ -189,15 +203,10 @@ def fused_lm_head(
     ``labels`` has the shape of the head's input without the hidden dim (what ``logits_to_keep``
     selects): (B, T') for the padded path, (1, n) or (n,) for a packed row. One forward only.
     """
-    config = getattr(model, "config", None)
-    changed = [k for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1.0)]
-    if changed:
-        raise ValueError(f"{type(model).__name__} transforms its logits after the LM head ({changed[0]}); "
-                         f"the chunked head cannot; set actor_rollout_ref.model.use_fused_kernels=false")
+    unsupported = fused_head_unsupported(model)
+    if unsupported:
+        raise ValueError(unsupported)
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        raise ValueError(f"{type(model).__name__}'s output embedding is a {type(head).__name__}, not a Linear; "
-                         f"set actor_rollout_ref.model.use_fused_kernels=false")
     calls = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., 1 or 2)

@@ -12,6 +12,7 @@ from klppo.data.batching import MicroBatching
 from klppo.data.ranked import RankedRecord, ranked_pairs
 from klppo.data.rl_dataset import PromptRecord, tokenize_responses
 from klppo.distributed import SINGLE_PROCESS, DistEnv, all_gather_objects, all_reduce_sum
+from klppo.models.forward import HeadSettings
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import SamplingParams, hf_rollout
@@ -37,10 +38,10 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
                                 batch_size=s.val_batch_size, env=parts.env))
         if parts.ref is not None:
             metrics.update(sampled_kl_to_ref(parts.actor, parts.ref, parts.val_records, parts.tokenizer, s.sampling,
-                                             batch_size=s.val_batch_size, env=parts.env))
+                                             batch_size=s.val_batch_size, env=parts.env, head=s.forwards.head))
     if parts.val_ranked:
         metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
-                                            env=parts.env))
+                                            env=parts.env, head=s.forwards.head))
     return metrics
 
 
@@ -109,24 +110,25 @@ def validate(
 
 
 @torch.no_grad()
-def response_log_likelihoods(actor, record: RankedRecord, tokenizer, max_response_length: int) -> torch.Tensor:
+def response_log_likelihoods(actor, record: RankedRecord, tokenizer, max_response_length: int,
+                             head: HeadSettings = HeadSettings()) -> torch.Tensor:
     """(K,) summed log-probability of each recorded response of ``record`` under ``actor``."""
     ids, _ = tokenize_responses(record.responses, tokenizer, max_response_length)
     response_ids, response_mask = right_pad(ids, tokenizer.pad_token_id)
     as_prompt = PromptRecord(record.index, "ranked", record.raw_prompt, record.prompt_ids, None, {})
     batch = assemble_batch([as_prompt], len(ids), tokenizer.pad_token_id, response_ids, response_mask)
-    log_prob = compute_log_prob(actor, batch.to(next(actor.parameters()).device), WHOLE, temperature=1.0)
+    log_prob = compute_log_prob(actor, batch.to(next(actor.parameters()).device), WHOLE, temperature=1.0, head=head)
     return (log_prob * batch.response_mask.to(log_prob.device)).sum(-1)
 
 
 def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_response_length: int,
-                         env: DistEnv = SINGLE_PROCESS) -> dict[str, float]:
+                         env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings()) -> dict[str, float]:
     """``val-core/preference_agreement``: the share of held-out ranked pairs (better, worse) to
     which the policy gives the better response the higher log-likelihood (ranks share the records)."""
     agree = total = 0
     for part, n_real in rank_parts(records, env.world_size, env):
         for record in part:  # a stand-in record runs its forward too, uncounted
-            loglik = response_log_likelihoods(actor, record, tokenizer, max_response_length)
+            loglik = response_log_likelihoods(actor, record, tokenizer, max_response_length, head)
             pairs = ranked_pairs(record.rankings) if n_real else []
             agree += sum(int(loglik[better] > loglik[worse]) for better, worse in pairs)
             total += len(pairs)
@@ -136,7 +138,7 @@ def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_resp
 
 def sampled_kl_to_ref(
     actor, ref, records: list[PromptRecord], tokenizer, params: SamplingParams, *, batch_size: int | None = None,
-    env: DistEnv = SINGLE_PROCESS,
+    env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings(),
 ) -> dict[str, float]:
     """``val-aux/kl_to_ref``: KL(policy || reference) per token, estimated on responses *sampled
     from the policy* (k1 is unbiased only there; on recorded offline responses it is not a KL)."""
@@ -147,8 +149,8 @@ def sampled_kl_to_ref(
         for part, n_real in rank_parts(records, batch_size or len(records), env):
             batch = hf_rollout(actor, part, tokenizer, params, synced_gpus=env.is_distributed)
             batch = batch.to(next(actor.parameters()).device)
-            log_ratio = (compute_log_prob(actor, batch, WHOLE, temperature=params.temperature)
-                         - compute_log_prob(ref, batch, WHOLE, temperature=params.temperature))
+            log_ratio = (compute_log_prob(actor, batch, WHOLE, temperature=params.temperature, head=head)
+                         - compute_log_prob(ref, batch, WHOLE, temperature=params.temperature, head=head))
             mask = batch.response_mask[: n_real * params.n]
             total += float((log_ratio[: n_real * params.n] * mask).sum())  # host sync
             tokens += float(mask.sum())

@@ -16,7 +16,7 @@ import torch
 
 from klppo.data.batching import MicroBatching, micro_batch_plan, restore_order, row_chunks
 from klppo.distributed import all_gather_rows, all_reduce_max_int
-from klppo.models.forward import response_logprobs, response_values, sequence_scores
+from klppo.models.forward import HeadSettings, response_logprobs, response_values, sequence_scores
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rewards.distill import group_ranking_rewards
 from klppo.rewards.score import score_responses
@@ -60,13 +60,15 @@ def _forward_in_parts(batch: RolloutBatch, forward: Callable[[RolloutBatch], tor
 
 
 @torch.no_grad()
-def compute_log_prob(model, batch: RolloutBatch, split: MicroBatching, *, temperature: float) -> torch.Tensor:
+def compute_log_prob(model, batch: RolloutBatch, split: MicroBatching, *, temperature: float,
+                     head: HeadSettings = HeadSettings()) -> torch.Tensor:
     """(B, T) response log-probs under ``model``, a micro-batch (rows or token budget) at a time."""
     model.eval()
 
     def forward(micro: RolloutBatch) -> torch.Tensor:
         log_prob, _ = response_logprobs(model, micro.input_ids, micro.attention_mask, micro.response_length,
-                                        temperature=temperature, packed=split.packed, max_tokens=split.max_tokens)
+                                        temperature=temperature, packed=split.packed, max_tokens=split.max_tokens,
+                                        head=head)
         return log_prob
 
     return _forward_in_parts(batch, forward, split)
@@ -126,10 +128,11 @@ def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer:
     f, mine, resident = parts.settings.forwards, batch.select(shards.mine), parts.offloader.resident
     with timer.phase("old_log_prob"), resident("actor"):
         batch.old_log_prob = shards.gather(compute_log_prob(parts.actor, mine, f.old_log_prob,
-                                                            temperature=f.temperature))
+                                                            temperature=f.temperature, head=f.head))
     if parts.ref is not None:
         with timer.phase("ref"), resident("ref"):
-            batch.ref_log_prob = shards.gather(compute_log_prob(parts.ref, mine, f.ref, temperature=f.temperature))
+            batch.ref_log_prob = shards.gather(compute_log_prob(parts.ref, mine, f.ref, temperature=f.temperature,
+                                                                head=f.head))
     if parts.critic is not None:
         with timer.phase("values"), resident("critic"):
             batch.values = shards.gather(compute_values(parts.critic, mine, f.values))

@@ -17,6 +17,7 @@ from typing import Optional
 from klppo.config import PPOConfig
 from klppo.data.batching import MicroBatching
 from klppo.errors import UserError
+from klppo.models.forward import HeadSettings
 from klppo.rollout.hf import SamplingParams
 from klppo.trainer.guards import GuardSettings
 
@@ -41,6 +42,7 @@ class ActorUpdateSettings:
     kl_loss_type: str
     grad_clip: float
     temperature: float  # the rollout's: log-probs of the distribution the responses came from
+    head: HeadSettings = HeadSettings()  # how log-probs and entropies come out of the LM head
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class ForwardSettings:
     values: MicroBatching  # the critic (critic.ppo_micro_batch_size_per_gpu / token budget)
     reward_model_rows: Optional[int]  # rows per reward-model forward; None = all at once
     temperature: float
+    head: HeadSettings = HeadSettings()  # how log-probs come out of the LM head (actor and reference)
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,7 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int) -> ActorUpdateSettings:
         ppo_epochs=actor.ppo_epochs, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
         clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
-        grad_clip=actor.grad_clip, temperature=arf.rollout.temperature,
+        grad_clip=actor.grad_clip, temperature=arf.rollout.temperature, head=head_settings(cfg),
     )
 
 
@@ -239,8 +242,16 @@ def _forwards(cfg: PPOConfig) -> ForwardSettings:
             budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
         values=_critic_micro(cfg),
         reward_model_rows=cfg.reward_model.micro_batch_size_per_gpu,
-        temperature=rollout.temperature,
+        temperature=rollout.temperature, head=head_settings(cfg),
     )
+
+
+def head_settings(cfg: PPOConfig) -> HeadSettings:
+    """The LM head of the actor and reference: fused (``use_fused_kernels``) and the entropy options."""
+    model, actor = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
+    return HeadSettings(fused=model.use_fused_kernels, entropy_chunking=actor.entropy_from_logits_with_chunking,
+                        entropy_chunk_rows=actor.entropy_from_logits_chunk_size,
+                        entropy_checkpointing=actor.entropy_checkpointing)
 
 
 def _guard(cfg: PPOConfig) -> GuardSettings:

@@ -99,6 +99,7 @@ def _actor_micro_loss(actor, micro: RolloutBatch, s: ActorUpdateSettings, tokens
     log_prob, entropy = response_logprobs(
         actor, micro.input_ids, micro.attention_mask, micro.response_length,
         temperature=s.temperature, with_entropy=True, packed=s.micro.packed, max_tokens=s.micro.max_tokens,
+        head=s.head,
     )  # (b, T), (b, T)
     counts = {"global_token_count": tokens, "global_seq_count": seqs}
     pg_loss, pg_stats = compute_policy_loss(

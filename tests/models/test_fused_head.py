@@ -139,7 +139,7 @@ def _scores_and_grads(model, head: HeadSettings, *, packed: bool, temperature: f
 def test_fused_head_gives_the_unfused_log_probs_entropies_and_parameter_gradients(packed, tied, temperature, with_entropy):
     model = _model(tied)
     kw = dict(packed=packed, temperature=temperature, with_entropy=with_entropy)
-    lp, ent, grads = _scores_and_grads(model, HeadSettings(), **kw)
+    lp, ent, grads = _scores_and_grads(model, HeadSettings(fused=False), **kw)
     lp_f, ent_f, grads_f = _scores_and_grads(model, HeadSettings(fused=True, chunk_logits=40), **kw)
     torch.testing.assert_close(lp_f, lp, **TOL)
     if with_entropy:
@@ -151,7 +151,7 @@ def test_fused_head_gives_the_unfused_log_probs_entropies_and_parameter_gradient
 
 def test_fused_head_works_with_gradient_checkpointing_and_split_packed_rows():
     model = _model(tied=True)
-    lp, ent, grads = _scores_and_grads(model, HeadSettings(), packed=True, temperature=0.7, with_entropy=True)
+    lp, ent, grads = _scores_and_grads(model, HeadSettings(fused=False), packed=True, temperature=0.7, with_entropy=True)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     lp_f, ent_f, grads_f = _scores_and_grads(model, HeadSettings(fused=True, chunk_logits=100), packed=True,
@@ -162,11 +162,13 @@ def test_fused_head_works_with_gradient_checkpointing_and_split_packed_rows():
         torch.testing.assert_close(grads_f[name], grads[name], **TOL, msg=name)
 
 
-@pytest.mark.parametrize("head", [HeadSettings(entropy_chunking=True), HeadSettings(entropy_checkpointing=True),
-                                  HeadSettings(entropy_chunking=True, entropy_checkpointing=True)])
+@pytest.mark.parametrize("head", [HeadSettings(fused=False, entropy_chunking=True),
+                                  HeadSettings(fused=False, entropy_checkpointing=True),
+                                  HeadSettings(fused=False, entropy_chunking=True, entropy_checkpointing=True),
+                                  HeadSettings(fused=False, entropy_chunking=True, entropy_chunk_rows=3)])
 def test_entropy_chunking_and_checkpointing_do_not_change_numbers(head):
     model = _model(tied=True)
-    lp, ent, grads = _scores_and_grads(model, HeadSettings(), packed=False, temperature=1.3, with_entropy=True)
+    lp, ent, grads = _scores_and_grads(model, HeadSettings(fused=False), packed=False, temperature=1.3, with_entropy=True)
     lp_o, ent_o, grads_o = _scores_and_grads(model, head, packed=False, temperature=1.3, with_entropy=True)
     assert torch.equal(lp_o, lp) and torch.equal(ent_o, ent)
     for name in grads:
@@ -243,7 +245,7 @@ def fsdp_runs(request, tmp_path_factory):
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_fused_head_under_fsdp2_gives_the_unsharded_log_probs_and_gradients(fsdp_runs, layout):
     model, ranks, results = fsdp_runs
-    lp, ent, grads = _scores_and_grads(model, HeadSettings(), packed=layout == "packed", temperature=0.7,
+    lp, ent, grads = _scores_and_grads(model, HeadSettings(fused=False), packed=layout == "packed", temperature=0.7,
                                        with_entropy=True)
     grads = {name: g * ranks for name, g in grads.items()}  # every rank ran the same batch; FSDP2 sums
     for case in (f"{layout}/unfused", f"{layout}/fused"):
@@ -263,3 +265,12 @@ def test_fused_head_under_fsdp2_bf16_mixed_precision_matches_the_unfused_head(fs
     for name in grads:  # bf16 matmuls over other splits of the work
         _assert_bf16_close(grads_f[name], grads[name], name)
 
+
+
+def test_the_default_head_is_fused_where_the_model_allows_it_and_whole_logits_elsewhere():
+    model = _model(tied=True)
+    assert HeadSettings().fused_for(model) and not HeadSettings(fused=False).fused_for(model)
+    model.config.final_logit_softcapping = 30.0  # Gemma2-style: the head's numbers are not the logits
+    assert not HeadSettings().fused_for(model)
+    with pytest.raises(ValueError, match="use_fused_kernels=false"):
+        _scores_and_grads(model, HeadSettings(fused=True), packed=False, temperature=1.0, with_entropy=False)

@@ -86,3 +86,12 @@ def test_the_loop_and_its_helpers_never_read_the_config(name):
     assert not [m for m in imports if m.startswith("klppo.config")], name
     attributes = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     assert not {"cfg", "actor_rollout_ref", "algorithm", "trainer"} & attributes, name
+
+
+def test_the_lm_head_settings_reach_the_actor_update_and_the_forwards():
+    s = compile_ppo(_config(**{"actor_rollout_ref.model.use_fused_kernels": "false",
+                               "actor_rollout_ref.actor.entropy_from_logits_with_chunking": "true",
+                               "actor_rollout_ref.actor.entropy_from_logits_chunk_size": 512}), world_size=1)
+    assert s.actor.head == s.forwards.head
+    assert (s.actor.head.fused, s.actor.head.entropy_chunking, s.actor.head.entropy_chunk_rows) == (False, True, 512)
+    assert compile_ppo(_config(), world_size=1).actor.head.fused is None  # on wherever the head allows it
