@@ -176,16 +176,18 @@ def _packed_forward(model, input_ids, attention_mask, response_length, lm: bool,
     packed = pack(input_ids, attention_mask)
     positions, rows, slots = _packed_reads(packed, attention_mask.bool(), response_length)
     labels = input_ids[rows, slots + input_ids.shape[1] - response_length]  # (n,)
-    varlen = {  # flash-attention's varlen arguments; PACKED_SDPA reads cu_seq_lens_q; sdpa/eager ignore them
-        "cu_seq_lens_q": packed.cu_seqlens, "cu_seq_lens_k": packed.cu_seqlens,
-        "max_length_q": packed.max_seqlen, "max_length_k": packed.max_seqlen,
-    }
     extra = {"logits_to_keep": positions} if lm else {}
     with head(labels) if head else nullcontext():
         out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                    use_cache=False, **varlen, **extra)
+                    use_cache=False, **_varlen(packed), **extra)
     logits = out.logits[0] if lm else out.logits[0, positions]  # (n, V) or (n, 1)
     return logits, labels, rows, slots
+
+
+def _varlen(packed: PackedBatch) -> dict:
+    """flash-attention's varlen arguments; PACKED_SDPA reads cu_seq_lens_q; sdpa/eager ignore them."""
+    return {"cu_seq_lens_q": packed.cu_seqlens, "cu_seq_lens_k": packed.cu_seqlens,
+            "max_length_q": packed.max_seqlen, "max_length_k": packed.max_seqlen}
 
 
 def _row_groups(attention_mask: torch.Tensor, max_tokens: int | None) -> list[slice]:
@@ -323,25 +325,31 @@ def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
-def sequence_scores(reward_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(reward_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    *, packed: bool = False) -> torch.Tensor:
     """(B,) reward-model scores read at each sequence's last real token.
 
     The model runs as a whole (so FSDP2 gathers its parameters), and the score head's output
     at every position is taken from a hook; the last real position is picked here, so padding
     on either side (and pad == eos tokenizers) cannot move the read-out as Hugging Face's
-    pad-token search would.
+    pad-token search would. ``packed`` runs the rows as one packed row without padding
+    (``reward_model.model.use_remove_padding``); the scores are the same.
     """
     per_position = []
     hook = reward_model.score.register_forward_hook(lambda module, args, out: per_position.append(out))
     try:
-        reward_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask.long(),
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        )
+        if packed:
+            rows = pack(input_ids, attention_mask)
+            reward_model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=None,
+                         use_cache=False, **_varlen(rows))
+        else:
+            reward_model(input_ids=input_ids, attention_mask=attention_mask.long(),
+                         position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     finally:
         hook.remove()
+    if packed:  # (1, N, 1): each sequence ends just before the next one starts
+        last = rows.cu_seqlens[1:].long() - 1
+        return per_position[0][0, last, 0].float()
     scores = per_position[0][..., 0]  # (B, L): the head at every position
     last = attention_mask.shape[1] - 1 - attention_mask.long().flip(1).argmax(1)  # (B,) last True
     return scores[torch.arange(len(scores), device=scores.device), last].float()

@@ -62,9 +62,12 @@ class PPOParts:
 
 def fsdp_sections(cfg: PPOConfig) -> dict[str, FSDPConfig]:
     arf = cfg.actor_rollout_ref
-    return {"actor_rollout_ref.actor.fsdp_config": arf.actor.fsdp_config,
-            "actor_rollout_ref.ref.fsdp_config": arf.ref.fsdp_config,
-            "critic.model.fsdp_config": cfg.critic.model.fsdp_config}
+    sections = {"actor_rollout_ref.actor.fsdp_config": arf.actor.fsdp_config,
+                "actor_rollout_ref.ref.fsdp_config": arf.ref.fsdp_config,
+                "critic.model.fsdp_config": cfg.critic.model.fsdp_config}
+    if cfg.reward_model.enable:  # verl scripts set the reward model's options even when it is off
+        sections["reward_model.model.fsdp_config"] = cfg.reward_model.model.fsdp_config
+    return sections
 
 
 def start_processes(cfg: PPOConfig) -> DistEnv:
@@ -146,9 +149,10 @@ def build_offloader(device, fsdp: dict[str, FSDPConfig], actor, actor_optimizer,
     actor_fsdp, ref_fsdp = fsdp["actor_rollout_ref.actor.fsdp_config"], fsdp["actor_rollout_ref.ref.fsdp_config"]
     offloader.register("actor", actor, param_offload=actor_fsdp.param_offload, optimizer=actor_optimizer,
                        optimizer_offload=actor_fsdp.optimizer_offload)
-    for role, model in (("ref", ref), *((f"reward_model_{i}", rm) for i, rm in enumerate(reward_models))):
-        if model is not None:
-            offloader.register(role, model, param_offload=ref_fsdp.param_offload)
+    if ref is not None:
+        offloader.register("ref", ref, param_offload=ref_fsdp.param_offload)
+    for i, model in enumerate(reward_models):
+        offloader.register(f"reward_model_{i}", model, param_offload=fsdp["reward_model.model.fsdp_config"].param_offload)
     if critic is not None:
         critic_fsdp = fsdp["critic.model.fsdp_config"]
         offloader.register("critic", critic, param_offload=critic_fsdp.param_offload, optimizer=critic_optimizer,
@@ -178,11 +182,13 @@ def _load_reward_models(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharde
         return []
     paths = {"reward_model.model.path": cfg.reward_model.model.path}
     paths.update({f"reward_model.model.extra_paths[{i}]": path for i, path in enumerate(cfg.reward_model.model.extra_paths)})
-    models = []
+    models, rm_model = [], cfg.reward_model.model
     for key, path in paths.items():
         check_same_tokenizer(tokenizer, path, key)
         model = load_reward_model(path, key=key, device=env.device).eval().requires_grad_(False)
-        models.append(sharder.shard(model, cfg.actor_rollout_ref.ref.fsdp_config))
+        if rm_model.use_remove_padding:
+            use_packed_attention(model, PARAM_DTYPES[rm_model.fsdp_config.dtype])
+        models.append(sharder.shard(model, rm_model.fsdp_config))
     return models
 
 

@@ -22,7 +22,7 @@ from klppo.rewards.distill import group_ranking_rewards
 from klppo.rewards.score import score_responses
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.settings import RewardSettings
+from klppo.trainer.settings import RewardModelForward, RewardSettings
 
 if TYPE_CHECKING:
     from klppo.trainer.build import PPOParts
@@ -87,13 +87,19 @@ def compute_values(critic, batch: RolloutBatch, split: MicroBatching) -> torch.T
 
 
 @torch.no_grad()
-def compute_rm_scores(reward_model, batch: RolloutBatch, *, micro_batch_rows: int | None) -> torch.Tensor:
-    """(B,) reward-model scores of prompt + response, read at each response's last token."""
+def compute_rm_scores(reward_model, batch: RolloutBatch, rm: RewardModelForward) -> torch.Tensor:
+    """(B,) reward-model scores of prompt + response, read at each response's last token.
+
+    The reward model reads at most the prompt's last ``rm.prompt_length`` and the response's first
+    ``rm.response_length`` tokens (verl's reward_model.rollout lengths).
+    """
     reward_model.eval()
-    parts = []
-    for idx in row_chunks(len(batch), micro_batch_rows or len(batch)):
-        micro = batch.select(idx)
-        parts.append(sequence_scores(reward_model, micro.input_ids, micro.attention_mask))
+    prompt_ids, prompt_mask = batch.prompt_ids[:, -rm.prompt_length:], batch.prompt_mask[:, -rm.prompt_length:]
+    response_ids = batch.response_ids[:, : rm.response_length]
+    response_mask = batch.response_mask[:, : rm.response_length]
+    input_ids, mask = torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask], 1)
+    parts = [sequence_scores(reward_model, input_ids[idx], mask[idx], packed=rm.micro.packed)
+             for idx in row_chunks(len(batch), rm.micro.rows or len(batch))]
     return torch.cat(parts)
 
 
@@ -148,9 +154,8 @@ def response_scores(parts: PPOParts, batch: RolloutBatch) -> torch.Tensor:
         return batch.recorded_scores.to(parts.env.device)
     if not parts.reward_models:
         return compute_scores(batch, parts.tokenizer, parts.reward_fn)
-    rows = parts.settings.forwards.reward_model_rows
-    return torch.stack([compute_rm_scores(model, batch, micro_batch_rows=rows) for model in parts.reward_models],
-                       dim=-1)
+    rm = parts.settings.forwards.reward_model
+    return torch.stack([compute_rm_scores(model, batch, rm) for model in parts.reward_models], dim=-1)
 
 
 def token_scores(reward: RewardSettings, batch: RolloutBatch, scores: torch.Tensor,

@@ -119,7 +119,7 @@ class PPOTrainer:
                     norm_adv_by_std_in_grpo=adv.norm_adv_by_std_in_grpo)
             # step 6. guard: KL of the sampling policy to the reference, finite rewards
             action = self._guard_before_update(batch)
-            # step 7. update: critic, then actor
+            # step 7. update: critic, then actor (once trainer.critic_warmup critic-only steps are done)
             if action is Action.CONTINUE:
                 metrics.update(self._update(batch.select(shards.mine), timer))
                 action = self._guard_after_update(metrics)
@@ -176,10 +176,11 @@ class PPOTrainer:
                 metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.s.critic))
             metrics["critic/lr"] = p.critic_scheduler.get_last_lr()[0]
             p.critic_scheduler.step()
-        with timer.phase("update_actor"), p.offloader.resident("actor"), profiled(p.device, overlap, measured):
-            metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.s.actor))
-        metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]
-        p.actor_scheduler.step()
+        if self.step > self.s.critic_warmup:
+            with timer.phase("update_actor"), p.offloader.resident("actor"), profiled(p.device, overlap, measured):
+                metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.s.actor))
+            metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]
+            p.actor_scheduler.step()
         if measured:
             metrics.update(overlap.metrics())
         return metrics
@@ -198,7 +199,8 @@ class PPOTrainer:
     def _guard_after_update(self, metrics: dict) -> Action:
         watched = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
         action = self.guard.check_finite(self.step, {k: float(metrics[k]) for k in watched if k in metrics})
-        self.guard.check_health(self.step, float(metrics["actor/entropy"]), float(metrics["actor/pg_clipfrac"]))
+        if "actor/entropy" in metrics:  # not during the critic's warm-up
+            self.guard.check_health(self.step, float(metrics["actor/entropy"]), float(metrics["actor/pg_clipfrac"]))
         return action
 
     def _efficiency_metrics(self, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, float]:

@@ -56,13 +56,22 @@ class CriticUpdateSettings:
 
 
 @dataclass(frozen=True)
+class RewardModelForward:
+    """How reward models score a batch (``reward_model.*``)."""
+
+    micro: MicroBatching  # micro_batch_size_per_gpu rows at a time; model.use_remove_padding packs them
+    prompt_length: int  # the prompt's last tokens the reward model reads (reward_model.rollout.prompt_length)
+    response_length: int  # the response's first tokens it reads (reward_model.rollout.response_length)
+
+
+@dataclass(frozen=True)
 class ForwardSettings:
     """How the no-grad scoring forwards split this rank's rows."""
 
     old_log_prob: MicroBatching  # the actor (rollout.log_prob_*)
     ref: MicroBatching  # the reference (ref.log_prob_*)
     values: MicroBatching  # the critic (critic.ppo_micro_batch_size_per_gpu / token budget)
-    reward_model_rows: Optional[int]  # rows per reward-model forward; None = all at once
+    reward_model: RewardModelForward
     temperature: float
     head: HeadSettings = HeadSettings()  # how log-probs come out of the LM head (actor and reference)
 
@@ -124,6 +133,7 @@ class PPOSettings:
     uses_reference: bool
     reward: RewardSettings
     guard: GuardSettings  # KL guards off without a reference
+    critic_warmup: int  # steps that update the critic only; the actor's updates start after them
     shard_chunk_rows: int  # global rows dealt to the ranks at a time: whole mini-batches of actor and critic
     balance_batch: bool
     save_freq: int
@@ -160,7 +170,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon),
         uses_reference=uses_reference(cfg),
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
-        guard=_guard(cfg), shard_chunk_rows=math.gcd(*global_rows.values()), balance_batch=trainer.balance_batch,
+        guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=math.gcd(*global_rows.values()), balance_batch=trainer.balance_batch,
         save_freq=trainer.save_freq, test_freq=trainer.test_freq, val_before_train=trainer.val_before_train,
         max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep, resume_mode=trainer.resume_mode,
         resume_from_path=trainer.resume_from_path,
@@ -241,7 +251,9 @@ def _forwards(cfg: PPOConfig) -> ForwardSettings:
             max_tokens=_budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
             budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
         values=_critic_micro(cfg),
-        reward_model_rows=cfg.reward_model.micro_batch_size_per_gpu,
+        reward_model=RewardModelForward(
+            MicroBatching(rows=cfg.reward_model.micro_batch_size_per_gpu, packed=cfg.reward_model.model.use_remove_padding),
+            prompt_length=cfg.reward_model.rollout.prompt_length, response_length=cfg.reward_model.rollout.response_length),
         temperature=rollout.temperature, head=head_settings(cfg),
     )
 

@@ -158,7 +158,8 @@ def test_verl_typed_fields_default_to_verl_defaults():
     cfg = load()
     model, actor = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.actor
     assert (model.lora_rank, model.lora_alpha, model.target_modules, model.exclude_modules) == (0, 16, "all-linear", None)
-    assert (model.use_fused_kernels, model.fused_kernel_options.impl_backend) == (False, "torch")
+    # klppo's one deliberate difference: the fused head is on wherever the model's head allows it.
+    assert (model.use_fused_kernels, model.fused_kernel_options.impl_backend) == (None, "torch")
     assert (actor.entropy_from_logits_with_chunking, actor.entropy_from_logits_chunk_size, actor.entropy_checkpointing) == (False, 2048, False)
     assert cfg.trainer.critic_warmup == 0
     assert dataclasses.asdict(cfg.reward_model.model.fsdp_config) == dataclasses.asdict(cfg.actor_rollout_ref.actor.fsdp_config)

@@ -159,3 +159,13 @@ def test_looking_for_a_checkpoint_to_resume_leaves_a_fresh_runs_optimiser_untouc
     parts = build_ppo(load_ppo_config(None, ppo_overrides(**{"trainer.resume_mode": mode})), log=quiet)
     assert resume_target(parts) is None
     assert not parts.actor_optimizer.state and not parts.critic_optimizer.state
+
+
+def test_critic_warmup_steps_train_the_critic_only(ppo_overrides, tmp_path, tiny_model_dir):
+    records = run_ppo(None, ppo_overrides(**{"trainer.critic_warmup": 2, "trainer.total_training_steps": 2}),
+                      print_fn=quiet)
+    assert all("critic/vf_loss" in r and "actor/pg_loss" not in r for r in records)
+    assert not _changed(_weights(tiny_model_dir), _weights(tmp_path / "run" / "actor_hf"))  # the actor never moved
+    records = run_ppo(None, ppo_overrides(tmp_path / "run3", **{"trainer.critic_warmup": 2,
+                                                                "trainer.total_training_steps": 3}), print_fn=quiet)
+    assert ["actor/pg_loss" in r for r in records] == [False, False, True]

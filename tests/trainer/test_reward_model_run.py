@@ -78,3 +78,52 @@ def test_raw_scores_of_several_reward_models_are_averaged(ppo_overrides, task_di
     both = first_step_score("both", reward_model_dir, f"[{second_reward_model_dir}]")
     assert a != pytest.approx(b)
     assert both == pytest.approx((a + b) / 2, rel=1e-5)
+
+
+def _rm_batch(tiny_model_dir, answer_batch):
+    from klppo.models.load import load_reward_model
+    from klppo.models.forward import use_packed_attention
+
+    model = load_reward_model(str(_reward_model_folder(tiny_model_dir, tiny_model_dir.parent / "rm_scores", 3)),
+                              key="reward_model.model.path", device=torch.device("cpu"))
+    use_packed_attention(model)
+    return model, answer_batch()
+
+
+def test_packed_reward_model_scores_equal_padded_ones(tiny_model_dir, answer_batch):
+    from klppo.data.batching import MicroBatching
+    from klppo.trainer.forwards import compute_rm_scores
+    from klppo.trainer.settings import RewardModelForward
+
+    model, batch = _rm_batch(tiny_model_dir, answer_batch)
+    width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
+    padded = compute_rm_scores(model, batch, RewardModelForward(MicroBatching(rows=2), width, width))
+    packed = compute_rm_scores(model, batch, RewardModelForward(MicroBatching(packed=True), width, width))
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reward_model_reads_only_its_prompt_and_response_lengths(tiny_model_dir, answer_batch):
+    """reward_model.rollout.prompt_length / response_length: the prompt's last and the response's first tokens."""
+    from klppo.data.batching import MicroBatching
+    from klppo.models.forward import sequence_scores
+    from klppo.trainer.forwards import compute_rm_scores
+    from klppo.trainer.settings import RewardModelForward
+
+    model, batch = _rm_batch(tiny_model_dir, answer_batch)
+    cut = compute_rm_scores(model, batch, RewardModelForward(MicroBatching(), prompt_length=6, response_length=4))
+    by_hand = sequence_scores(model, torch.cat([batch.prompt_ids[:, -6:], batch.response_ids[:, :4]], 1),
+                              torch.cat([batch.prompt_mask[:, -6:], batch.response_mask[:, :4]], 1))
+    torch.testing.assert_close(cut, by_hand)
+    whole = compute_rm_scores(model, batch, RewardModelForward(MicroBatching(), 10_000, 10_000))
+    assert not torch.allclose(cut, whole)
+
+
+def test_reward_models_run_packed_with_their_own_fsdp_options(ppo_overrides, task_dir, reward_model_dir):
+    overrides = ppo_overrides(**{
+        "data.train_files": task_dir / "train.parquet", "actor_rollout_ref.rollout.name": "hf",
+        "reward_model.enable": "true", "reward_model.model.path": reward_model_dir,
+        "reward_model.model.use_remove_padding": "true", "reward_model.model.fsdp_config.param_offload": "true",
+        "trainer.total_training_steps": 1,
+    })
+    record = run_ppo(None, overrides, print_fn=quiet)[-1]
+    assert record["critic/score/max"] > record["critic/score/min"]
