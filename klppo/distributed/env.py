@@ -121,6 +121,16 @@ def all_reduce_max_int(n: int, device: torch.device | None = None) -> int:
     return int(t.item())  # host-device sync
 
 
+def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value's largest over all ranks (one all-reduce, keys sorted; every rank has the same keys)."""
+    keys = sorted(values)
+    if not keys or not _active():
+        return dict(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
+
+
 def reduce_counts(tokens: torch.Tensor, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Global token and sequence counts of a mini-batch from each rank's own (one all-reduce)."""
     both = all_reduce_sum(torch.stack([tokens, seqs]).to(torch.int64))

@@ -62,13 +62,12 @@ def max_memory_gb(device: torch.device) -> float:
 
 def update_efficiency_metrics(device: torch.device, seconds: dict[str, float], lengths: list[int],
                               updated: dict[str, tuple[torch.nn.Module, int]]) -> dict[str, float]:
-    """``perf/mfu/<role>`` of each ``update_<role>`` phase where the device's peak is known, and
-    ``perf/max_memory_allocated_gb``.
+    """``perf/mfu/<role>`` of each ``update_<role>`` phase where the device's peak is known.
 
     ``updated`` maps a role to (its model, its ppo_epochs); ``lengths`` are the real tokens of
     the rows this rank trained on; ``seconds`` the step's phase timings.
     """
-    metrics = {"perf/max_memory_allocated_gb": max_memory_gb(device)}
+    metrics = {}
     for role, (model, epochs) in updated.items():
         if f"update_{role}" not in seconds:
             continue

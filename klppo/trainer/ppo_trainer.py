@@ -17,14 +17,15 @@ import torch
 from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.checkpoint.state import checkpoint_steps, export_hf, step_dir
 from klppo.data.batching import rank_shards, seqlen_balance_metrics
-from klppo.distributed import all_gather_padded, barrier, on_rank_zero, shard_range
+from klppo.distributed import all_gather_padded, barrier, max_over_ranks, on_rank_zero, shard_range
 from klppo.monitoring.flops import update_efficiency_metrics
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
+from klppo.monitoring.memory import PeakMemory
 from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics
 from klppo.monitoring.overlap import OverlapMeasure, profiled
 from klppo.monitoring.progress import Progress
-from klppo.monitoring.timer import PhaseTimer
+from klppo.monitoring.timer import PEAK_MEMORY, PhaseTimer
 from klppo.rollout.batch import RolloutBatch, assemble_batch
 from klppo.rollout.hf import hf_rollout
 from klppo.rollout.offline import offline_rollout
@@ -44,8 +45,10 @@ OVERLAP_EVERY = 10
 class PPOTrainer:
     """Runs ``parts.total_steps`` PPO iterations, resuming from the latest checkpoint if asked."""
 
-    def __init__(self, parts: PPOParts, print_fn: Callable = print) -> None:
+    def __init__(self, parts: PPOParts, print_fn: Callable = print, setup_peak_gb: float | None = None) -> None:
         self.p, self.s, self.env = parts, parts.settings, parts.env
+        self.memory = PeakMemory(self.env.device)  # each phase's peak (perf/peak_memory_gb/<phase>)
+        self.setup_peak_gb = setup_peak_gb  # loading data and models; logged with the first step
         self.print = on_rank_zero(print_fn, self.env)
         log = self.s.logger
         self.logger = MetricsLogger(self.s.run_dir, list(log.backends), print_fn=self.print, rank=self.env.rank,
@@ -98,7 +101,7 @@ class PPOTrainer:
         return records
 
     def train_step(self) -> tuple[dict[str, float | torch.Tensor], Action]:
-        p, adv, timer = self.p, self.s.advantage, PhaseTimer(self.progress)
+        p, adv, timer = self.p, self.s.advantage, PhaseTimer(self.progress, self.memory)
         with timer.phase("step"):
             # step 1. batch: the next prompts, in a resumable order
             records = [p.train_records[i] for i in p.batches.next_batch()]
@@ -126,6 +129,7 @@ class PPOTrainer:
         # step 8. metrics
         metrics.update(compute_data_metrics(batch, self.s.response_length))
         metrics.update(timer.metrics())
+        metrics.update(self._memory_metrics(timer))
         metrics.update(compute_throughput_metrics(batch, timer.seconds["step"], n_devices=self.env.world_size))
         metrics.update(self._efficiency_metrics(batch.select(shards.mine), timer.seconds))
         if self.s.balance_batch:
@@ -203,6 +207,15 @@ class PPOTrainer:
             self.guard.check_health(self.step, float(metrics["actor/entropy"]), float(metrics["actor/pg_clipfrac"]))
         return action
 
+    def _memory_metrics(self, timer: PhaseTimer) -> dict[str, float]:
+        """Each phase's peak memory, the largest over ranks; ``perf/max_memory_allocated_gb`` the step's."""
+        peaks = timer.peak_metrics()
+        if self.setup_peak_gb is not None:
+            peaks[f"{PEAK_MEMORY}/setup"], self.setup_peak_gb = self.setup_peak_gb, None
+        peaks = max_over_ranks(peaks)
+        peaks["perf/max_memory_allocated_gb"] = max(v for k, v in peaks.items() if not k.endswith("/setup"))
+        return peaks
+
     def _efficiency_metrics(self, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, float]:
         """perf/mfu/{actor,critic} where the device's peak is known, and peak memory."""
         lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()  # host sync
@@ -212,8 +225,10 @@ class PPOTrainer:
         return update_efficiency_metrics(self.p.device, seconds, lengths, updated)
 
     def _validate(self) -> dict[str, float]:
-        with self.p.offloader.resident("actor", "ref", *reward_model_roles(self.p)):
-            return validation_metrics(self.p)
+        timer = PhaseTimer(self.progress, self.memory)
+        with timer.phase("validate"), self.p.offloader.resident("actor", "ref", *reward_model_roles(self.p)):
+            metrics = validation_metrics(self.p)
+        return {**metrics, **timer.metrics(), **max_over_ranks(timer.peak_metrics())}
 
     def _log_events(self) -> None:
         for event in self.guard.drain_events():

@@ -41,6 +41,11 @@ def test_offline_run_changes_the_actor_and_logs_verl_metrics(ppo_overrides, tiny
         assert name in records[-1], name
     assert _changed(_weights(tiny_model_dir), _weights(run / "actor_hf"))
     assert (run / LATEST_FILE).read_text() == "2"
+    first, second = records
+    assert first["perf/peak_memory_gb/setup"] > 0 and "perf/peak_memory_gb/setup" not in second
+    for phase in ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor", "step"):
+        assert 0 < second[f"perf/peak_memory_gb/{phase}"] <= second["perf/peak_memory_gb/step"], phase
+    assert second["perf/max_memory_allocated_gb"] == second["perf/peak_memory_gb/step"]
 
 
 def test_online_hf_run_generates_and_changes_the_actor(ppo_overrides, task_dir, tiny_model_dir, tmp_path):

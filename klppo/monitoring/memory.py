@@ -1,0 +1,64 @@
+"""Peak memory of a phase: the device's (CUDA) or the process's resident set (CPU).
+
+On CUDA the peak is ``torch.cuda.max_memory_allocated``, reset with
+``reset_peak_memory_stats``. On Linux CPUs it is the kernel's high-water mark of the resident
+set (``VmHWM`` in ``/proc/self/status``), which writing ``5`` to ``/proc/self/clear_refs``
+resets to the current resident set; where that file is missing (macOS, some sandboxes) the
+peak is the process's lifetime maximum (``ru_maxrss``) and phases cannot be told apart.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+GB = 2**30
+
+
+def _vm_hwm_bytes() -> int | None:
+    """The resident set's high-water mark from /proc, or None where there is none."""
+    try:
+        for line in STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
+    return None
+
+
+def _reset_vm_hwm() -> bool:
+    """Reset VmHWM to the current resident set; False where the kernel does not allow it."""
+    try:
+        CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _max_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+class PeakMemory:
+    """The peak memory (GiB) since the last ``reset`` on ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.resettable = device.type == "cuda" or (_vm_hwm_bytes() is not None and _reset_vm_hwm())
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.resettable:
+            _reset_vm_hwm()
+
+    def peak_gb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / GB
+        hwm = _vm_hwm_bytes() if self.resettable else None
+        return (hwm if hwm is not None else _max_rss_bytes()) / GB
