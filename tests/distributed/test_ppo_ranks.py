@@ -187,4 +187,5 @@ def test_ranks_share_validation_and_gather_the_same_figures_as_one_process(ppo_o
     assert before_one["step"] == before_two["step"] == 0
     assert before_one.keys() == before_two.keys() and "val-aux/kl_to_ref" in before_two
     for key in before_one:
-        assert math.isclose(before_one[key], before_two[key], rel_tol=1e-6, abs_tol=1e-6), key
+        if not key.startswith(("timing_s/", "perf/")):  # each rank's own time and memory
+            assert math.isclose(before_one[key], before_two[key], rel_tol=1e-6, abs_tol=1e-6), key
