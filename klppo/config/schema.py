@@ -189,6 +189,11 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: Optional[bool] = None
     # Token budget of one log-prob micro-batch; None = actor.ppo_max_token_len_per_gpu (as verl).
     log_prob_max_token_len_per_gpu: Optional[int] = None
+    # How sharded ranks generate (hf): `gathered` all-gathers the actor once per step into a whole
+    # copy in its compute dtype and decodes with it (no collective per token); `sharded` decodes
+    # with the sharded actor (least memory); `auto`: gathered when the copy fits in half the free
+    # memory, on runs of several ranks.
+    generation_weights: Literal["auto", "gathered", "sharded"] = "auto"
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 

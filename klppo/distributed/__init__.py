@@ -21,12 +21,14 @@ from klppo.distributed.env import (
     run_on_ranks,
     shard_range,
 )
-from klppo.distributed.fsdp import apply_fsdp2, build_mesh, full_state_dict, gather_full_model, is_sharded
+from klppo.distributed.fsdp import (
+    apply_fsdp2, build_mesh, fill_sharded, full_state_dict, gather_full_model, inference_copy, is_sharded, materialize,
+)
 
 __all__ = [
     "SINGLE_PROCESS", "DistEnv", "ShardedContents", "abandon", "all_gather_objects", "all_gather_padded",
-    "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2", "barrier", "build_mesh", "close",
-    "full_state_dict", "gather_full_model", "init_distributed", "max_over_ranks", "on_rank_zero", "is_sharded", "load_sharded",
+    "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2", "fill_sharded", "materialize", "barrier", "build_mesh", "close",
+    "full_state_dict", "gather_full_model", "inference_copy", "init_distributed", "max_over_ranks", "on_rank_zero", "is_sharded", "load_sharded",
     "load_training_state", "read_sharded_contents", "reduce_counts", "reduce_stats", "requested_keys", "run_on_ranks",
     "save_sharded", "shard_range", "training_state",
 ]

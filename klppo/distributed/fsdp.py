@@ -8,12 +8,14 @@ per-rank gradients is the gradient of the global mini-batch, whatever the world 
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def build_mesh(world_size: int, fsdp_size: int = -1, device_type: str = "cpu") -> DeviceMesh:
@@ -73,6 +75,38 @@ def apply_fsdp2(
     return model
 
 
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give a model built with its parameters on the meta device (and sharded) empty parameters on
+    ``device`` -- each rank only its shards -- and keep its buffers' values (rotary frequencies and
+    the like are computed at construction, not loaded)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, b in model.named_buffers():
+        b.copy_(buffers[name])
+
+
+@torch.no_grad()
+def fill_sharded(model: torch.nn.Module, tensor_of: Callable[[str], torch.Tensor] | None) -> None:
+    """Fill every parameter from the full tensor ``tensor_of(name)`` that rank 0 provides (None elsewhere).
+
+    One tensor at a time: rank 0 reads it, and each rank keeps its own shard of it
+    (``distribute_tensor`` scatters or broadcasts from rank 0 over the parameter's mesh), so no
+    rank ever holds more than one whole tensor. Without a process group the model is filled as is.
+    """
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            param.copy_(tensor_of(name))
+            continue
+        mesh = param.device_mesh
+        if rank0:
+            full = tensor_of(name).to(device=mesh.device_type, dtype=param.dtype)
+        else:
+            full = torch.empty(param.shape, dtype=param.dtype, device=mesh.device_type)
+        param.to_local().copy_(distribute_tensor(full, mesh, param.placements, src_data_rank=0).to_local())
+        del full
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole (unsharded) parameters on CPU, on rank 0 (an empty dict elsewhere); call on every rank."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -81,6 +115,38 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def is_sharded(model: torch.nn.Module) -> bool:
     """True for a model wrapped by ``apply_fsdp2``."""
     return isinstance(model, FSDPModule)
+
+
+def plain_class(model: torch.nn.Module) -> type:
+    """The model's own class (``fully_shard`` swaps it for an ``FSDP<Name>`` subclass)."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+@torch.no_grad()
+def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
+    """A plain, whole copy of a sharded Hugging Face model on every rank, in ``dtype`` (its
+    compute dtype), for generation: each parameter is all-gathered once here, so decoding with
+    the copy runs no collective (verl's hybrid engine, without an inference server). Collective.
+
+    The copy shares no memory with the sharded model; drop it after use to free it.
+    """
+    params = {}
+    for name, param in model.named_parameters():  # tied parameters come once
+        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        params[name] = full.to(device=device, dtype=dtype or full.dtype)
+        del full
+    with torch.device("meta"):
+        copy = plain_class(model)(model.config)
+    copy.load_state_dict(params, strict=False, assign=True)
+    for name, buffer in model.named_buffers():  # buffers are not sharded (rotary frequencies and the like)
+        owner, _, leaf = name.rpartition(".")
+        copy.get_submodule(owner)._buffers[leaf] = buffer.detach().clone()
+    copy.tie_weights()
+    missing = [n for n, p in copy.named_parameters() if p.device.type == "meta"]
+    assert not missing, f"inference copy left {missing[:3]} unfilled"
+    if getattr(model, "generation_config", None) is not None:
+        copy.generation_config = model.generation_config
+    return copy.eval().requires_grad_(False)
 
 
 def gather_full_model(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -92,8 +158,7 @@ def gather_full_model(model: torch.nn.Module) -> torch.nn.Module | None:
     state = full_state_dict(model)
     if dist.get_rank() != 0:
         return None
-    plain_class = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-    plain = plain_class(model.config)
+    plain = plain_class(model)(model.config)
     plain.load_state_dict(state)
     if getattr(model, "generation_config", None) is not None:
         plain.generation_config = model.generation_config

@@ -118,15 +118,17 @@ def packed_attention_for(device_type: str, compute_dtype: torch.dtype | None, fl
     return PACKED_SDPA
 
 
-def use_packed_attention(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> str:
+def use_packed_attention(model: torch.nn.Module, compute_dtype: torch.dtype | None = None,
+                         device_type: str | None = None) -> str:
     """Switch an sdpa model to the attention for packed rows (``packed_attention_for``; other
-    implementations are kept); returns the one in use.
+    implementations are kept); returns the one in use. ``device_type``: where the model will run
+    (default: where its parameters are; a model built on the meta device must say).
 
     Both are exact for padded and packed input alike, so they can stay on for generation and
     the padded path. Neither is saved with the model: ``save_pretrained`` does not write it.
     """
     if model.config._attn_implementation == "sdpa":
-        device_type = next(model.parameters()).device.type
+        device_type = device_type or next(model.parameters()).device.type
         flash = importlib.util.find_spec("flash_attn") is not None
         model.set_attn_implementation(packed_attention_for(device_type, compute_dtype, flash))
     return model.config._attn_implementation

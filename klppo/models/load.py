@@ -218,3 +218,50 @@ def load_reward_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model.to(device)
+
+
+# ---- empty models for sharded loading (klppo.models.sharded_load) ----
+
+
+def _critic_config(folder: Path, key: str):
+    config = _model_config(folder, key)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0  # the head must be deterministic: no dropout in front of the value projection
+    return config
+
+
+def _reward_model_config(folder: Path, key: str):
+    config = _model_config(folder, key)
+    config.num_labels = 1
+    return config
+
+
+# role -> (auto class, config builder, whether a new head may be initialised)
+ROLES = {
+    "causal_lm": (AutoModelForCausalLM, _causal_lm_config, False),
+    "critic": (AutoModelForTokenClassification, _critic_config, True),
+    "reward_model": (AutoModelForSequenceClassification, _reward_model_config, True),
+}
+
+
+def empty_model_for(role: str, path: str, *, key: str, gradient_checkpointing: bool = False) -> PreTrainedModel:
+    """The model ``load_causal_lm`` / ``load_critic`` / ``load_reward_model`` would load from ``path``,
+    with its parameters on the meta device, to be sharded and then filled
+    (``klppo.models.sharded_load``). The folder is checked as those loaders check it."""
+    from transformers import GenerationConfig
+
+    from klppo.models.sharded_load import empty_model
+
+    auto_class, make_config, _ = ROLES[role]
+    folder = check_model_folder(path, key)
+    check_weight_files(folder, key)
+    model = empty_model(auto_class, make_config(folder, key))
+    if role == "causal_lm" and (folder / "generation_config.json").is_file():
+        with reading(folder / "generation_config.json", f"{key}: the generation config", "save the model again"):
+            model.generation_config = GenerationConfig.from_pretrained(folder)
+    if role == "reward_model" and model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model

@@ -9,6 +9,7 @@ peak is the process's lifetime maximum (``ru_maxrss``) and phases cannot be told
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from pathlib import Path
@@ -62,3 +63,17 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device) / GB
         hwm = _vm_hwm_bytes() if self.resettable else None
         return (hwm if hwm is not None else _max_rss_bytes()) / GB
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory free for this process: the device's free memory (CUDA), or the machine's available
+    memory (``MemAvailable``) shared by the ranks on this node (``LOCAL_WORLD_SIZE``)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except OSError:
+        pass
+    return 0

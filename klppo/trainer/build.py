@@ -22,13 +22,12 @@ from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
 from klppo.data.sampler import PromptBatches
 from klppo.distributed import DistEnv
 from klppo.errors import UserError
-from klppo.models.forward import use_packed_attention
-from klppo.models.load import check_same_tokenizer, load_causal_lm, load_critic, load_reward_model, load_tokenizer
+from klppo.models.load import check_same_tokenizer, load_tokenizer
 from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.trainer.offload import Offloader
 from klppo.trainer.settings import KLSettings, PPOSettings, compile_ppo, uses_critic, uses_reference
-from klppo.trainer.setup import PARAM_DTYPES, Sharder, build_optimizer_and_scheduler, join_world, seed_everything
+from klppo.trainer.setup import Sharder, build_optimizer_and_scheduler, join_world, load_model, seed_everything
 
 RANKING_COLUMNS = {"ranking", "rankings", "chosen"}  # offline files with these are ranked data
 
@@ -162,17 +161,13 @@ def build_offloader(device, fsdp: dict[str, FSDPConfig], actor, actor_optimizer,
 
 def _load_actor_and_ref(cfg: PPOConfig, env: DistEnv, sharder: Sharder):
     """The actor and, when a KL term needs it, the frozen reference (both from model.path)."""
-    model_cfg, key, fsdp = cfg.actor_rollout_ref.model, "actor_rollout_ref.model.path", fsdp_sections(cfg)
-    actor = load_causal_lm(model_cfg.path, key=key, device=env.device,
-                           gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
+    model_cfg, arf = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref
+    common = dict(key="actor_rollout_ref.model.path", env=env, sharder=sharder, packed=model_cfg.use_remove_padding)
+    actor = load_model("causal_lm", model_cfg.path, fsdp=arf.actor.fsdp_config,
+                       gradient_checkpointing=model_cfg.enable_gradient_checkpointing, **common)
     ref = None
     if uses_reference(cfg):
-        ref = load_causal_lm(model_cfg.path, key=key, device=env.device).eval().requires_grad_(False)
-    if model_cfg.use_remove_padding:  # packed rows: attention per sequence, no N x N mask
-        use_packed_attention(actor, PARAM_DTYPES[fsdp["actor_rollout_ref.actor.fsdp_config"].dtype])
-        if ref is not None:
-            use_packed_attention(ref, PARAM_DTYPES[fsdp["actor_rollout_ref.ref.fsdp_config"].dtype])
-    actor = sharder.shard(actor, fsdp["actor_rollout_ref.actor.fsdp_config"])
+        ref = load_model("causal_lm", model_cfg.path, fsdp=arf.ref.fsdp_config, **common).eval().requires_grad_(False)
     return actor, ref
 
 
@@ -185,21 +180,19 @@ def _load_reward_models(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharde
     models, rm_model = [], cfg.reward_model.model
     for key, path in paths.items():
         check_same_tokenizer(tokenizer, path, key)
-        model = load_reward_model(path, key=key, device=env.device).eval().requires_grad_(False)
-        if rm_model.use_remove_padding:
-            use_packed_attention(model, PARAM_DTYPES[rm_model.fsdp_config.dtype])
-        models.append(sharder.shard(model, rm_model.fsdp_config))
+        model = load_model("reward_model", path, key=key, env=env, sharder=sharder, fsdp=rm_model.fsdp_config,
+                           packed=rm_model.use_remove_padding)
+        models.append(model.eval().requires_grad_(False))
     return models
 
 
 def _load_critic(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder) -> torch.nn.Module:
     critic_cfg = cfg.critic.model
     check_same_tokenizer(tokenizer, critic_cfg.path, "critic.model.path")
-    critic = load_critic(critic_cfg.path, key="critic.model.path", device=env.device, seed=cfg.data.seed,
-                         gradient_checkpointing=critic_cfg.enable_gradient_checkpointing)
-    if critic_cfg.use_remove_padding:
-        use_packed_attention(critic, PARAM_DTYPES[critic_cfg.fsdp_config.dtype])
-    return sharder.shard(critic, critic_cfg.fsdp_config)
+    return load_model("critic", critic_cfg.path, key="critic.model.path", env=env, sharder=sharder,
+                      fsdp=critic_cfg.fsdp_config, seed=cfg.data.seed,
+                      gradient_checkpointing=critic_cfg.enable_gradient_checkpointing,
+                      packed=critic_cfg.use_remove_padding)
 
 
 def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None) -> PPOParts:
@@ -221,8 +214,6 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
     actor, ref = _load_actor_and_ref(cfg, env, sharder)
     actor_optimizer, actor_scheduler = build_optimizer_and_scheduler(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
-    if ref is not None:
-        ref = sharder.shard(ref, cfg.actor_rollout_ref.ref.fsdp_config)
     reward_models = _load_reward_models(cfg, tokenizer, env, sharder)
     critic = critic_optimizer = critic_scheduler = None
     if uses_critic(cfg):

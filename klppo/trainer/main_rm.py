@@ -110,7 +110,7 @@ def run_rm(cfg: RMConfig, print_fn=print) -> Path:
 def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
     """The ranked data, the reward model (sharded), and the step that fits it to a share of a batch."""
     from klppo.data.ranked import load_ranked_dataset
-    from klppo.models.load import load_reward_model
+    from klppo.trainer.setup import load_model
     from klppo.trainer.supervised import SupervisedJob
 
     data, key = cfg.data, "model.partial_pretrain"
@@ -118,10 +118,10 @@ def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
                   filter_overlong_prompts=data.filter_overlong_prompts, log=print_fn)
     train = load_ranked_dataset(data.train_files, tokenizer, **common)
     val = load_ranked_dataset(data.val_files, tokenizer, **common) if data.val_files else None
-    model = load_reward_model(cfg.model.partial_pretrain, key=key, device=env.device, seed=data.seed,
-                              gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
     # The loss reads the score head at every position (sequence_scores), not the root's output.
-    model = sharder.shard(model, cfg.model.fsdp_config, keep_root_gathered=True)
+    model = load_model("reward_model", cfg.model.partial_pretrain, key=key, env=env, sharder=sharder,
+                       fsdp=cfg.model.fsdp_config, seed=data.seed,
+                       gradient_checkpointing=cfg.model.enable_gradient_checkpointing, keep_root_gathered=True)
 
     def train_step(run, indices: list[int]) -> dict:
         return rm_step(model, run.optimizer, [train[i] for i in indices], tokenizer, cfg)

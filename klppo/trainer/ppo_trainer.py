@@ -17,7 +17,7 @@ import torch
 from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.checkpoint.state import checkpoint_steps, export_hf, step_dir
 from klppo.data.batching import rank_shards, seqlen_balance_metrics
-from klppo.distributed import all_gather_padded, barrier, max_over_ranks, on_rank_zero, shard_range
+from klppo.distributed import barrier, max_over_ranks, on_rank_zero
 from klppo.monitoring.flops import update_efficiency_metrics
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
@@ -26,14 +26,13 @@ from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_me
 from klppo.monitoring.overlap import OverlapMeasure, profiled
 from klppo.monitoring.progress import Progress
 from klppo.monitoring.timer import PEAK_MEMORY, PhaseTimer
-from klppo.rollout.batch import RolloutBatch, assemble_batch
-from klppo.rollout.hf import hf_rollout
-from klppo.rollout.offline import offline_rollout
+from klppo.rollout.batch import RolloutBatch
 from klppo.trainer import run_state
 from klppo.trainer.build import PPOParts
 from klppo.trainer.evaluate import validation_metrics
 from klppo.trainer.forwards import StepShards, reward_model_roles, score_batch
 from klppo.trainer.guards import Action, RunGuard
+from klppo.trainer.responses import step_responses
 from klppo.trainer.update import update_actor, update_critic
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
@@ -107,7 +106,7 @@ class PPOTrainer:
             records = [p.train_records[i] for i in p.batches.next_batch()]
             # step 2. responses
             with timer.phase("gen"):
-                batch = self._rollout(records).to(p.device)
+                batch = step_responses(p, records).to(p.device)
             # Every rank holds the whole batch; each scores and trains on its own rows.
             shards = self._shards(batch)
             # step 3. score: old and reference log-probs, values, rewards
@@ -136,21 +135,6 @@ class PPOTrainer:
             metrics.update(seqlen_balance_metrics(batch.attention_mask.sum(-1).tolist(), shards.rows))
         metrics.update({"training/epoch": p.batches.epoch, "guard/rollbacks": self.guard.rollbacks})
         return metrics, action
-
-    def _rollout(self, records) -> RolloutBatch:
-        """The step's whole batch, on every rank: recorded responses, or each rank samples for its
-        share of the prompts and the responses are gathered."""
-        s, tokenizer = self.s, self.p.tokenizer
-        if s.rollout == "offline":
-            return offline_rollout(records, n=s.n, tokenizer=tokenizer, max_response_length=s.response_length)
-        mine = records[shard_range(len(records), self.env)]
-        with self.p.offloader.resident("actor"):
-            local = hf_rollout(self.p.actor, mine, tokenizer, s.sampling, synced_gpus=self.env.is_distributed)
-        if not self.env.is_distributed:
-            return local
-        return assemble_batch(records, s.n, tokenizer.pad_token_id,
-                              all_gather_padded(local.response_ids, tokenizer.pad_token_id),
-                              all_gather_padded(local.response_mask, 0))
 
     def _shards(self, batch: RolloutBatch) -> StepShards:
         lengths = batch.attention_mask.sum(-1).tolist()  # host sync

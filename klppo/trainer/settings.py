@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from klppo.config import PPOConfig
 from klppo.data.batching import MicroBatching
 from klppo.errors import UserError
 from klppo.models.forward import HeadSettings
 from klppo.rollout.hf import SamplingParams
 from klppo.trainer.guards import GuardSettings
+from klppo.trainer.setup import PARAM_DTYPES
 
 CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
@@ -123,6 +126,8 @@ class PPOSettings:
     n: int  # responses per prompt
     response_length: int
     sampling: SamplingParams
+    generation_weights: str  # auto | gathered | sharded (rollout.generation_weights)
+    actor_dtype: Optional[torch.dtype]  # the actor's compute dtype (fsdp_config.dtype); None: fp32
     val_sampling: SamplingParams
     val_batch_size: Optional[int]  # prompts per validation batch over all ranks; None = all at once
     actor: ActorUpdateSettings
@@ -164,6 +169,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
     return PPOSettings(
         run_dir=Path(trainer.default_local_dir), world_size=world_size, rollout=arf.rollout.name, n=arf.rollout.n,
         response_length=arf.rollout.response_length, sampling=sampling_params(cfg),
+        generation_weights=arf.rollout.generation_weights, actor_dtype=PARAM_DTYPES[arf.actor.fsdp_config.dtype],
         val_sampling=sampling_params(cfg, validation=True), val_batch_size=cfg.data.val_batch_size,
         actor=actor, critic=critic, forwards=_forwards(cfg),
         advantage=AdvantageSettings(algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo),

@@ -17,8 +17,11 @@ import numpy as np
 import torch
 
 from klppo.config.schema import FSDPConfig, OptimConfig
-from klppo.distributed import DistEnv, apply_fsdp2, build_mesh, init_distributed
+from klppo.distributed import DistEnv, apply_fsdp2, build_mesh, fill_sharded, init_distributed, materialize
 from klppo.errors import UserError
+from klppo.models.forward import use_packed_attention
+from klppo.models.load import ROLES, check_model_folder, empty_model_for, load_causal_lm, load_critic, load_reward_model
+from klppo.models.sharded_load import WeightReader, full_tensors
 
 PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # None: no mixed precision
 
@@ -103,6 +106,43 @@ class Sharder:
         return apply_fsdp2(model, self.meshes[fsdp.fsdp_size], param_dtype=PARAM_DTYPES[fsdp.dtype],
                            reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.offload_policy,
                            keep_root_gathered=keep_root_gathered)
+
+
+# ---- models ----
+
+_LOADERS = {"causal_lm": load_causal_lm, "critic": load_critic, "reward_model": load_reward_model}
+
+
+def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder, fsdp: FSDPConfig, seed: int = 0,
+               gradient_checkpointing: bool = False, packed: bool = False,
+               keep_root_gathered: bool = False) -> torch.nn.Module:
+    """The actor, reference, critic or reward model (``role``: causal_lm | critic | reward_model) of
+    folder ``path``, on this rank's device, sharded when the run has a process group.
+
+    One process loads with ``from_pretrained``. Ranks build the model with its parameters on the
+    meta device, shard it, and fill their shards from rank 0's reading of the folder one tensor at
+    a time (``klppo.models.sharded_load``): no rank ever holds the whole model in fp32, and the
+    weights are those ``from_pretrained`` gives. ``packed``: attention for packed rows.
+    """
+    dtype = PARAM_DTYPES[fsdp.dtype]
+    if not env.is_distributed:
+        kwargs = {"seed": seed} if role != "causal_lm" else {}
+        model = _LOADERS[role](path, key=key, device=env.device, gradient_checkpointing=gradient_checkpointing,
+                               **kwargs)
+        if packed:
+            use_packed_attention(model, dtype)
+        return model
+    model = empty_model_for(role, path, key=key, gradient_checkpointing=gradient_checkpointing)
+    if packed:
+        use_packed_attention(model, dtype, device_type=env.device.type)
+    # Before sharding (new heads are initialised on plain tensors), and on every rank, so a bad
+    # folder fails everywhere at once (reading the names is a header read; tensors are read later).
+    tensor_of = full_tensors(model, WeightReader(check_model_folder(path, key), key), new_heads=ROLES[role][2],
+                             seed=seed)
+    model = sharder.shard(model, fsdp, keep_root_gathered=keep_root_gathered)
+    materialize(model, env.device)
+    fill_sharded(model, tensor_of if env.rank == 0 else None)
+    return model
 
 
 # ---- optimiser and schedule ----

@@ -1,0 +1,130 @@
+"""Loading a model that is sharded over ranks, without any rank holding it whole in fp32.
+
+``from_pretrained`` on every rank builds the whole model in fp32 (and then reads its weights),
+so N ranks hold N full copies before sharding. Here the model is built with its parameters on
+the meta device (no memory; buffers such as rotary frequencies stay real), sharded with FSDP2,
+given empty local shards, and only then filled: rank 0 reads one tensor at a time from the
+folder's safetensors (or weights-only ``pytorch_model.bin``) and each rank keeps its own shard
+of it (``klppo.distributed.fill_sharded``). A parameter the folder lacks is a new head (a
+critic's or reward model's one-output layer): rank 0 initialises it as ``from_pretrained``
+would, from the same seeded stream, so the weights are bit-identical to loading the folder with
+``from_pretrained`` in one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+from transformers import PreTrainedModel
+
+from klppo.errors import UserError, reading
+
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device, their buffers as usual.
+
+    (``torch.device("meta")`` would put the buffers there too, and rotary frequencies and the
+    like are computed, not loaded.) Each parameter is moved to meta as it is registered,
+    before its initialiser writes to it, so its memory is never touched.
+    """
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def empty_model(auto_class, config) -> PreTrainedModel:
+    """``auto_class`` built from ``config`` in fp32, parameters on the meta device (tied ones stay tied)."""
+    with parameters_on_meta():
+        return auto_class.from_config(config, dtype=torch.float32, trust_remote_code=False)
+
+
+class WeightReader:
+    """The tensors of a model folder by name, read one at a time (safetensors, or weights-only bin)."""
+
+    def __init__(self, folder: Path, key: str) -> None:
+        self.folder, self.key = folder, key
+        self.files = self._files_by_name()
+
+    def _files_by_name(self) -> dict[str, Path]:
+        for index in INDEXES:
+            if (self.folder / index).is_file():
+                with reading(self.folder / index, f"{self.key}: the weight index", "save the model again"):
+                    weight_map = json.loads((self.folder / index).read_text())["weight_map"]
+                return {name: self.folder / file for name, file in weight_map.items()}
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            path = self.folder / single
+            if path.is_file():
+                with reading(path, f"{self.key}: the weights", "copy the folder again, whole"):
+                    return {name: path for name in self._names(path)}
+        raise UserError(f"{self.key}: '{self.folder}' holds no model weights; point it at a folder save_pretrained wrote")
+
+    @staticmethod
+    def _names(path: Path) -> list[str]:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                return list(f.keys())
+        return list(torch.load(path, map_location="meta", weights_only=True, mmap=True))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        with reading(path, f"{self.key}: the weights", "copy the folder again, whole"):
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt") as f:
+                    return f.get_tensor(name)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)[name]
+
+
+def full_tensors(model: PreTrainedModel, reader: WeightReader, *, new_heads: bool,
+                 seed: int = 0) -> Callable[[str], torch.Tensor]:
+    """name -> the full tensor of parameter ``name`` (read, or initialised when the folder lacks it).
+
+    Reading happens only when the returned function is called (on rank 0). With ``new_heads``, parameters outside the backbone that the folder
+    lacks are initialised module by module, in the model's order, from ``seed``, exactly as
+    ``from_pretrained`` initialises missing weights; any other missing weight is refused.
+    """
+    backbone = f"{model.base_model_prefix}."
+    missing = [name for name, _ in model.named_parameters() if name not in reader]
+    wrong = [name for name in missing if not new_heads or name.startswith(backbone)]
+    if wrong:
+        raise UserError(f"{reader.key}: the weights in '{reader.folder}' lack '{wrong[0]}' ({len(wrong)} tensors "
+                        "missing); copy the folder again, or save the model again with save_pretrained")
+    initialised = _initialise(model, missing, seed)
+
+    def tensor_of(name: str) -> torch.Tensor:
+        return initialised[name] if name in initialised else reader.read(name)
+
+    return tensor_of
+
+
+def _initialise(model: PreTrainedModel, names: list[str], seed: int) -> dict[str, torch.Tensor]:
+    owners = list(dict.fromkeys(name.rsplit(".", 1)[0] for name in names))
+    out: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for owner in owners:
+            module = copy.deepcopy(model.get_submodule(owner)).to_empty(device="cpu")
+            module.apply(model._init_weights)
+            for leaf, param in module.named_parameters(recurse=False):
+                out[f"{owner}.{leaf}"] = param.detach()
+    return out

@@ -1,0 +1,69 @@
+"""Step 2 of a PPO iteration: the step's responses, the whole batch on every rank.
+
+Offline runs read the recorded responses. Online runs (``rollout.name: hf``) sample: each rank
+for its share of the prompts, then the responses are gathered. On sharded ranks the actor is
+either all-gathered once into a whole inference copy that decodes without any collective
+(``rollout.generation_weights: gathered``), or used sharded, which all-gathers every layer for
+every generated token but needs no second copy (``sharded``); ``auto`` picks the copy where it
+fits in half the memory free on this rank.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from klppo.data.rl_dataset import PromptRecord
+from klppo.distributed import all_gather_padded, inference_copy, max_over_ranks, shard_range
+from klppo.monitoring.memory import available_bytes
+from klppo.rollout.batch import RolloutBatch, assemble_batch
+from klppo.rollout.hf import hf_rollout
+from klppo.rollout.offline import offline_rollout
+
+if TYPE_CHECKING:
+    from klppo.trainer.build import PPOParts
+
+
+def step_responses(parts: PPOParts, records: list[PromptRecord]) -> RolloutBatch:
+    """The step's whole batch on every rank: recorded responses, or sampled by the ranks and gathered."""
+    s, tokenizer, env = parts.settings, parts.tokenizer, parts.env
+    if s.rollout == "offline":
+        return offline_rollout(records, n=s.n, tokenizer=tokenizer, max_response_length=s.response_length)
+    mine = records[shard_range(len(records), env)]
+    with parts.offloader.resident("actor"), generation_model(parts) as (model, sharded):
+        local = hf_rollout(model, mine, tokenizer, s.sampling, synced_gpus=sharded)
+    if not env.is_distributed:
+        return local
+    return assemble_batch(records, s.n, tokenizer.pad_token_id,
+                          all_gather_padded(local.response_ids, tokenizer.pad_token_id),
+                          all_gather_padded(local.response_mask, 0))
+
+
+def uses_gathered_copy(parts: PPOParts) -> bool:
+    """Whether this step generates with a whole copy of the sharded actor (``generation_weights``)."""
+    s, env = parts.settings, parts.env
+    if s.generation_weights == "sharded" or env.world_size == 1 or not env.is_distributed:
+        return False  # one process: the actor itself is whole (a group of one shards nothing)
+    if s.generation_weights == "gathered":
+        return True
+    element = torch.finfo(s.actor_dtype).bits // 8 if s.actor_dtype is not None else 4
+    needed = sum(p.numel() for p in parts.actor.parameters()) * element  # global numel of sharded params
+    too_big = float(needed > available_bytes(env.device) // 2)
+    return max_over_ranks({"too_big": too_big})["too_big"] == 0.0  # every rank decides the same
+
+
+@contextmanager
+def generation_model(parts: PPOParts) -> Iterator[tuple[torch.nn.Module, bool]]:
+    """(the model to generate with, whether it is sharded); a gathered copy is freed afterwards."""
+    if not uses_gathered_copy(parts):
+        yield parts.actor, parts.env.is_distributed
+        return
+    copy = inference_copy(parts.actor, parts.settings.actor_dtype, parts.env.device)
+    try:
+        yield copy, False
+    finally:
+        del copy
+        if parts.env.device.type == "cuda":
+            torch.cuda.empty_cache()
