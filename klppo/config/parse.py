@@ -94,6 +94,7 @@ def _load(
         overrides = [overrides]
     source = "(defaults)" if path is None else os.fspath(path)
     full = {} if path is None else read_yaml(source)
+    _check_command(schema, source, full)
     problems: list[Problem] = []
     full = _apply_overrides(full, overrides, problems)
     defaults = config_to_dict(schema())
@@ -114,6 +115,23 @@ def _load(
     if notes is not None:
         notes += found + summary(ignored)
     return cfg
+
+
+# The top-level section that marks a config file as one command's: PPO's, or SFT's and RM's.
+_OWN_SECTION = {PPOConfig: "actor_rollout_ref", SFTConfig: "model", RMConfig: "model"}
+_WHOSE = {"actor_rollout_ref": ("a PPO config", "run it with klppo ppo, or validate it without --sft"),
+          "model": ("an SFT or reward-model config",
+                    "run it with klppo sft or klppo rm, or validate it with validate-config --sft")}
+
+
+def _check_command(schema: type, source: str, raw: dict) -> None:
+    """A file written for the other commands is one error saying so (not an unknown key per section)."""
+    own = _OWN_SECTION.get(schema)
+    other = next((name for name in _WHOSE if name != own and name in raw), None)
+    if own is not None and other is not None and own not in raw:
+        what, fix = _WHOSE[other]
+        raise UserError(f"config {source} is {what} (it has a top-level '{other}' section, which this command's "
+                        f"config has not); {fix}")
 
 
 def _summary(source: str, overrides: Sequence[str], problems: list[Problem]) -> str:

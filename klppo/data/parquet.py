@@ -38,7 +38,7 @@ def _read_table(path: str, required: Sequence[str]) -> pa.Table:
         raise UserError(f"data file '{path}' not found; check data.train_files (and data.val_files)")
     try:
         table = pq.read_table(path)
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
+    except (pa.ArrowException, OSError) as e:  # ArrowInvalid, ArrowIOError, ArrowNotImplementedError, ...
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
             f"data file '{path}' is not a readable Parquet file ({first_line}); "
@@ -61,7 +61,7 @@ def parquet_columns(files: str | Sequence[str]) -> set[str]:
     for path in as_file_list(files):
         try:
             names.update(pq.read_schema(path).names)
-        except (pa.ArrowInvalid, pa.ArrowIOError, OSError):
+        except (pa.ArrowException, OSError):
             continue
     return names
 
@@ -102,10 +102,14 @@ def describe_files(files: str | Sequence[str]) -> str:
     return f"{len(paths)} files ({', '.join(paths)})"
 
 
+def row_place(row: dict) -> str:
+    """``"x.parquet row 3"``: where a row from ``read_parquet_rows`` is (its file, 0-based row)."""
+    return f"{row.get('_file', '<data>')} row {row.get('_row', '?')}"
+
+
 def row_error(row: dict, column: str, problem: str, fix: str) -> UserError:
     """``"x.parquet row 3, column 'prompt': <problem>; <fix>"`` for a row from ``read_parquet_rows``."""
-    where = f"{row.get('_file', '<data>')} row {row.get('_row', '?')}"
-    return UserError(f"{where}, column '{column}': {problem}; {fix}")
+    return UserError(f"{row_place(row)}, column '{column}': {problem}; {fix}")
 
 
 def short_repr(value: Any, limit: int = 60) -> str:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from klppo.data.parquet import read_parquet_rows, row_error, short_repr
+from klppo.data.parquet import read_parquet_rows, row_error, row_place, short_repr
 from klppo.data.rl_dataset import (
     check_data_source,
     check_extra_info,
@@ -69,6 +69,8 @@ class RankedRecord:
     ground_truth: Any
     # The row's extra_info ({} when absent).
     extra_info: dict
+    # The file and row it came from ("x.parquet row 3"), for messages about it.
+    where: str = ""
 
 
 def _ranking_form(row: dict) -> str:
@@ -180,14 +182,15 @@ def load_ranked_dataset(
         source = None if row.get("data_source") is None else check_data_source(row)
         checked.append((row, messages, responses, rankings, scores, source, check_ground_truth(row),
                         check_extra_info(row)))
-    all_ids = encode_chats(tokenizer, [c[1] for c in checked])
+    all_ids = encode_chats(tokenizer, [c[1] for c in checked], rows=[c[0] for c in checked], column=prompt_key)
     kept = fit_prompts([c[0] for c in checked], all_ids, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
                        truncation=truncation, filter_overlong_prompts=filter_overlong_prompts, files=files, log=log,
                        what="ranked prompts")
     records = []
     for position, ids in kept:
-        _, messages, responses, rankings, scores, source, truth, extra = checked[position]
-        records.append(RankedRecord(len(records), messages, ids, responses, rankings, scores, source, truth, extra))
+        row, messages, responses, rankings, scores, source, truth, extra = checked[position]
+        records.append(RankedRecord(len(records), messages, ids, responses, rankings, scores, source, truth, extra,
+                                    where=row_place(row)))
     return records
 
 

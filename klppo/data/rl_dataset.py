@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from klppo.data.parquet import describe_files, read_parquet_rows, row_error, short_repr
+from klppo.data.parquet import describe_files, read_parquet_rows, row_error, row_place, short_repr
 from klppo.errors import UserError
 
 ROLES = ("system", "user", "assistant")
@@ -49,6 +49,8 @@ class PromptRecord:
     responses: list[str] | None = None
     # One score per recorded response, or None.
     scores: list[float] | None = None
+    # The file and row it came from ("x.parquet row 3"), for messages about it.
+    where: str = ""
 
 
 def check_truncation(truncation: str, key: str = "data.truncation") -> None:
@@ -81,8 +83,13 @@ def check_messages(row: dict, column: str) -> list[dict]:
     return messages
 
 
-def encode_chats(tokenizer, conversations: Sequence[list[dict]], add_generation_prompt: bool = True) -> list[list[int]]:
-    """Render each conversation with the tokenizer's chat template and encode it (no extra specials)."""
+def encode_chats(tokenizer, conversations: Sequence[list[dict]], add_generation_prompt: bool = True, *,
+                 rows: Sequence[dict] | None = None, column: str = "prompt") -> list[list[int]]:
+    """Render each conversation with the tokenizer's chat template and encode it (no extra specials).
+
+    ``rows``: the Parquet rows the conversations came from (``read_parquet_rows``), one per
+    conversation, so that a conversation the template refuses is named by file, row and ``column``.
+    """
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(
             "the tokenizer has no chat template, so chat-message prompts cannot be rendered; "
@@ -96,8 +103,11 @@ def encode_chats(tokenizer, conversations: Sequence[list[dict]], add_generation_
                                                        tokenize=False))
         except Exception as exc:  # the model's Jinja template refused the messages (e.g. roles must alternate)
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise UserError(f"prompt {i}: the tokenizer's chat template cannot render its messages ({first}); "
-                            "fix the messages to the form the model's template expects") from None
+            problem = f"the tokenizer's chat template cannot render its messages ({first})"
+            fix = "fix the messages to the form the model's template expects"
+            if rows is not None:
+                raise row_error(rows[i], column, problem, fix) from None
+            raise UserError(f"prompt {i}: {problem}; {fix}") from None
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
@@ -194,13 +204,14 @@ def load_rl_dataset(
         responses, scores = check_responses(row, require_responses)
         checked.append((row, messages, check_data_source(row), check_ground_truth(row),
                         check_extra_info(row), responses, scores))
-    all_ids = encode_chats(tokenizer, [c[1] for c in checked])
+    all_ids = encode_chats(tokenizer, [c[1] for c in checked], rows=[c[0] for c in checked], column=prompt_key)
     kept = fit_prompts([c[0] for c in checked], all_ids, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
                        truncation=truncation, filter_overlong_prompts=filter_overlong_prompts, files=files, log=log)
     records = []
     for position, ids in kept:
-        _, messages, source, truth, extra, responses, scores = checked[position]
-        records.append(PromptRecord(len(records), source, messages, ids, truth, extra, responses, scores))
+        row, messages, source, truth, extra, responses, scores = checked[position]
+        records.append(PromptRecord(len(records), source, messages, ids, truth, extra, responses, scores,
+                                    where=row_place(row)))
     return records
 
 

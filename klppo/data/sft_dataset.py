@@ -80,7 +80,7 @@ def load_sft_dataset(
     rows = read_parquet_rows(files, [prompt_key, response_key])
     prompts = [_prompt_messages(row, prompt_key) for row in rows]
     responses = [_response_text(row, response_key) for row in rows]
-    prompt_ids = encode_chats(tokenizer, prompts)
+    prompt_ids = encode_chats(tokenizer, prompts, rows=rows, column=prompt_key)
     response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
     examples, n_truncated = [], 0
     for row, p_ids, r_ids in zip(rows, prompt_ids, response_ids):

@@ -109,10 +109,11 @@ def _model_config(folder: Path, key: str):
 def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreTrainedTokenizerBase:
     """The tokenizer saved with the model, left-padding, with a pad token (EOS if it had none)."""
     folder = check_model_folder(path, key)
+    config = _model_config(folder, key)  # first: AutoTokenizer reads config.json too, and would blame the tokenizer
     fix = "save the tokenizer next to the model (tokenizer.save_pretrained)"
     with reading(folder, f"{key}: the tokenizer in", fix):
         tokenizer = AutoTokenizer.from_pretrained(folder, **_SAFE)
-    check_tokenizer_usable(tokenizer, _model_config(folder, key), folder, key)
+    check_tokenizer_usable(tokenizer, config, folder, key)
     if tokenizer.eos_token_id is None:
         raise UserError(f"{key}: the tokenizer in '{path}' has no eos_token; set one and save it again")
     if tokenizer.pad_token_id is None:

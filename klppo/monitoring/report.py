@@ -21,7 +21,7 @@ from typing import Sequence
 import yaml
 
 from klppo.cli_support import run_cli
-from klppo.errors import UserError
+from klppo.errors import UserError, reading
 from klppo.monitoring.jsonl import EVENTS_FILE
 from klppo.monitoring.logger import METRICS_FILE
 from klppo.monitoring.plots import build_panels, save_panel, series
@@ -48,39 +48,76 @@ class Run:
     config: dict  # config.yaml, {} when absent
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_text(path: Path) -> str:
+    """A run file's text; a file that cannot be read or is not UTF-8 is a ``UserError`` naming it."""
+    with reading(path, "run file", "is it the file klppo wrote? restore it, or move it away"):
+        data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"{path}, line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); it is not a file klppo "
+                        "wrote: restore it, or delete that line") from None
+
+
+def _read_jsonl(path: Path, numbers: bool = False) -> list[dict]:
+    """The records of a JSON-lines file, each a JSON object with an integer ``step`` (and, with
+    ``numbers``, every other value a number: what metrics.jsonl holds)."""
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}, line {number}: not a JSON object ({exc.msg}); is the file complete?") from exc
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise UserError(f"{path}, line {number}: expected a JSON object with an integer 'step'")
+        if not isinstance(record, dict) or type(record.get("step")) is not int:
+            raise UserError(f"{path}, line {number}: expected a JSON object with an integer 'step'; "
+                            "correct or delete that line")
+        odd = next((k for k, v in record.items() if numbers and type(v) not in (int, float)), None)
+        if odd is not None:
+            raise UserError(f"{path}, line {number}: '{odd}' is {json.dumps(record[odd])[:40]}, not a number; "
+                            "metrics are numbers: correct or delete that line")
         records.append(record)
     return records
+
+
+def _read_config(path: Path) -> dict:
+    """The run's config.yaml as a dict ({} when absent); a file that is not YAML is a ``UserError`` naming it."""
+    if not path.exists():
+        return {}
+    try:
+        config = yaml.safe_load(_read_text(path))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise UserError(f"{path} is not valid YAML{where} ({problem}); restore the config.yaml the run wrote, or "
+                        "move it away to report without the KL target and guard thresholds") from None
+    return config if isinstance(config, dict) else {}
 
 
 def load_run(run_dir: str | Path) -> Run:
     """The metrics, events and config of a run directory; a ``UserError`` if it holds no metrics."""
     path = Path(run_dir)
-    if not path.is_dir():
+    if not path.exists():
         raise UserError(f"run directory {path} does not exist (pass the run's trainer.default_local_dir)")
+    if not path.is_dir():
+        raise UserError(f"{path} is not a folder; pass the run's folder (its trainer.default_local_dir), "
+                        "not a file in it")
     metrics = path / METRICS_FILE
+    if metrics.is_dir():
+        raise UserError(f"{metrics} is a folder, not the run's metrics file; pass a run folder that klppo wrote "
+                        "(its trainer.default_local_dir)")
     if not metrics.is_file():
         raise UserError(f"{path} has no {METRICS_FILE}: not a run directory, or the run logged no step yet")
-    try:
-        records = _read_jsonl(metrics)
-        events = _read_jsonl(path / EVENTS_FILE) if (path / EVENTS_FILE).is_file() else []
-        for number, event in enumerate(events, start=1):
-            if not isinstance(event.get("kind"), str):
-                raise UserError(f"{path / EVENTS_FILE}, event {number}: no 'kind' (rollback, early_stop, ...)")
-        config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"cannot read the run directory {path}: {exc}".replace("\n", " ")) from exc
-    return Run(path, records, events, config if isinstance(config, dict) else {})
+    records = _read_jsonl(metrics, numbers=True)
+    events_path = path / EVENTS_FILE
+    events = _read_jsonl(events_path) if events_path.exists() else []
+    for number, event in enumerate(events, start=1):
+        if not isinstance(event.get("kind"), str):
+            raise UserError(f"{events_path}, event {number}: no 'kind' (rollback, early_stop, ...)")
+    return Run(path, records, events, _read_config(path / "config.yaml"))
 
 
 def _get(config: dict, dotted: str):
@@ -365,10 +402,21 @@ def report_path(run_dir: Path, out: str | None, fmt: str | None) -> tuple[Path, 
     return folder / f"report.{fmt}", fmt
 
 
+def _check_writable_folder(folder: Path) -> None:
+    """Before anything is written: no part of ``folder``'s path is a file."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise UserError(f"cannot write the report to {folder}: '{existing}' is a file, not a folder; pass --out a "
+                        "folder (or a .md / .html file) whose parents are folders")
+
+
 def write_report(run_dir: str | Path, out: str | None = None, fmt: str | None = None) -> Path:
     """Write the report (and its PNGs beside it); returns the report's path."""
     run = load_run(run_dir)
     path, fmt = report_path(run.path, out, fmt)
+    _check_writable_folder(path.parent)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         images = []
@@ -378,7 +426,8 @@ def write_report(run_dir: str | Path, out: str | None = None, fmt: str | None = 
         blocks = build_blocks(run, images)
         path.write_text(render_html(blocks) if fmt == "html" else render_markdown(blocks))
     except OSError as exc:
-        raise UserError(f"cannot write the report to {path.parent}: {exc.strerror or exc}") from exc
+        raise UserError(f"cannot write the report to {path.parent} ({(exc.strerror or str(exc)).lower()}); pass --out "
+                        "a folder you can write to") from exc
     return path
 
 

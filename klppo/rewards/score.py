@@ -122,10 +122,12 @@ def make_reward_fn(custom_path: str | None, custom_name: str = "compute_score") 
     return RewardFunction(default_compute_score, "default_compute_score")
 
 
-def check_scorable(reward_fn: RewardFunction, sources_and_truths: Sequence[tuple[str, Any]], key: str) -> None:
+def check_scorable(reward_fn: RewardFunction, sources_and_truths: Sequence[tuple[str, Any]], key: str,
+                   places: Sequence[str] | None = None) -> None:
     """Up front, before any model loads: the built-in rules know every data_source and have a truth.
 
-    A custom function is the user's to check; ``key`` names the data files in the message.
+    A custom function is the user's to check; ``key`` names the data files in the message, and
+    ``places`` (one per prompt, e.g. "x.parquet row 5") the file and row of each prompt.
     """
     if reward_fn.fn is not default_compute_score:
         return
@@ -134,7 +136,8 @@ def check_scorable(reward_fn: RewardFunction, sources_and_truths: Sequence[tuple
             try:
                 default_compute_score(source, "", truth)
             except UserError as exc:
-                raise UserError(f"{key}, prompt {index}: {exc}") from None
+                where = places[index] if places and places[index] else f"prompt {index}"
+                raise UserError(f"{key}, {where}: {exc}") from None
 
 
 def score_responses(

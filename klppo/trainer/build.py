@@ -101,11 +101,13 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable)
         check_enough_responses(train, cfg.actor_rollout_ref.rollout.n)
     rule_scored = not cfg.reward_model.enable  # else the reward model scores every response
     if rule_scored and not (offline and all(r.scores is not None for r in train)):  # recorded scores need none
-        check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in train], "data.train_files")
+        check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in train], "data.train_files",
+                       [r.where for r in train])
     val, val_ranked = load_val_datasets(cfg, tokenizer, common)
     if val is not None and rule_scored:
         try:
-            check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in val], "data.val_files")
+            check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in val], "data.val_files",
+                           [r.where for r in val])
         except UserError as exc:
             if val_ranked is None:
                 raise
@@ -135,8 +137,9 @@ def check_enough_responses(records: list[PromptRecord], n: int) -> None:
     """Offline runs use the first ``n`` recorded responses of each prompt: all must have them."""
     for record in records:
         if len(record.responses) < n:
+            where = record.where or f"prompt {record.index} of data.train_files"
             raise UserError(
-                f"prompt {record.index} of data.train_files has {len(record.responses)} recorded responses "
+                f"{where}, column 'responses': has {len(record.responses)} recorded responses "
                 f"but actor_rollout_ref.rollout.n={n}; lower rollout.n or record more responses"
             )
 

@@ -1,0 +1,376 @@
+"""Bad inputs to ``klppo ppo --config x.yaml``: prompt files, config values, model folders, output folders."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bad_input_kit import Workspace, ppo_row, register, rows
+
+CASES: dict = {}
+case = lambda *expect: register(CASES, "ppo", *expect)  # noqa: E731
+
+MESSAGES = "write the prompt as a list of messages"
+ROW5 = "train.parquet row 5, column"
+
+
+def bad_row(**changes):
+    return rows(ppo_row, 5, **changes)
+
+
+# ---- the prompt file: a bad value in row 5 of 8 ----
+
+@case(f"{ROW5} 'prompt'", "non-empty list of chat messages", MESSAGES)
+def ppo_row5_prompt_is_null(ws: Workspace):
+    return ws.ppo(bad_row(prompt=None))
+
+
+@case(f"{ROW5} 'prompt'", "got []", MESSAGES)
+def ppo_row5_prompt_is_an_empty_list(ws):
+    return ws.ppo(bad_row(prompt=[]))
+
+
+@case(f"{ROW5} 'prompt'", "message 0 has no string 'content'", MESSAGES)
+def ppo_row5_message_without_content(ws):
+    return ws.ppo(bad_row(prompt=[{"role": "user"}]))
+
+
+@case(f"{ROW5} 'prompt'", "message 1 has no string 'role'", MESSAGES)
+def ppo_row5_second_message_without_role(ws):
+    return ws.ppo(bad_row(prompt=[{"role": "system", "content": "Be brief."}, {"content": "What is 1 + 1?"}]))
+
+
+@case(f"{ROW5} 'prompt'", "role 'wizard'", "use one of system, user, assistant")
+def ppo_row5_unknown_role(ws):
+    return ws.ppo(bad_row(prompt=[{"role": "wizard", "content": "What is 1 + 1?"}]))
+
+
+@case(f"{ROW5} 'data_source'", "expected a non-empty string, got None", "e.g. 'openai/gsm8k'")
+def ppo_row5_data_source_is_null(ws):
+    return ws.ppo(bad_row(data_source=None))
+
+
+@case(f"{ROW5} 'data_source'", "got ''", "e.g. 'openai/gsm8k'")
+def ppo_row5_data_source_is_empty(ws):
+    return ws.ppo(bad_row(data_source=""))
+
+
+@case("train.parquet row 5", "my/task", "custom_reward_function")
+def ppo_row5_data_source_without_a_reward(ws):
+    return ws.ppo(bad_row(data_source="my/task"))
+
+
+@case("train.parquet row 5", "ground_truth")
+def ppo_row5_gsm8k_row_without_ground_truth(ws):
+    return ws.ppo(bad_row(reward_model=None))
+
+
+@case(f"{ROW5} 'responses'", "non-empty list of strings, got None", "one per recorded response")
+def ppo_row5_offline_responses_null(ws):
+    return ws.ppo(bad_row(responses=None))
+
+
+@case(f"{ROW5} 'responses'", "got []", "one per recorded response")
+def ppo_row5_offline_responses_empty(ws):
+    return ws.ppo(bad_row(responses=[]))
+
+
+@case(f"{ROW5} 'responses'", "response 1 is None, not a string")
+def ppo_row5_offline_response_is_null(ws):
+    return ws.ppo(bad_row(responses=["5 + 3 = 8 #### 8", None]))
+
+
+@case(f"{ROW5} 'scores'", "expected a list of 2 numbers", "one finite number per response")
+def ppo_row5_scores_shorter_than_responses(ws):
+    table = rows(ppo_row, None)
+    for i, row in enumerate(table):
+        row["scores"] = [1.0] if i == 5 else [1.0, 0.0]
+    return ws.ppo(table)
+
+
+@case(f"{ROW5} 'scores'", "score 1 is nan, not a finite number")
+def ppo_row5_score_is_nan(ws):
+    table = rows(ppo_row, None)
+    for i, row in enumerate(table):
+        row["scores"] = [1.0, float("nan") if i == 5 else 0.0]
+    return ws.ppo(table)
+
+
+@case(f"{ROW5} 'scores'", "scores given without responses", "add a 'responses' column")
+def ppo_row5_scores_without_responses_when_generating(ws):
+    table = rows(ppo_row, 5, responses=None, scores=[1.0, 0.0])
+    for row in table:
+        row.pop("responses", None)
+    return ws.ppo(table, {"actor_rollout_ref.rollout.name": "hf"})
+
+
+@case(f"{ROW5} 'prompt'", "longer than data.max_prompt_length=64", "data.truncation=left|right")
+def ppo_row5_prompt_too_long(ws):
+    return ws.ppo(bad_row(prompt=[{"role": "user", "content": "seven " * 200}]))
+
+
+@case("train.parquet row 5", "rollout.n")
+def ppo_row5_fewer_responses_than_rollout_n(ws):
+    return ws.ppo(bad_row(responses=["5 + 3 = 8 #### 8"]))
+
+
+@case(f"{ROW5} 'prompt'", "encodes to no tokens", "non-empty prompt")
+def ppo_row5_prompt_encodes_to_no_tokens(ws):
+    model = ws.model_copy()
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    return ws.ppo(bad_row(prompt=[{"role": "user", "content": ""}]), {"actor_rollout_ref.model.path": str(model)})
+
+
+REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system "
+                     "messages') }}{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@case(f"{ROW5} 'prompt'", "chat template cannot render its messages", "no system messages", "the form the model's")
+def ppo_row5_messages_the_chat_template_refuses(ws):
+    model = ws.model_copy()
+    (model / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 5 + 3?"}]
+    return ws.ppo(bad_row(prompt=prompt), {"actor_rollout_ref.model.path": str(model)})
+
+
+@case("val.parquet row 3, column 'prompt'", "encodes to no tokens", "non-empty prompt")
+def ppo_val_row3_prompt_encodes_to_no_tokens(ws):
+    model = ws.model_copy()
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    val = ws.parquet(rows(ppo_row, 3, prompt=[{"role": "user", "content": ""}]), "val.parquet")
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(model), "data.val_files": str(val)})
+
+
+@case("val.parquet row 5, column 'prompt'", "got []", MESSAGES)
+def ppo_val_file_row5_prompt_empty(ws):
+    val = ws.parquet(rows(ppo_row, 5, prompt=[]), "val.parquet")
+    return ws.ppo(None, {"data.val_files": str(val)})
+
+
+@case("plain.parquet row 0, column 'prompt'", "plain string", MESSAGES)
+def ppo_prompts_written_as_plain_strings(ws):
+    table = rows(ppo_row)
+    for row in table:
+        row["prompt"] = row["prompt"][0]["content"]
+    return ws.ppo(ws.parquet(table, "plain.parquet"))
+
+
+# ---- the prompt files themselves ----
+
+@case("second.parquet", "not found", "data.train_files")
+def ppo_second_train_file_missing(ws):
+    first = ws.parquet(rows(ppo_row), "first.parquet")
+    return ws.ppo(first, {"data.train_files": [str(first), str(ws.root / "second.parquet")]})
+
+
+@case("csv.parquet", "not a readable Parquet file", "pyarrow.parquet.write_table")
+def ppo_train_file_is_csv(ws):
+    return ws.ppo(ws.write("csv.parquet", "data_source,prompt\nopenai/gsm8k,hi\n"))
+
+
+@case("cut.parquet", "not a readable Parquet file")
+def ppo_train_file_truncated(ws):
+    path = ws.parquet(rows(ppo_row), "cut.parquet")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return ws.ppo(path)
+
+
+@case("empty.parquet", "has no rows")
+def ppo_train_file_without_rows(ws):
+    path = ws.root / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist(rows(ppo_row)).slice(0, 0), path)
+    return ws.ppo(path)
+
+
+@case("data_folder", "not found")
+def ppo_train_file_is_a_folder(ws):
+    (ws.root / "data_folder").mkdir()
+    return ws.ppo(ws.root / "data_folder")
+
+
+@case("train.parquet", "has no column 'question'", "data.prompt_key")
+def ppo_prompt_key_names_a_missing_column(ws):
+    return ws.ppo(None, {"data.prompt_key": "question"})
+
+
+@case("train.parquet", "has no column 'data_source'")
+def ppo_file_without_data_source_column(ws):
+    table = rows(ppo_row)
+    for row in table:
+        del row["data_source"]
+    return ws.ppo(table)
+
+
+# ---- config values in the YAML file ----
+
+@case("actor_rollout_ref.actor.clip_ration", "actor_rollout_ref.actor.clip_ratio")
+def ppo_yaml_misspelled_key(ws):
+    return ws.ppo(None, {"actor_rollout_ref.actor.clip_ration": 0.2})
+
+
+@case("data.train_batch_size", "eight")
+def ppo_yaml_string_for_an_int(ws):
+    return ws.ppo(None, {"data.train_batch_size": "eight"})
+
+
+@case("data.train_batch_size", "8.5")
+def ppo_yaml_fraction_for_an_int(ws):
+    return ws.ppo(None, {"data.train_batch_size": 8.5})
+
+
+@case("actor_rollout_ref.actor.optim.lr")
+def ppo_yaml_list_for_a_float(ws):
+    return ws.ppo(None, {"actor_rollout_ref.actor.optim.lr": [1e-6, 2e-6]})
+
+
+@case("data")
+def ppo_yaml_section_is_a_number(ws):
+    argv = ws.ppo()
+    path = ws.root / "config.yaml"
+    path.write_text(path.read_text().replace("data:\n", "data: 5\nunused:\n", 1))
+    return argv
+
+
+@case("trainer.logger", "consle")
+def ppo_yaml_unknown_logger(ws):
+    return ws.ppo(None, {"trainer.logger": ["consle"]})
+
+
+@case("algorithm.adv_estimator", "gae")
+def ppo_yaml_unknown_estimator(ws):
+    return ws.ppo(None, {"algorithm.adv_estimator": "ppo"})
+
+
+@case("ppo_mini_batch_size")
+def ppo_yaml_mini_batch_not_dividing(ws):
+    return ws.ppo(None, {"actor_rollout_ref.actor.ppo_mini_batch_size": 3})
+
+
+@case("trainer.resume_mode")
+def ppo_yaml_unknown_resume_mode(ws):
+    return ws.ppo(None, {"trainer.resume_mode": "latest"})
+
+
+@case("data.train_files")
+def ppo_yaml_train_files_null(ws):
+    return ws.ppo(None, {"data.train_files": None})
+
+
+@case("trainer.experiment_name", "data.nope")
+def ppo_yaml_interpolation_to_a_missing_key(ws):
+    return ws.ppo(None, {"trainer.experiment_name": "run_${data.nope}"})
+
+
+@case("config.yaml", "not UTF-8 text", "line 2", "iconv")
+def ppo_yaml_latin1_comment(ws):
+    argv = ws.ppo()
+    path = ws.root / "config.yaml"
+    path.write_bytes(path.read_bytes().replace(b"data:\n", "data:\n  # r\xe9sum\xe9\n".encode("latin-1"), 1))
+    return argv
+
+
+@case("config.yaml", "key 'data' is given twice", "keep one of them")
+def ppo_yaml_section_given_twice(ws):
+    argv = ws.ppo()
+    path = ws.root / "config.yaml"
+    path.write_text(path.read_text() + "data:\n  seed: 3\n")
+    return argv
+
+
+@case("is an SFT or reward-model config", "klppo sft or klppo rm")
+def ppo_given_an_sft_config_file(ws):
+    argv = ws.sft()
+    return ["ppo", *argv[1:]]
+
+
+@case("missing.yaml", "does not exist")
+def ppo_config_file_missing(ws):
+    return ["ppo", "--config", str(ws.root / "missing.yaml")]
+
+
+@case("data.train_batch_size", "many")
+def ppo_override_of_the_yaml_with_a_wrong_type(ws):
+    return ws.ppo(None, None, "data.train_batch_size=many")
+
+
+# ---- model folders ----
+
+@case("actor_rollout_ref.model.path", "does not exist")
+def ppo_model_folder_missing(ws):
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(ws.root / "no_model")})
+
+
+@case("actor_rollout_ref.model.path", "holds no model weights", "with its weights")
+def ppo_model_folder_without_weights(ws):
+    model = ws.model_copy()
+    (model / "model.safetensors").unlink()
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(model)})
+
+
+@case("actor_rollout_ref.model.path", "cannot be read", "copy the folder again")
+def ppo_model_weights_truncated(ws):
+    model = ws.model_copy()
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(model)})
+
+
+@case("actor_rollout_ref.model.path", "turns ordinary text into no tokens", "tokenizer.json included")
+def ppo_model_folder_without_tokenizer_files(ws):
+    model = ws.model_copy()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(model)})
+
+
+@case("actor_rollout_ref.model.path", "the model config", "cannot be read")
+def ppo_model_config_json_damaged(ws):
+    model = ws.model_copy()
+    (model / "config.json").write_text('{"model_type": "qwen2", ')
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(model)})
+
+
+@case("critic.model.path", "does not exist")
+def ppo_critic_folder_missing(ws):
+    return ws.ppo(None, {"algorithm.adv_estimator": "gae", "critic.model.path": str(ws.root / "no_critic")})
+
+
+@case("actor_rollout_ref.model.path", "4096 embedding rows", "not the model's tokenizer")
+def ppo_tokenizer_far_smaller_than_the_model(ws):
+    model = ws.model_copy()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 4096}))
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(model)})
+
+
+# ---- the reward file ----
+
+@case("custom_reward_function.path", "SyntaxError", "line 3", "fix the file")
+def ppo_reward_file_with_a_syntax_error(ws):
+    reward = ws.write("reward.py", "import math\n\ndef compute_score(data_source, solution_str, ground_truth\n")
+    return ws.ppo(None, {"custom_reward_function.path": str(reward)})
+
+
+@case("custom_reward_function.name 'compute_score' is not defined", "callables there: score")
+def ppo_reward_file_without_the_named_function(ws):
+    reward = ws.write("reward.py", "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                   "    return 0.0\n")
+    return ws.ppo(None, {"custom_reward_function.path": str(reward)})
+
+
+# ---- output folders ----
+
+@case("trainer.default_local_dir", "is an existing file, not a folder")
+def ppo_output_folder_is_a_file(ws):
+    ws.write("taken", "a file")
+    return ws.ppo(None, {"trainer.default_local_dir": str(ws.root / "taken")})
+
+
+@case("trainer.default_local_dir", "which is a file", "whose parents are folders")
+def ppo_output_folder_below_a_file(ws):
+    ws.write("taken", "a file")
+    return ws.ppo(None, {"trainer.default_local_dir": str(ws.root / "taken" / "run")})
+
