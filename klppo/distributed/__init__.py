@@ -14,6 +14,7 @@ from klppo.distributed.env import (
     barrier,
     close,
     init_distributed,
+    my_rows,
     on_rank_zero,
     reduce_counts,
     reduce_stats,
@@ -25,7 +26,7 @@ from klppo.distributed.fsdp import apply_fsdp2, build_mesh, full_state_dict, gat
 __all__ = [
     "SINGLE_PROCESS", "DistEnv", "ShardedContents", "abandon", "all_gather_objects", "all_gather_padded",
     "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2", "barrier", "build_mesh", "close",
-    "full_state_dict", "gather_full_model", "init_distributed", "on_rank_zero", "is_sharded", "load_sharded",
+    "full_state_dict", "gather_full_model", "init_distributed", "my_rows", "on_rank_zero", "is_sharded", "load_sharded",
     "load_training_state", "read_sharded_contents", "reduce_counts", "reduce_stats", "requested_keys", "run_on_ranks",
     "save_sharded", "shard_range", "training_state",
 ]

@@ -76,6 +76,7 @@ def with_ranking_rewards(
             extra_info=r.extra_info,
             responses=r.responses,
             scores=ranking_rewards(r.rankings, len(r.responses), method, scale=scale, center=center),
+            rollout_log_probs=r.rollout_log_probs,
         )
         for r in records
     ]
