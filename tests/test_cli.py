@@ -36,7 +36,7 @@ def _bad_parquet_cases(tmp_path):
     garbage = tmp_path / "garbage.parquet"
     garbage.write_bytes(b"not parquet at all")
     plain_prompt = tmp_path / "plain.parquet"
-    pq.write_table(pa.Table.from_pylist([{"data_source": "openai/gsm8k", "prompt": "just a string",
+    pq.write_table(pa.Table.from_pylist([{"data_source": "openai/gsm8k", "prompt": "",
                                           "reward_model": {"style": "rule", "ground_truth": "1"}}]), plain_prompt)
     no_prompt = tmp_path / "noprompt.parquet"
     pq.write_table(pa.Table.from_pylist([{"data_source": "openai/gsm8k", "question": "hi"}]), no_prompt)

@@ -1,4 +1,5 @@
-"""Pure tensor math for KL-regularised PPO: masked stats, KL, advantages, losses, rankings.
+"""Pure tensor math for KL-regularised PPO: masked stats, KL, advantages, losses, rankings,
+rollout correction.
 
 Imports only torch and the standard library; takes tensors and plain numbers, returns
 tensors (stats as 0-dim tensors). Names follow verl's `trainer/ppo/core_algos.py`.
@@ -24,6 +25,7 @@ from klppo.algo.losses import (
     LOSS_AGG_MODES,
     agg_loss,
     compute_policy_loss,
+    compute_policy_loss_reinforce,
     compute_value_loss,
     entropy_from_logits,
     explained_variance,
@@ -38,6 +40,12 @@ from klppo.algo.ranking import (
     plackett_luce_strengths,
     rankings_to_comparisons,
     scalar_rewards_from_strengths,
+)
+from klppo.algo.rollout_correction import (
+    compute_offpolicy_metrics,
+    compute_rollout_correction_and_rejection_mask,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
 )
 from klppo.algo.stats import masked_mean, masked_sum, masked_var, masked_whiten
 
@@ -55,10 +63,15 @@ __all__ = [
     "comparisons_from_annotators",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
+    "compute_offpolicy_metrics",
     "compute_policy_loss",
+    "compute_policy_loss_reinforce",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
     "compute_value_loss",
     "entropy_from_logits",
     "explained_variance",

@@ -85,6 +85,7 @@ def compute_policy_loss(
     global_token_count: Count = None,
     global_seq_count: Count = None,
     loss_scale_factor: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """PPO clipped surrogate with dual clip (verl's compute_policy_loss_vanilla).
 
@@ -92,6 +93,8 @@ def compute_policy_loss(
     ratio = exp(log_prob - old_log_prob): loss = max(-A ratio, -A clip(ratio, 1 - low,
     1 + high)) (Schulman et al. 2017, arXiv:1707.06347, eq. 7); for A < 0 it is further
     capped at -A * clip_ratio_c (dual clip, Ye et al. 2020, arXiv:1912.09729, eq. 5).
+    ``rollout_is_weights`` (B, T), detached rollout-correction weights, multiply the per-token
+    losses before aggregation (verl's place for them); the clip statistics ignore them.
     Returns the aggregated loss (0-dim) and detached stats "actor/pg_loss",
     "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower".
     """
@@ -106,6 +109,8 @@ def compute_policy_loss(
     pg_losses3 = -advantages * clip_ratio_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     loss = agg_loss(pg_losses, mask, loss_agg_mode, global_token_count, global_seq_count, loss_scale_factor)
     with torch.no_grad():
         lower = (clip_pg_losses1 > pg_losses3) & (advantages < 0)
@@ -114,6 +119,37 @@ def compute_policy_loss(
             "actor/pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), mask),
             "actor/ppo_kl": masked_mean(-negative_approx_kl, mask),
             "actor/pg_clipfrac_lower": masked_mean(lower.float(), mask),
+        }
+    return loss, stats
+
+
+def compute_policy_loss_reinforce(
+    rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: Count = None,
+    global_seq_count: Count = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """REINFORCE with optional importance weights (verl's compute_policy_loss_reinforce).
+
+    All inputs (B, T). Per token loss = -A * log pi(a|s) * w, w the detached rollout-correction
+    weight pi / mu (1 without weights); no ratio and no clipping, so "actor/pg_clipfrac" and
+    "actor/pg_clipfrac_lower" are 0. "actor/ppo_kl" is the mean of log mu - log pi.
+    """
+    pg_losses = -advantages * log_prob
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_token_count, global_seq_count)
+    zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
+    with torch.no_grad():
+        stats = {
+            "actor/pg_loss": loss.detach(),
+            "actor/pg_clipfrac": zero,
+            "actor/ppo_kl": masked_mean(rollout_log_prob - log_prob.detach(), response_mask),
+            "actor/pg_clipfrac_lower": zero,
         }
     return loss, stats
 

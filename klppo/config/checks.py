@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from klppo.config.rollout_correction import parse_is_threshold, parse_rs
 from klppo.config.schema import (
     ActorConfig,
     CriticConfig,
@@ -52,7 +53,9 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
     the response source that can run here (``notes`` gets a line when it differs from the asked one)."""
     arf = cfg.actor_rollout_ref
     actor, critic = arf.actor, cfg.critic
-    _resolve_rollout_engine(arf.rollout, notes if notes is not None else [])
+    notes = notes if notes is not None else []
+    _resolve_rollout_engine(arf.rollout, notes)
+    _note_rollout_correction(cfg, notes)
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:
@@ -112,6 +115,24 @@ def _resolve_rollout_engine(rollout: RolloutConfig, notes: list[str]) -> None:
                  f"instead, since {' and '.join(why)}; the same sampling settings apply (temperature, top_p, "
                  f"top_k, n, response_length)")
     rollout.name = "hf"
+
+
+def rollout_correction_active(cfg: PPOConfig) -> bool:
+    """Whether algorithm.rollout_correction changes the update (weights, rejection or bypass)."""
+    rc = cfg.algorithm.rollout_correction
+    return rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode
+
+
+def _note_rollout_correction(cfg: PPOConfig, notes: list[str]) -> None:
+    """Settings that have no effect where they are, said once (verl ignores them there too)."""
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    if rollout_correction_active(cfg) and cfg.actor_rollout_ref.rollout.name != "offline":
+        notes.append(f"warning: {key} has no effect with {ROLLOUT}.name = '{cfg.actor_rollout_ref.rollout.name}': "
+                     "klppo generates with the actor itself, so the behaviour policy is pi_old and every weight "
+                     "pi_old / mu is 1; it corrects offline responses that carry rollout_log_probs")
+    elif rc.loss_type != "ppo_clip" and not rc.bypass_mode:
+        notes.append(f"warning: {key}.loss_type = '{rc.loss_type}' applies in bypass mode only (as in verl); "
+                     f"set {key}.bypass_mode=true, or leave loss_type at ppo_clip")
 
 
 def _resolve_output_dir(trainer: TrainerConfig | SFTTrainerConfig) -> None:
@@ -184,6 +205,7 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
         _check_critic(cfg.critic, cfg.actor_rollout_ref.actor, out)
         _check_optim(cfg.critic.optim, "critic.optim", out)
     _check_algorithm(cfg, out)
+    _check_rollout_correction(cfg, out)
     _check_trainer(cfg.trainer, out)
     _check_guard(cfg.trainer.guard, out)
     _positive(out, "reward_model.ranking.scale", cfg.reward_model.ranking.scale)
@@ -395,6 +417,21 @@ def _check_algorithm(cfg: PPOConfig, out: list[Problem]) -> None:
         # A mini-batch size copied from the actor's has had its problems reported there.
         own_mini = critic.ppo_mini_batch_size != cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         _check_update_batches(out, "critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, cfg, own_mini)
+
+
+def _check_rollout_correction(cfg: PPOConfig, out: list[Problem]) -> None:
+    """Thresholds verl would accept, parsed as verl parses them (``config.rollout_correction``)."""
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    if rc.rollout_is is not None:
+        try:
+            parse_is_threshold(rc.rollout_is_threshold)
+        except ValueError as exc:
+            out.append(Problem((f"{key}.rollout_is_threshold",), str(exc)))
+    if rc.rollout_rs is not None:
+        try:
+            parse_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+        except ValueError as exc:
+            out.append(Problem((f"{key}.rollout_rs", f"{key}.rollout_rs_threshold"), str(exc)))
 
 
 def _check_trainer_common(trainer: TrainerConfig | SFTTrainerConfig, out: list[Problem]) -> None:

@@ -340,6 +340,24 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    # Importance weights pi_old / mu on the policy loss: null (none), per token, or one per sequence.
+    rollout_is: Optional[Literal["token", "sequence"]] = None
+    # A number truncates the weights at it (TIS); "lower_upper" (e.g. "0.5_5.0") zeroes those outside (IcePop).
+    rollout_is_threshold: Union[float, str] = 2.0
+    # Divide the weights by their mean over the batch (tokens, or sequences for rollout_is=sequence).
+    rollout_is_batch_normalize: bool = False
+    # Rejection criteria, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3; null = none.
+    rollout_rs: Optional[str] = None
+    # One bound for all criteria or one each (comma-separated); k1 takes "lower_upper" on mu / pi_old.
+    rollout_rs_threshold: Optional[Union[float, str]] = None
+    # Take pi_old = mu (the recorded log-probs) and skip the old log-prob forward; weights use the current policy.
+    bypass_mode: bool = False
+    # Policy loss in bypass mode: ppo_clip (the ratio to mu is clipped) or reinforce (-A log pi, weighted).
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+
+
+@dataclass
 class AlgorithmConfig:
     # Discount factor of GAE.
     gamma: float = 1.0
@@ -354,6 +372,8 @@ class AlgorithmConfig:
     # KL estimator used in the reward.
     kl_penalty: KLPenalty = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    # Off-policy correction for responses sampled by another policy mu (offline data's rollout_log_probs).
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

@@ -40,8 +40,12 @@ RULES: tuple[tuple, ...] = (
     (("actor_rollout_ref.rollout.multi_turn.enable",), "multi-turn / tool rollouts are not implemented in klppo", REFUSE),
     (("algorithm.filter_groups.enable",), "DAPO dynamic sampling (filter_groups) is not implemented in klppo", REFUSE),
     (("algorithm.use_pf_ppo",), "preference-feedback PPO reweighting is not implemented in klppo", REFUSE),
-    (("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_rs",
-      "algorithm.rollout_correction.bypass_mode"), "rollout importance correction is not implemented in klppo", REFUSE),
+    (("algorithm.rollout_correction.rollout_token_veto_threshold",), "verl 0.6-0.7's token veto, gone from verl "
+     "0.9.1 and not in klppo; reject outlier tokens with algorithm.rollout_correction.rollout_rs=token_k1", REFUSE),
+    (("algorithm.rollout_correction.rollout_rs_threshold_lower",), "verl 0.6-0.7 key; verl 0.9.1 and klppo write "
+     "the lower bound into algorithm.rollout_correction.rollout_rs_threshold as 'lower_upper'", REFUSE),
+    (("algorithm.rollout_correction.use_policy_gradient",), "verl 0.6.1 key; set "
+     "algorithm.rollout_correction.loss_type=reinforce with bypass_mode=true", REFUSE),
     (("distillation.enabled",), "on-policy distillation is not implemented in klppo", REFUSE),
     (("trainer.val_only",), "klppo has no validate-only run; set trainer.total_training_steps and val_before_train", REFUSE),
     (("*.qat.enable",), "quantisation-aware training is not implemented in klppo", REFUSE),
@@ -160,6 +164,6 @@ RULES: tuple[tuple, ...] = (
     (("trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load", "trainer.checkpoint_callback_class",
       "trainer.max_critic_ckpt_to_keep"), _CHECKPOINT),
     (("skip.*",), "verl's rollout caching for debugging"),
-    (("algorithm.filter_groups.*", "algorithm.pf_ppo.*", "algorithm.rollout_correction.*"),
+    (("algorithm.filter_groups.*", "algorithm.pf_ppo.*"),
      "parameter of a verl algorithm variant klppo does not implement"),
 )

@@ -1,7 +1,9 @@
 """Ranked-response datasets: prompts with several recorded responses and who preferred which.
 
 Columns (one row per prompt, verl-style):
-  prompt        list of chat messages ``{"role", "content"}`` (name set by ``data.prompt_key``)
+  prompt        list of chat messages ``{"role", "content"}``, or plain text (a string; no chat
+                template); name set by ``data.prompt_key``. Files may mix the forms, each row
+                encoded by its own (``rl_dataset.encode_prompts``)
   responses     list of str, at least 2: the recorded responses being ranked
   and exactly one of the ranking forms, per row:
   ranking       list of int: response indices (0-based), best first; may be partial
@@ -13,6 +15,9 @@ Columns (one row per prompt, verl-style):
   data_source   str, picks the reward function
   reward_model  ``{"style", "ground_truth"}``; ``ground_truth`` is kept
   extra_info    dict
+  rollout_log_probs  list of lists of float: the behaviour policy's per-token log-probs of each
+                response, aligned with ``responses`` ([chosen, rejected] for a pair); see
+                ``klppo.data.rollout_log_probs``
 
 Rows of one file may use different ranking forms. A partial ranking ranks only the responses
 it lists among themselves (the convention of ``klppo.algo.ranking``). Scores become a ranking
@@ -27,15 +32,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from klppo.data import rollout_log_probs as behaviour
 from klppo.data.parquet import read_parquet_rows, row_error, row_place, short_repr
 from klppo.data.rl_dataset import (
     check_data_source,
     check_extra_info,
     check_ground_truth,
-    check_messages,
+    check_prompt,
     check_responses,
     check_truncation,
-    encode_chats,
+    encode_prompts,
     fit_prompts,
 )
 from klppo.errors import UserError
@@ -51,9 +57,9 @@ class RankedRecord:
 
     # Position in the dataset after filtering.
     index: int
-    # The chat messages, each reduced to {"role", "content"}.
-    raw_prompt: list[dict]
-    # Chat template with add_generation_prompt=True, after truncation; at most max_prompt_length.
+    # The chat messages, each reduced to {"role", "content"}; or the plain-text prompt.
+    raw_prompt: list[dict] | str
+    # The prompt's tokens (``rl_dataset.encode_prompts``), after truncation; at most max_prompt_length.
     prompt_ids: list[int]
     # The recorded responses, at least 2 ([chosen, rejected] for a preference pair).
     responses: list[str]
@@ -69,6 +75,8 @@ class RankedRecord:
     ground_truth: Any
     # The row's extra_info ({} when absent).
     extra_info: dict
+    # Per response, the behaviour policy's log-prob of each of its tokens (closing EOS included), or None.
+    rollout_log_probs: list[list[float]] | None = None
     # The file and row it came from ("x.parquet row 3"), for messages about it.
     where: str = ""
 
@@ -88,7 +96,7 @@ def _ranking_form(row: dict) -> str:
     return present[0]
 
 
-def _check_pair(row: dict) -> list[str]:
+def check_pair(row: dict) -> list[str]:
     """The [chosen, rejected] responses of a preference-pair row."""
     for key in ("chosen", "rejected"):
         value = row.get(key)
@@ -140,7 +148,7 @@ def check_ranked_row(row: dict) -> tuple[list[str], list[list[int]], list[float]
     """Validate the responses and ranking of one row: (responses, rankings, scores)."""
     form = _ranking_form(row)
     if form == "chosen/rejected":
-        return _check_pair(row), [[0, 1]], None
+        return check_pair(row), [[0, 1]], None
     responses, scores = check_responses(row, required=True)
     if len(responses) < 2:
         raise row_error(row, "responses", f"has {len(responses)} response, but a ranking needs at least 2",
@@ -162,6 +170,7 @@ def load_ranked_dataset(
     max_prompt_length: int,
     truncation: str = "error",
     filter_overlong_prompts: bool = False,
+    require_rollout_log_probs: bool = False,
     log: Callable[[str], None] = print,
 ) -> list[RankedRecord]:
     """Read, validate and tokenise ranked-response rows; returns one ``RankedRecord`` per kept row.
@@ -170,6 +179,7 @@ def load_ranked_dataset(
     ``UserError`` naming the file, row and column. Over-long prompts are handled as in
     ``load_rl_dataset``: dropped when ``filter_overlong_prompts``, else cut per ``truncation``
     ("left" keeps the end, "right" keeps the start) or rejected ("error").
+    ``require_rollout_log_probs``: every row must carry its responses' behaviour log-probs.
     """
     check_truncation(truncation)
     if max_prompt_length <= 0:
@@ -177,20 +187,22 @@ def load_ranked_dataset(
     rows = read_parquet_rows(files, [prompt_key])
     checked = []
     for row in rows:
-        messages = check_messages(row, prompt_key)
+        prompt = check_prompt(row, prompt_key)
         responses, rankings, scores = check_ranked_row(row)
         source = None if row.get("data_source") is None else check_data_source(row)
-        checked.append((row, messages, responses, rankings, scores, source, check_ground_truth(row),
-                        check_extra_info(row)))
-    all_ids = encode_chats(tokenizer, [c[1] for c in checked], rows=[c[0] for c in checked], column=prompt_key)
+        log_probs = behaviour.check_rollout_log_probs(row, responses, require_rollout_log_probs)
+        checked.append((row, prompt, responses, rankings, scores, source, check_ground_truth(row),
+                        check_extra_info(row), log_probs))
+    behaviour.check_lengths([(c[0], c[2], c[8]) for c in checked], tokenizer)
+    all_ids = encode_prompts(tokenizer, [c[1] for c in checked], rows, prompt_key)
     kept = fit_prompts([c[0] for c in checked], all_ids, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
                        truncation=truncation, filter_overlong_prompts=filter_overlong_prompts, files=files, log=log,
                        what="ranked prompts")
     records = []
     for position, ids in kept:
-        row, messages, responses, rankings, scores, source, truth, extra = checked[position]
-        records.append(RankedRecord(len(records), messages, ids, responses, rankings, scores, source, truth, extra,
-                                    where=row_place(row)))
+        row, prompt, responses, rankings, scores, source, truth, extra, log_probs = checked[position]
+        records.append(RankedRecord(len(records), prompt, ids, responses, rankings, scores, source, truth, extra,
+                                    log_probs, where=row_place(row)))
     return records
 
 

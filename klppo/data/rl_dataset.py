@@ -2,12 +2,15 @@
 
 Columns (one row per prompt):
   data_source   str, picks the reward function (``klppo.rewards.score``)
-  prompt        list of chat messages ``{"role", "content"}`` (name set by ``data.prompt_key``)
+  prompt        list of chat messages ``{"role", "content"}``, or plain text (a string); name set
+                by ``data.prompt_key``; ``encode_prompts`` says how each form becomes tokens
   ability       str, optional, unused
   reward_model  ``{"style", "ground_truth"}``, optional; ``ground_truth`` is passed to the reward
   extra_info    dict, optional; passed to the reward function
   responses     list of str, optional: recorded responses for offline PPO
   scores        list of float, optional: one score per recorded response
+  rollout_log_probs  list of lists of float, optional: the behaviour policy's per-token log-probs
+                of each recorded response (``klppo.data.rollout_log_probs`` says how they align)
 
 Shapes: ``B`` prompts in a batch, ``P`` longest prompt of the batch in tokens.
 """
@@ -21,12 +24,16 @@ from typing import Any
 
 import torch
 
+from klppo.data import rollout_log_probs as behaviour
 from klppo.data.parquet import describe_files, read_parquet_rows, row_error, row_place, short_repr
 from klppo.errors import UserError
 
 ROLES = ("system", "user", "assistant")
 TRUNCATIONS = ("error", "left", "right")
-MESSAGES_FIX = "write the prompt as a list of messages like [{'role': 'user', 'content': '...'}]"
+MESSAGES_FIX = ("write the prompt as plain text (a string) or as a list of messages like "
+                "[{'role': 'user', 'content': '...'}]")
+TEMPLATE_FIX = ("write the prompt as plain text (a string), which needs no template, or use an instruct model's "
+                "tokenizer (its tokenizer_config.json has 'chat_template')")
 
 
 @dataclass
@@ -37,9 +44,9 @@ class PromptRecord:
     index: int
     # Picks the reward function.
     data_source: str
-    # The chat messages, each reduced to {"role", "content"}.
-    raw_prompt: list[dict]
-    # Chat template with add_generation_prompt=True, after truncation; at most max_prompt_length.
+    # The chat messages, each reduced to {"role", "content"}; or the plain-text prompt.
+    raw_prompt: list[dict] | str
+    # The prompt's tokens (``encode_prompts``), after truncation; at most max_prompt_length.
     prompt_ids: list[int]
     # reward_model["ground_truth"], or None when the row has none.
     ground_truth: Any
@@ -49,6 +56,8 @@ class PromptRecord:
     responses: list[str] | None = None
     # One score per recorded response, or None.
     scores: list[float] | None = None
+    # Per response, the behaviour policy's log-prob of each of its tokens (closing EOS included), or None.
+    rollout_log_probs: list[list[float]] | None = None
     # The file and row it came from ("x.parquet row 3"), for messages about it.
     where: str = ""
 
@@ -59,12 +68,23 @@ def check_truncation(truncation: str, key: str = "data.truncation") -> None:
         raise UserError(f"{key} is {truncation!r}; set it to one of {', '.join(TRUNCATIONS)}")
 
 
+def check_prompt(row: dict, column: str) -> list[dict] | str:
+    """``row[column]`` as a prompt: plain text (a non-empty string, kept as it is) or chat messages
+    (validated and reduced to {"role", "content"})."""
+    value = row.get(column)
+    if isinstance(value, str):
+        if not value:
+            raise row_error(row, column, "the prompt is an empty string", "give every row a prompt")
+        return value
+    if not isinstance(value, list):
+        raise row_error(row, column, f"expected plain text or a list of chat messages, got {short_repr(value)}",
+                        MESSAGES_FIX)
+    return check_messages(row, column)
+
+
 def check_messages(row: dict, column: str) -> list[dict]:
     """Validate ``row[column]`` as chat messages; return them reduced to {"role", "content"}."""
     value = row.get(column)
-    if isinstance(value, str):
-        raise row_error(row, column, f"expected a list of chat messages, got a plain string {short_repr(value)}",
-                        MESSAGES_FIX)
     if not isinstance(value, list) or not value:
         raise row_error(row, column, f"expected a non-empty list of chat messages, got {short_repr(value)}",
                         MESSAGES_FIX)
@@ -83,18 +103,20 @@ def check_messages(row: dict, column: str) -> list[dict]:
     return messages
 
 
-def encode_chats(tokenizer, conversations: Sequence[list[dict]], add_generation_prompt: bool = True, *,
+def encode_chats(tokenizer, conversations: Sequence[list[dict]], add_generation_prompt: bool = True,
                  rows: Sequence[dict] | None = None, column: str = "prompt") -> list[list[int]]:
     """Render each conversation with the tokenizer's chat template and encode it (no extra specials).
 
-    ``rows``: the Parquet rows the conversations came from (``read_parquet_rows``), one per
-    conversation, so that a conversation the template refuses is named by file, row and ``column``.
+    ``rows`` (the conversations' rows from ``read_parquet_rows``) name the row in errors.
     """
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise UserError(
-            "the tokenizer has no chat template, so chat-message prompts cannot be rendered; "
-            "use an instruct model's tokenizer (its tokenizer_config.json has 'chat_template')"
-        )
+    def fail(i: int, problem: str, fix: str) -> UserError:
+        if rows is None:
+            return UserError(f"prompt {i}: {problem}; {fix}")
+        return row_error(rows[i], column, problem, fix)
+
+    if conversations and getattr(tokenizer, "chat_template", None) is None:
+        raise fail(0, "the prompt is chat messages, but the model's tokenizer has no chat template (a base model) "
+                   "to render them with", TEMPLATE_FIX)
     # transformers 5 returns a dict for tokenize=True; render to text, then encode in one batch.
     texts = []
     for i, conversation in enumerate(conversations):
@@ -103,12 +125,28 @@ def encode_chats(tokenizer, conversations: Sequence[list[dict]], add_generation_
                                                        tokenize=False))
         except Exception as exc:  # the model's Jinja template refused the messages (e.g. roles must alternate)
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            problem = f"the tokenizer's chat template cannot render its messages ({first})"
-            fix = "fix the messages to the form the model's template expects"
-            if rows is not None:
-                raise row_error(rows[i], column, problem, fix) from None
-            raise UserError(f"prompt {i}: {problem}; {fix}") from None
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+            raise fail(i, f"the tokenizer's chat template cannot render its messages ({first})",
+                       "fix the messages to the form the model's template expects") from None
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+
+
+def encode_prompts(tokenizer, prompts: Sequence[list[dict] | str], rows: Sequence[dict], column: str
+                   ) -> list[list[int]]:
+    """Each prompt's token ids, in order (``prompts`` from ``check_prompt``, ``rows`` their rows).
+
+    Plain text is encoded as the tokenizer encodes text for its model, with the special tokens
+    it adds itself (e.g. a BOS) and no chat template: a completion prompt, for base models or
+    any model. Chat messages go through the chat template with the generation prompt; a
+    tokenizer without a template (a base model) is an error naming the first such row.
+    """
+    chats = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    plain = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+    ids: list[list[int]] = [[] for _ in prompts]
+    chat_ids = encode_chats(tokenizer, [prompts[i] for i in chats], rows=[rows[i] for i in chats], column=column)
+    text_ids = tokenizer([prompts[i] for i in plain])["input_ids"] if plain else []
+    for i, encoded in zip(chats + plain, chat_ids + [list(t) for t in text_ids]):
+        ids[i] = encoded
+    return ids
 
 
 def check_data_source(row: dict) -> str:
@@ -185,13 +223,18 @@ def load_rl_dataset(
     truncation: str = "error",
     filter_overlong_prompts: bool = False,
     require_responses: bool = False,
+    require_rollout_log_probs: bool = False,
     log: Callable[[str], None] = print,
 ) -> list[PromptRecord]:
     """Read, validate and tokenise RL prompts; returns one ``PromptRecord`` per kept row.
 
+    A prompt is chat messages (rendered with the chat template) or plain text (encoded as it
+    is; ``encode_prompts``). Files may mix the two forms (a Parquet column has one type, so
+    one file holds one form, but several files may differ): each row is encoded by its own.
     Over-long prompts (more than ``max_prompt_length`` tokens after the chat template) are
     dropped when ``filter_overlong_prompts`` (as verl does), else cut per ``truncation``
     ("left" keeps the end, "right" keeps the start) or rejected ("error").
+    ``require_rollout_log_probs``: every row must carry its responses' behaviour log-probs.
     """
     check_truncation(truncation)
     if max_prompt_length <= 0:
@@ -200,17 +243,19 @@ def load_rl_dataset(
     rows = read_parquet_rows(files, required)
     checked = []
     for row in rows:
-        messages = check_messages(row, prompt_key)
+        prompt = check_prompt(row, prompt_key)
         responses, scores = check_responses(row, require_responses)
-        checked.append((row, messages, check_data_source(row), check_ground_truth(row),
-                        check_extra_info(row), responses, scores))
-    all_ids = encode_chats(tokenizer, [c[1] for c in checked], rows=[c[0] for c in checked], column=prompt_key)
+        log_probs = behaviour.check_rollout_log_probs(row, responses, require_rollout_log_probs)
+        checked.append((row, prompt, check_data_source(row), check_ground_truth(row),
+                        check_extra_info(row), responses, scores, log_probs))
+    behaviour.check_lengths([(c[0], c[5], c[7]) for c in checked], tokenizer)
+    all_ids = encode_prompts(tokenizer, [c[1] for c in checked], rows, prompt_key)
     kept = fit_prompts([c[0] for c in checked], all_ids, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
                        truncation=truncation, filter_overlong_prompts=filter_overlong_prompts, files=files, log=log)
     records = []
     for position, ids in kept:
-        row, messages, source, truth, extra, responses, scores = checked[position]
-        records.append(PromptRecord(len(records), source, messages, ids, truth, extra, responses, scores,
+        row, prompt, source, truth, extra, responses, scores, log_probs = checked[position]
+        records.append(PromptRecord(len(records), source, prompt, ids, truth, extra, responses, scores, log_probs,
                                     where=row_place(row)))
     return records
 
@@ -286,14 +331,10 @@ def tokenize_responses(texts: Sequence[str], tokenizer, max_response_length: int
     ``max_response_length`` tokens without the EOS (it did not end within the budget).
     Returns ``(ids_list, n_truncated)``.
     """
-    if tokenizer.eos_token_id is None:
-        raise UserError("the tokenizer has no eos_token; set eos_token in the model's tokenizer_config.json")
     if max_response_length <= 0:
         raise UserError(f"data.max_response_length is {max_response_length}; set it to a positive number")
-    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
     out, n_truncated = [], 0
-    for ids in encoded:
-        ids = list(ids) + [tokenizer.eos_token_id]
+    for ids in behaviour.encode_responses(texts, tokenizer):
         if len(ids) > max_response_length:
             ids = ids[:max_response_length]
             n_truncated += 1

@@ -1,7 +1,8 @@
 """SFT datasets (verl's fsdp_sft_trainer format): a prompt column and a response column.
 
-The prompt is chat messages or a plain string (wrapped as one user message); it is rendered
-with the chat template and ``add_generation_prompt=True``, then the response tokens and EOS
+The prompt is chat messages, rendered with the chat template and ``add_generation_prompt=True``,
+or plain text, encoded as it is with no template (as RL prompts are: ``rl_dataset.encode_prompts``;
+files may mix the two forms, each row encoded by its own); then the response tokens and EOS
 follow. The loss is taken on the response tokens and the EOS only.
 
 Shapes: ``B`` examples in a batch, ``L`` longest example of the batch in tokens.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from klppo.data.parquet import describe_files, read_parquet_rows, row_error, short_repr
-from klppo.data.rl_dataset import check_messages, check_truncation, encode_chats
+from klppo.data.rl_dataset import check_prompt, check_truncation, encode_prompts
 from klppo.errors import UserError
 
 
@@ -27,16 +28,6 @@ class SFTExample:
     input_ids: list[int]
     # True on response tokens including the final EOS; same length as input_ids.
     loss_mask: list[bool]
-
-
-def _prompt_messages(row: dict, prompt_key: str) -> list[dict]:
-    """A plain-string prompt becomes one user message; a message list is validated."""
-    value = row.get(prompt_key)
-    if isinstance(value, str):
-        if not value:
-            raise row_error(row, prompt_key, "prompt is an empty string", "give every row a prompt")
-        return [{"role": "user", "content": value}]
-    return check_messages(row, prompt_key)
 
 
 def _response_text(row: dict, response_key: str) -> str:
@@ -78,9 +69,9 @@ def load_sft_dataset(
     if tokenizer.eos_token_id is None:
         raise UserError("the tokenizer has no eos_token; set eos_token in the model's tokenizer_config.json")
     rows = read_parquet_rows(files, [prompt_key, response_key])
-    prompts = [_prompt_messages(row, prompt_key) for row in rows]
+    prompts = [check_prompt(row, prompt_key) for row in rows]
     responses = [_response_text(row, response_key) for row in rows]
-    prompt_ids = encode_chats(tokenizer, prompts, rows=rows, column=prompt_key)
+    prompt_ids = encode_prompts(tokenizer, prompts, rows, prompt_key)
     response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
     examples, n_truncated = [], 0
     for row, p_ids, r_ids in zip(rows, prompt_ids, response_ids):

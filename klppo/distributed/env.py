@@ -157,6 +157,14 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(t.device, dtype)
 
 
+def my_rows(gathered: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of an ``all_gather_rows`` result (equal shares, rank order); all of it in one process."""
+    if not _active():
+        return gathered
+    rows = gathered.shape[0] // dist.get_world_size()
+    return gathered[dist.get_rank() * rows : (dist.get_rank() + 1) * rows]
+
+
 def all_gather_padded(t: torch.Tensor, pad_value: int | float) -> torch.Tensor:
     """(b, w_r) tensors of equal ``b`` but their own widths: right-padded to the widest, then stacked."""
     if not _active():

@@ -107,7 +107,11 @@ def _model_config(folder: Path, key: str):
 
 
 def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreTrainedTokenizerBase:
-    """The tokenizer saved with the model, left-padding, with a pad token (EOS if it had none)."""
+    """The tokenizer saved with the model, left-padding, with a pad token (EOS if it had none).
+
+    A tokenizer without a chat template (a base model's) is accepted: plain-text prompts need
+    none, and the data readers refuse chat-message prompts without one, naming the row.
+    """
     folder = check_model_folder(path, key)
     config = _model_config(folder, key)  # first: AutoTokenizer reads config.json too, and would blame the tokenizer
     fix = "save the tokenizer next to the model (tokenizer.save_pretrained)"
@@ -118,8 +122,6 @@ def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreT
         raise UserError(f"{key}: the tokenizer in '{path}' has no eos_token; set one and save it again")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.chat_template is None:
-        raise UserError(f"{key}: the tokenizer in '{path}' has no chat_template; prompts are chat messages")
     tokenizer.padding_side = "left"
     return tokenizer
 

@@ -27,8 +27,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tiny_tokenizer(texts: Iterable[str], vocab_size: int = 384) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer on ``texts``; any string round-trips through it."""
+def train_tiny_tokenizer(texts: Iterable[str], vocab_size: int = 384, chat_template: bool = True
+                         ) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts``; any string round-trips through it.
+
+    ``chat_template=False`` leaves the template out, as a base model's tokenizer has none.
+    """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -42,7 +46,8 @@ def train_tiny_tokenizer(texts: Iterable[str], vocab_size: int = 384) -> PreTrai
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, padding_side="left")
-    fast.chat_template = CHAT_TEMPLATE
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
@@ -75,14 +80,16 @@ def tiny_model_config(
 
 
 def build_tiny_model_folder(
-    out_dir: str | Path, texts: Iterable[str], *, seed: int = 0, vocab_size: int = 384, **config_kwargs
+    out_dir: str | Path, texts: Iterable[str], *, seed: int = 0, vocab_size: int = 384, chat_template: bool = True,
+    **config_kwargs
 ) -> Path:
     """Train a tokenizer on ``texts``, build a random-init tiny Qwen2 model, save both to ``out_dir``.
 
     Returns ``out_dir``, a folder that ``AutoTokenizer`` and ``AutoModelForCausalLM`` load.
+    ``chat_template=False`` makes a base model: its tokenizer has no chat template.
     """
     out = Path(out_dir)
-    tokenizer = train_tiny_tokenizer(texts, vocab_size=vocab_size)
+    tokenizer = train_tiny_tokenizer(texts, vocab_size=vocab_size, chat_template=chat_template)
     config = tiny_model_config(
         len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,

@@ -77,6 +77,7 @@ def with_ranking_rewards(
             responses=r.responses,
             scores=ranking_rewards(r.rankings, len(r.responses), method, scale=scale, center=center),
             where=r.where,
+            rollout_log_probs=r.rollout_log_probs,
         )
         for r in records
     ]

@@ -31,6 +31,10 @@ class RolloutBatch:
     ground_truths: list[Any]  # (B,)
     extra_infos: list[dict]  # (B,)
     recorded_scores: Optional[torch.Tensor] = None  # (B,) float: scores recorded in offline data
+    # Offline data's behaviour log-probs (the ``rollout_log_probs`` column; verl's name for the
+    # rollout's log-probs): (B, T) float, 0 on padding and on rows without them; None when no row has them.
+    rollout_log_probs: Optional[torch.Tensor] = None
+    has_rollout_log_probs: Optional[torch.Tensor] = None  # (B,) bool: the rows whose response has them
 
     old_log_prob: Optional[torch.Tensor] = None  # (B, T) actor log-probs before the update
     ref_log_prob: Optional[torch.Tensor] = None  # (B, T) reference log-probs
@@ -39,6 +43,9 @@ class RolloutBatch:
     token_level_rewards: Optional[torch.Tensor] = None  # (B, T) scores - beta * KL
     advantages: Optional[torch.Tensor] = None  # (B, T)
     returns: Optional[torch.Tensor] = None  # (B, T)
+    # Set by the actor update when rollout correction is on (``klppo.trainer.rollout_correction``):
+    rollout_is_weights: Optional[torch.Tensor] = None  # (B, T) detached importance weights, 0 on padding
+    loss_mask: Optional[torch.Tensor] = None  # (B, T) bool: response tokens rejection keeps; None = response_mask
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -46,6 +53,11 @@ class RolloutBatch:
     @property
     def response_length(self) -> int:
         return self.response_ids.shape[1]
+
+    @property
+    def update_mask(self) -> torch.Tensor:
+        """(B, T) bool: the tokens the losses count, ``loss_mask`` when rejection set one."""
+        return self.response_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -105,8 +117,12 @@ def assemble_batch(
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     recorded_scores: Optional[torch.Tensor] = None,
+    rollout_log_probs: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> RolloutBatch:
-    """Pair ``n`` responses per record (grouped by prompt) with the record's repeated prompt."""
+    """Pair ``n`` responses per record (grouped by prompt) with the record's repeated prompt.
+
+    ``rollout_log_probs``: the behaviour log-probs (B, T) and which rows have them (B,), or None.
+    """
     prompt_ids, prompt_mask = collate_prompts(records, pad_token_id)
 
     def repeat(values: list) -> list:
@@ -122,4 +138,6 @@ def assemble_batch(
         ground_truths=repeat([r.ground_truth for r in records]),
         extra_infos=repeat([r.extra_info for r in records]),
         recorded_scores=recorded_scores,
+        rollout_log_probs=None if rollout_log_probs is None else rollout_log_probs[0],
+        has_rollout_log_probs=None if rollout_log_probs is None else rollout_log_probs[1],
     )

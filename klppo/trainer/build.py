@@ -15,6 +15,7 @@ import torch
 
 from klppo.algo import AdaptiveKLController, FixedKLController
 from klppo.config import PPOConfig
+from klppo.config.checks import rollout_correction_active
 from klppo.config.schema import FSDPConfig
 from klppo.data.parquet import parquet_columns
 from klppo.data.ranked import RankedRecord, load_ranked_dataset
@@ -91,12 +92,15 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable)
         filter_overlong_prompts=data.filter_overlong_prompts,
         log=log,
     )
+    # Offline correction weighs every recorded response by its behaviour log-probs: all must have them.
+    needs_log_probs = offline and rollout_correction_active(cfg)
     if offline and RANKING_COLUMNS & parquet_columns(data.train_files):
         ranking = cfg.reward_model.ranking
-        train = with_ranking_rewards(load_ranked_dataset(data.train_files, tokenizer, **common), ranking.method,
-                                     scale=ranking.scale, center=ranking.center)
+        ranked = load_ranked_dataset(data.train_files, tokenizer, require_rollout_log_probs=needs_log_probs, **common)
+        train = with_ranking_rewards(ranked, ranking.method, scale=ranking.scale, center=ranking.center)
     else:
-        train = load_rl_dataset(data.train_files, tokenizer, require_responses=offline, **common)
+        train = load_rl_dataset(data.train_files, tokenizer, require_responses=offline,
+                                require_rollout_log_probs=needs_log_probs, **common)
     if offline:
         check_enough_responses(train, cfg.actor_rollout_ref.rollout.n)
     rule_scored = not cfg.reward_model.enable  # else the reward model scores every response

@@ -129,12 +129,17 @@ def reward_model_roles(parts: PPOParts) -> list[str]:
 def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer) -> None:
     """Fill ``batch``'s old and reference log-probs, values and token-level scores (step 3).
 
-    Each rank runs the forwards for its rows; the results are gathered into ``batch``.
+    Each rank runs the forwards for its rows; the results are gathered into ``batch``. In
+    rollout correction's bypass mode the old log-probs are the recorded behaviour log-probs.
     """
     f, mine, resident = parts.settings.forwards, batch.select(shards.mine), parts.offloader.resident
-    with timer.phase("old_log_prob"), resident("actor"):
-        batch.old_log_prob = shards.gather(compute_log_prob(parts.actor, mine, f.old_log_prob,
-                                                            temperature=f.temperature, head=f.head))
+    if f.old_log_prob_from_rollout:  # rollout correction's bypass mode: pi_old is the recorded mu
+        assert batch.rollout_log_probs is not None, "the reader requires rollout_log_probs in bypass mode"
+        batch.old_log_prob = batch.rollout_log_probs.to(batch.response_mask.device)
+    else:
+        with timer.phase("old_log_prob"), resident("actor"):
+            batch.old_log_prob = shards.gather(compute_log_prob(parts.actor, mine, f.old_log_prob,
+                                                                temperature=f.temperature, head=f.head))
     if parts.ref is not None:
         with timer.phase("ref"), resident("ref"):
             batch.ref_log_prob = shards.gather(compute_log_prob(parts.ref, mine, f.ref, temperature=f.temperature,

@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 
 from klppo.config import PPOConfig
+from klppo.config.checks import rollout_correction_active
+from klppo.config.rollout_correction import parse_is_threshold, parse_rs
 from klppo.data.batching import MicroBatching
 from klppo.errors import UserError
 from klppo.models.forward import HeadSettings
@@ -28,6 +30,23 @@ CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus
 
 ACTOR_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 CRITIC_BUDGET_KEY = "critic.ppo_max_token_len_per_gpu"
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionSettings:
+    """algorithm.rollout_correction, parsed; the defaults switch every correction off.
+
+    With behaviour log-probs in the batch the ``rollout_corr/`` diagnostics are logged whatever
+    these say (as verl); the weights, rejection and bypass act only in offline runs.
+    """
+
+    rollout_is: Optional[str] = None  # None | token | sequence
+    is_threshold: float = 2.0  # upper bound of the weights
+    is_threshold_lower: Optional[float] = None  # IcePop's lower bound; None = truncate at the upper (TIS)
+    batch_normalize: bool = False
+    rs: tuple[tuple[str, Optional[float], float], ...] = ()  # rejection criteria (option, lower, upper)
+    bypass_mode: bool = False  # pi_old = mu: the loss corrects against the current policy
+    loss_type: str = "ppo_clip"  # bypass mode's policy loss: ppo_clip | reinforce
 
 
 @dataclass(frozen=True)
@@ -46,6 +65,7 @@ class ActorUpdateSettings:
     grad_clip: float
     temperature: float  # the rollout's: log-probs of the distribution the responses came from
     head: HeadSettings = HeadSettings()  # how log-probs and entropies come out of the LM head
+    rollout_correction: RolloutCorrectionSettings = RolloutCorrectionSettings()
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,7 @@ class ForwardSettings:
     reward_model: RewardModelForward
     temperature: float
     head: HeadSettings = HeadSettings()  # how log-probs come out of the LM head (actor and reference)
+    old_log_prob_from_rollout: bool = False  # rollout correction's bypass mode: pi_old = the recorded mu
 
 
 @dataclass(frozen=True)
@@ -226,6 +247,22 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int) -> ActorUpdateSettings:
         clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
         grad_clip=actor.grad_clip, temperature=arf.rollout.temperature, head=head_settings(cfg),
+        rollout_correction=rollout_correction_settings(cfg),
+    )
+
+
+def rollout_correction_settings(cfg: PPOConfig) -> RolloutCorrectionSettings:
+    """The parsed correction of an offline run; off online, where the actor samples (mu = pi_old)."""
+    rc = cfg.algorithm.rollout_correction
+    if cfg.actor_rollout_ref.rollout.name != "offline" or not rollout_correction_active(cfg):
+        return RolloutCorrectionSettings()
+    # Thresholds of switched-off parts are not checked (as verl), so not parsed either.
+    upper, lower = parse_is_threshold(rc.rollout_is_threshold) if rc.rollout_is is not None else (2.0, None)
+    return RolloutCorrectionSettings(
+        rollout_is=rc.rollout_is, is_threshold=upper, is_threshold_lower=lower,
+        batch_normalize=rc.rollout_is_batch_normalize,
+        rs=parse_rs(rc.rollout_rs, rc.rollout_rs_threshold) if rc.rollout_rs is not None else (),
+        bypass_mode=rc.bypass_mode, loss_type=rc.loss_type,
     )
 
 
@@ -261,6 +298,7 @@ def _forwards(cfg: PPOConfig) -> ForwardSettings:
             MicroBatching(rows=cfg.reward_model.micro_batch_size_per_gpu, packed=cfg.reward_model.model.use_remove_padding),
             prompt_length=cfg.reward_model.rollout.prompt_length, response_length=cfg.reward_model.rollout.response_length),
         temperature=rollout.temperature, head=head_settings(cfg),
+        old_log_prob_from_rollout=rollout_correction_settings(cfg).bypass_mode,
     )
 
 

@@ -26,11 +26,12 @@ from typing import Callable
 
 import torch
 
-from klppo.algo import agg_loss, compute_policy_loss, compute_value_loss, kl_loss, masked_mean
+from klppo.algo import agg_loss, compute_value_loss, kl_loss, masked_mean
 from klppo.data.batching import MicroBatching, micro_batch_plan, row_chunks
 from klppo.distributed import all_reduce_max_int, reduce_counts, reduce_stats
 from klppo.models.forward import response_logprobs, response_values
 from klppo.rollout.batch import RolloutBatch
+from klppo.trainer.rollout_correction import policy_loss, with_rollout_correction
 from klppo.trainer.settings import ActorUpdateSettings, CriticUpdateSettings
 
 # (micro-batch, global token count, global sequence count) -> (loss, summed stats, token-mean stats)
@@ -66,13 +67,13 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
     for _ in range(epochs):
         for mini_idx in row_chunks(len(batch), mini_rows):
             mini = batch.select(mini_idx)
-            tokens, seqs = reduce_counts(*_counts(mini.response_mask))
+            tokens, seqs = reduce_counts(*_counts(mini.update_mask))
             stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
             for micro_idx in micro_batch_plan(mini.attention_mask.sum(-1), micro, all_reduce_max_int):
                 part = mini.select(micro_idx)
                 loss, sums, means = micro_loss(part, tokens, seqs)
                 loss.backward()
-                weight = part.response_mask.sum() / tokens  # token share of this micro-batch
+                weight = part.update_mask.sum() / tokens  # token share of this micro-batch
                 for k, v in sums.items():
                     stats[k] = stats[k] + v
                 for k, v in means.items():
@@ -85,28 +86,31 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
 
 
 def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings) -> dict[str, torch.Tensor]:
-    """One PPO actor update over ``batch`` (this rank's shard); returns metrics averaged over optimiser steps."""
-    return _run_updates(
+    """One PPO actor update over ``batch`` (this rank's shard); returns metrics averaged over optimiser
+    steps, and the step's ``rollout_corr/`` metrics when the batch carries behaviour log-probs."""
+    batch, correction = with_rollout_correction(batch, s.rollout_correction)
+    metrics = _run_updates(
         actor, optimizer, batch, mini_rows=s.mini_batch_rows, micro=s.micro, epochs=s.ppo_epochs,
         grad_clip=s.grad_clip, prefix="actor",
         micro_loss=lambda micro, tokens, seqs: _actor_micro_loss(actor, micro, s, tokens, seqs),
     )
+    return {**metrics, **correction}
 
 
 def _actor_micro_loss(actor, micro: RolloutBatch, s: ActorUpdateSettings, tokens, seqs):
-    """Clipped surrogate - entropy bonus (+ KL loss) of one micro-batch, mini-batch normalised."""
-    mask = micro.response_mask
+    """Clipped surrogate - entropy bonus (+ KL loss) of one micro-batch, mini-batch normalised.
+
+    The losses count the tokens rollout rejection kept (``update_mask``; every response token
+    without it), and the policy loss carries the rollout correction (``rollout_correction``).
+    """
+    mask = micro.update_mask
     log_prob, entropy = response_logprobs(
         actor, micro.input_ids, micro.attention_mask, micro.response_length,
         temperature=s.temperature, with_entropy=True, packed=s.micro.packed, max_tokens=s.micro.max_tokens,
         head=s.head,
     )  # (b, T), (b, T)
     counts = {"global_token_count": tokens, "global_seq_count": seqs}
-    pg_loss, pg_stats = compute_policy_loss(
-        micro.old_log_prob, log_prob, micro.advantages, mask,
-        clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
-        loss_agg_mode=s.loss_agg_mode, **counts,
-    )
+    pg_loss, pg_stats = policy_loss(micro, log_prob, s, counts)
     entropy_loss = agg_loss(entropy, mask, s.loss_agg_mode, **counts)
     loss = pg_loss - s.entropy_coeff * entropy_loss
     sums = {"actor/pg_loss": pg_loss.detach()}

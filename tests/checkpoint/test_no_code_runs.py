@@ -13,7 +13,7 @@ from klppo.checkpoint import state as ckpt
 from klppo.distributed import load_sharded, save_sharded
 from klppo.errors import UserError
 
-from conftest import SHARED, sharded_state
+from checkpoint_kit import SHARED, sharded_state
 
 
 def test_rng_states_load_with_weights_only_and_restore_every_stream(tmp_path):

@@ -12,7 +12,7 @@ from klppo.checkpoint import state as ckpt
 from klppo.checkpoint.verify import check_resume_target, find_resume_folder
 from klppo.errors import UserError
 
-from conftest import sharded_state
+from checkpoint_kit import sharded_state
 
 
 def snapshot(folder: Path) -> dict:

@@ -14,6 +14,12 @@ def tok():
     return train_tiny_tokenizer(arithmetic_corpus(200, seed=0))
 
 
+@pytest.fixture(scope="session")
+def base_tok():
+    """The same tokenizer without a chat template, as a base model's."""
+    return train_tiny_tokenizer(arithmetic_corpus(200, seed=0), chat_template=False)
+
+
 @pytest.fixture
 def write_parquet(tmp_path):
     """write_parquet(rows, name="x.parquet") -> path of a Parquet file holding ``rows``."""

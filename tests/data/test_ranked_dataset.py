@@ -61,6 +61,22 @@ def test_prompt_is_tokenised_with_the_chat_template(tok, write_parquet):
     assert record.prompt_ids == chat_ids(tok, "Tom has 7 apples and gets 5 more.")
 
 
+def test_plain_text_prompt_is_encoded_without_the_chat_template_even_by_a_base_model(base_tok, write_parquet):
+    (record,) = load(write_parquet([good_row(prompt="Rate these.")]), base_tok)
+    assert record.raw_prompt == "Rate these." and record.prompt_ids == base_tok("Rate these.")["input_ids"]
+    path = write_parquet([good_row()], name="chat.parquet")
+    with pytest.raises(UserError, match=re.escape(f"{path} row 0, column 'prompt': the prompt is chat messages")):
+        load(path, base_tok)
+
+
+def test_behaviour_log_probs_of_a_pair_follow_chosen_then_rejected(tok, write_parquet):
+    lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in ("good", "bad")]
+    log_probs = [[-0.5] * lengths[0], [-1.5] * lengths[1]]
+    row = ranked_row("d", chosen="good", rejected="bad", rollout_log_probs=log_probs)
+    (record,) = load(write_parquet([row]), tok, require_rollout_log_probs=True)
+    assert record.rollout_log_probs == log_probs
+
+
 def test_optional_rl_columns_are_kept_when_present_and_defaulted_when_absent(tok, write_parquet):
     with_rl = good_row(data_source="openai/gsm8k", reward_model={"style": "rule", "ground_truth": "12"},
                        extra_info={"split": "train"})
@@ -131,7 +147,7 @@ BAD_TYPES = [
     ("scores as strings", dict(ranking=None, scores=["a", "b", "c"]), "scores", "score 0 is 'a'"),
     ("chosen not a string", dict(ranking=None, responses=None, chosen=1, rejected=2), "chosen",
      "expected the chosen response as a string"),
-    ("prompt as a string", dict(prompt="hello"), "prompt", "plain string"),
+    ("prompt as a number", dict(prompt=5), "prompt", "expected plain text or a list of chat messages"),
 ]
 
 

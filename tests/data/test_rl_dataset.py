@@ -52,12 +52,39 @@ def test_custom_prompt_key_is_used(tok, write_parquet, rl_row):
     assert load(path, tok, prompt_key="messages")[0].raw_prompt == row["messages"]
 
 
-def test_plain_string_prompt_error_names_file_row_and_column(tok, write_parquet, rl_row):
-    path = write_parquet([rl_row(prompt="a string"), rl_row(prompt="another")])
+def test_plain_text_prompt_is_encoded_as_text_without_the_chat_template(tok, write_parquet, rl_row):
+    path = write_parquet([rl_row(prompt="Tom has 7 apples.")])
+    (record,) = load(path, tok)
+    assert record.prompt_ids == tok("Tom has 7 apples.")["input_ids"]
+    assert record.raw_prompt == "Tom has 7 apples."
+
+
+def test_a_base_model_reads_plain_text_but_refuses_messages_naming_the_row(base_tok, write_parquet, rl_row):
+    plain = write_parquet([rl_row(prompt="a"), rl_row(prompt="b")], "plain.parquet")
+    assert [r.prompt_ids for r in load(plain, base_tok)] == [base_tok("a")["input_ids"], base_tok("b")["input_ids"]]
+    chats = write_parquet([rl_row(), rl_row()], "chats.parquet")
+    with pytest.raises(UserError) as err:
+        load([plain, chats], base_tok)
+    message = str(err.value)
+    assert message.startswith(f"{chats} row 0, column 'prompt': the prompt is chat messages, but the model's")
+    assert "has no chat template" in message and "plain text (a string)" in message
+
+
+def test_files_may_mix_plain_text_and_chat_prompts_each_row_by_its_own_form(tok, write_parquet, rl_row):
+    plain = write_parquet([rl_row(prompt="Tom has 7 apples.")], "plain.parquet")
+    chats = write_parquet([rl_row("Tom has 7 apples.")], "chats.parquet")
+    text, chat = load([plain, chats], tok)
+    assert text.prompt_ids == tok("Tom has 7 apples.")["input_ids"]
+    assert chat.prompt_ids == chat_ids(tok, "Tom has 7 apples.")
+
+
+@pytest.mark.parametrize("prompt, problem", [("", "the prompt is an empty string"),
+                                             (7, "expected plain text or a list of chat messages, got 7")])
+def test_an_empty_or_non_text_prompt_names_file_row_and_column(tok, write_parquet, rl_row, prompt, problem):
+    path = write_parquet([rl_row(prompt=prompt)])
     with pytest.raises(UserError) as err:
         load(path, tok)
-    assert str(err.value).startswith(f"{path} row 0, column 'prompt': expected a list of chat messages")
-    assert "'role': 'user'" in str(err.value)
+    assert str(err.value).startswith(f"{path} row 0, column 'prompt': {problem}")
 
 
 def test_message_without_content_is_a_user_error(tok, write_parquet, rl_row):
@@ -115,6 +142,52 @@ def test_non_finite_score_is_a_user_error(tok, write_parquet, rl_row):
 
 def overlong_file(write_parquet, rl_row):
     return write_parquet([rl_row("1 2 3 4 5 6 7 8 9 " * 4), rl_row("hi"), rl_row("7 + 5 = 12 " * 5)])
+
+
+def _token_counts(tok, texts):
+    """Tokens of each response as klppo trains on it: the text without special tokens, then EOS."""
+    return [len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts]
+
+
+def test_behaviour_log_probs_load_one_list_per_response_of_its_token_count(tok, write_parquet, rl_row):
+    responses = ["7 + 5 = 12 #### 12", "12"]
+    log_probs = [[-0.25] * n for n in _token_counts(tok, responses)]
+    path = write_parquet([rl_row(responses=responses, rollout_log_probs=log_probs),
+                          rl_row(responses=responses, rollout_log_probs=None)])
+    with_them, without = load(path, tok, require_responses=True)
+    assert with_them.rollout_log_probs == log_probs and without.rollout_log_probs is None
+
+
+BAD_LOG_PROBS = [
+    ("one list short", lambda counts: [[-1.0] * counts[0]], "expected a list of 2 lists (one per response)"),
+    ("a positive value", lambda counts: [[-1.0] * counts[0], [0.5] * counts[1]], "response 1, token 0: 0.5 is not "
+     "a log-prob"),
+    ("EOS left out", lambda counts: [[-1.0] * counts[0], [-1.0] * (counts[1] - 1)], "response 1 has {n} log-probs "
+     "but {m} tokens"),
+]
+
+
+@pytest.mark.parametrize("make, problem", [c[1:] for c in BAD_LOG_PROBS], ids=[c[0] for c in BAD_LOG_PROBS])
+def test_bad_behaviour_log_probs_name_file_row_column_and_the_command_that_fills_them(tok, write_parquet, rl_row,
+                                                                                      make, problem):
+    responses = ["7 + 5 = 12 #### 12", "12"]
+    counts = _token_counts(tok, responses)
+    good = [[-1.0] * n for n in counts]
+    path = write_parquet([rl_row(responses=responses, rollout_log_probs=good),
+                          rl_row(responses=responses, rollout_log_probs=make(counts))])
+    with pytest.raises(UserError) as err:
+        load(path, tok)
+    message = str(err.value)
+    assert message.startswith(f"{path} row 1, column 'rollout_log_probs': "), message
+    assert problem.format(n=counts[1] - 1, m=counts[1]) in message and "klppo score-logprobs" in message
+
+
+def test_rows_without_behaviour_log_probs_are_refused_when_the_correction_needs_them(tok, write_parquet, rl_row):
+    responses = ["12"]
+    path = write_parquet([rl_row(responses=responses, rollout_log_probs=[[-1.0] * _token_counts(tok, responses)[0]]),
+                          rl_row(responses=responses, rollout_log_probs=None)])
+    with pytest.raises(UserError, match=f"{path} row 1, column 'rollout_log_probs': no behaviour log-probs"):
+        load(path, tok, require_responses=True, require_rollout_log_probs=True)
 
 
 def test_overlong_prompt_is_an_error_that_suggests_the_fixes(tok, write_parquet, rl_row):

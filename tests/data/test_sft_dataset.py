@@ -29,10 +29,20 @@ def test_loss_mask_covers_only_the_response_and_eos(tok, write_parquet):
     assert ex.input_ids[-1] == tok.eos_token_id
 
 
-def test_plain_string_prompt_is_wrapped_as_a_user_message(tok, write_parquet):
-    chat = write_parquet([{"prompt": [{"role": "user", "content": "1 + 2?"}], "response": "3"}], "chat.parquet")
+def test_plain_text_prompt_is_encoded_as_text_without_the_chat_template(tok, write_parquet):
     plain = write_parquet([{"prompt": "1 + 2?", "response": "3"}], "plain.parquet")
-    assert load(chat, tok) == load(plain, tok)
+    (ex,) = load(plain, tok)
+    prompt = tok("1 + 2?")["input_ids"]
+    assert ex.input_ids == prompt + tok("3", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ex.loss_mask == [False] * len(prompt) + [True] * (len(ex.input_ids) - len(prompt))
+
+
+def test_a_base_model_trains_on_plain_text_and_refuses_messages_naming_the_row(base_tok, write_parquet):
+    plain = write_parquet([{"prompt": "1 + 2?", "response": "3"}], "plain.parquet")
+    assert len(load(plain, base_tok)) == 1
+    chat = write_parquet([{"prompt": [{"role": "user", "content": "1 + 2?"}], "response": "3"}], "chat.parquet")
+    with pytest.raises(UserError, match=f"{chat} row 0, column 'prompt': the prompt is chat messages"):
+        load(chat, base_tok)
 
 
 def test_custom_keys_and_missing_response_column(tok, write_parquet):
@@ -49,7 +59,8 @@ def test_non_string_response_is_a_user_error(tok, write_parquet):
 
 
 def test_overlong_example_error_right_and_left_truncation(tok, write_parquet):
-    path = write_parquet([{"prompt": "1 + 2 + 3 + 4?", "response": "1 + 2 + 3 + 4 = 10 #### 10"}])
+    path = write_parquet([{"prompt": [{"role": "user", "content": "1 + 2 + 3 + 4?"}],
+                           "response": "1 + 2 + 3 + 4 = 10 #### 10"}])
     prompt, response = parts(tok, "1 + 2 + 3 + 4?", "1 + 2 + 3 + 4 = 10 #### 10")
     full, limit = prompt + response, len(prompt) + len(response) - 5
     with pytest.raises(UserError, match=r"longer than data.max_length=.*set data.truncation=left\|right"):

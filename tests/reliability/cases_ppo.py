@@ -12,7 +12,7 @@ from bad_input_kit import Workspace, ppo_row, register, rows
 CASES: dict = {}
 case = lambda *expect: register(CASES, "ppo", *expect)  # noqa: E731
 
-MESSAGES = "write the prompt as a list of messages"
+MESSAGES = "write the prompt as plain text (a string) or as a list of messages"
 ROW5 = "train.parquet row 5, column"
 
 
@@ -22,7 +22,7 @@ def bad_row(**changes):
 
 # ---- the prompt file: a bad value in row 5 of 8 ----
 
-@case(f"{ROW5} 'prompt'", "non-empty list of chat messages", MESSAGES)
+@case(f"{ROW5} 'prompt'", "plain text or a list of chat messages", MESSAGES)
 def ppo_row5_prompt_is_null(ws: Workspace):
     return ws.ppo(bad_row(prompt=None))
 
@@ -150,11 +150,12 @@ def ppo_val_file_row5_prompt_empty(ws):
     return ws.ppo(None, {"data.val_files": str(val)})
 
 
-@case("plain.parquet row 0, column 'prompt'", "plain string", MESSAGES)
-def ppo_prompts_written_as_plain_strings(ws):
+@case("plain.parquet row 5, column 'prompt'", "empty string", "give every row a prompt")
+def ppo_plain_text_prompt_that_is_empty(ws):
     table = rows(ppo_row)
-    for row in table:
+    for row in table:  # plain-text prompts are fine; row 5's is empty
         row["prompt"] = row["prompt"][0]["content"]
+    table[5]["prompt"] = ""
     return ws.ppo(ws.parquet(table, "plain.parquet"))
 
 

@@ -11,7 +11,7 @@ CASES: dict = {}
 sft = lambda *expect: register(CASES, "sft", *expect)  # noqa: E731
 rm = lambda *expect: register(CASES, "rm", *expect)  # noqa: E731
 
-MESSAGES = "write the prompt as a list of messages"
+MESSAGES = "write the prompt as plain text (a string) or as a list of messages"
 SFT_ROW6 = "train.parquet row 6, column"
 RM_ROW4 = "train.parquet row 4, column"
 RANKING_FIX = "list of 0-based indices into 'responses'"
