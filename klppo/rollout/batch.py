@@ -7,6 +7,13 @@ closing EOS when it has one.
 The rollout fills the first block of fields; the scoring phases fill the ``Optional`` ones in
 the order of the loop (old log-probs, reference log-probs, values, scores, rewards,
 advantages and returns).
+
+Where a batch lives (one rule): the rollouts build it on CPU; whoever hands it to a phase
+moves it once to the run's device, ``batch.to(env.device)`` (the loop after the rollout,
+validation before scoring). Every phase (scoring forwards, reward functions and models,
+updates, validation's scorer) takes its batch there and returns tensors there. The device
+is the rank's (``DistEnv.device``), never read off a model's parameters: FSDP2's
+``offload_policy`` keeps those on CPU while the model computes on the GPU.
 """
 
 from __future__ import annotations

@@ -141,7 +141,8 @@ class PPOTrainer:
             return offline_rollout(records, n=s.n, tokenizer=tokenizer, max_response_length=s.response_length)
         mine = records[shard_range(len(records), self.env)]
         with self.p.offloader.resident("actor"):
-            local = hf_rollout(self.p.actor, mine, tokenizer, s.sampling, synced_gpus=self.env.is_distributed)
+            local = hf_rollout(self.p.actor, mine, tokenizer, s.sampling, synced_gpus=self.env.is_distributed,
+                               device=self.env.device)
         if not self.env.is_distributed:
             return local
         return assemble_batch(records, s.n, tokenizer.pad_token_id,
