@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from klppo.config.schema import FSDPConfig, OptimConfig
-from klppo.distributed import DistEnv, apply_fsdp2, build_mesh, init_distributed
+from klppo.distributed import DEFAULT_TIMEOUT_S, DistEnv, apply_fsdp2, build_mesh, init_distributed
 from klppo.errors import UserError
 
 PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # None: no mixed precision
@@ -62,13 +62,16 @@ def check_run_dir(path: str | os.PathLike, key: str = "trainer.default_local_dir
 # ---- the world ----
 
 
-def join_world(device: str, n_gpus_per_node: int, nnodes: int, fsdp_configs: Iterable[FSDPConfig]) -> DistEnv:
+def join_world(device: str, n_gpus_per_node: int, nnodes: int, fsdp_configs: Iterable[FSDPConfig],
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> DistEnv:
     """Join torchrun's process group and check it against ``trainer.n_gpus_per_node x nnodes``.
 
     A single process gets a group of one when an ``fsdp_config`` asks for something only FSDP2
-    does (mixed precision, offload, ...), so it shards too.
+    does (mixed precision, offload, ...), so it shards too. ``timeout_s``: how long a
+    collective waits for the other ranks (PPO: ``actor_rollout_ref.nccl_timeout``; SFT and
+    reward-model training, which have no such key in verl, keep verl's PPO default of 600 s).
     """
-    env = init_distributed(device, group_of_one=any(f != FSDPConfig() for f in fsdp_configs))
+    env = init_distributed(device, group_of_one=any(f != FSDPConfig() for f in fsdp_configs), timeout_s=timeout_s)
     check_world(n_gpus_per_node, nnodes, env.world_size)
     return env
 
