@@ -14,12 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from klppo.config import PPOConfig
+from klppo.config.schema import FSDPConfig
 from klppo.data.batching import MicroBatching
 from klppo.errors import UserError
 from klppo.models.forward import HeadSettings
 from klppo.rollout.hf import SamplingParams
 from klppo.trainer.guards import GuardSettings
+from klppo.trainer.setup import PARAM_DTYPES
 
 CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
@@ -43,6 +47,7 @@ class ActorUpdateSettings:
     grad_clip: float
     temperature: float  # the rollout's: log-probs of the distribution the responses came from
     head: HeadSettings = HeadSettings()  # how log-probs and entropies come out of the LM head
+    compute_dtype: torch.dtype = torch.float32  # fsdp_config.dtype: what forward/backward run in (MFU's peak)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class CriticUpdateSettings:
     cliprange_value: float
     loss_agg_mode: str
     grad_clip: float
+    compute_dtype: torch.dtype = torch.float32  # fsdp_config.dtype: what forward/backward run in (MFU's peak)
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,7 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int) -> ActorUpdateSettings:
         clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
         grad_clip=actor.grad_clip, temperature=arf.rollout.temperature, head=head_settings(cfg),
+        compute_dtype=compute_dtype(actor.fsdp_config),
     )
 
 
@@ -225,7 +232,14 @@ def _critic(cfg: PPOConfig, mini_batch_rows: int) -> CriticUpdateSettings:
     return CriticUpdateSettings(
         mini_batch_rows=mini_batch_rows, micro=_critic_micro(cfg), ppo_epochs=critic.ppo_epochs, cliprange_value=critic.cliprange_value,
         loss_agg_mode=critic.loss_agg_mode, grad_clip=critic.grad_clip,
+        compute_dtype=compute_dtype(critic.model.fsdp_config),
     )
+
+
+def compute_dtype(fsdp: FSDPConfig) -> torch.dtype:
+    """The dtype a model's forward and backward run in: FSDP2's mixed-precision parameter dtype,
+    else float32 (its parameters' dtype, which under mixed precision are the fp32 masters)."""
+    return PARAM_DTYPES[fsdp.dtype] or torch.float32
 
 
 def _forwards(cfg: PPOConfig) -> ForwardSettings:
