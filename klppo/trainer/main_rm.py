@@ -54,21 +54,24 @@ def _flat_positions(scores: list[torch.Tensor], groups: list[list[list[int]]]) -
 
 
 def ranking_loss(scores: list[torch.Tensor], records: list[RankedRecord], loss_type: str) -> tuple[torch.Tensor, int]:
-    """Summed loss over the records' pairs (BT) or rankings (PL), and how many terms it holds."""
+    """Summed loss over the records' pairs (BT) or rankings (PL), and how many terms it holds.
+
+    No host sync: pairs are picked by Python ints (views), each ranking's order goes to the
+    device without waiting for it."""
     if loss_type == "bradley_terry":
-        pairs = [[list(pair) for pair in ranked_pairs(record.rankings)] for record in records]
-        n = sum(len(p) for p in pairs)
-        if not n:
+        better, worse = [], []
+        for s, record in zip(scores, records):
+            for i, j in ranked_pairs(record.rankings):
+                better.append(s[i])
+                worse.append(s[j])
+        if not better:
             return scores[0].sum() * 0.0, 0
-        flat, index = _flat_positions(scores, pairs)
-        better_worse = flat[index].view(n, 2)  # (P, 2): each pair's better, then worse response
-        return bradley_terry_loss(better_worse[:, 0], better_worse[:, 1]) * n, n
-    # Plackett-Luce on the listed (strict) order of each ranking
-    orders = [[[i for tier in ranking_tiers(ranking) for i in tier] for ranking in record.rankings]
-              for record in records]
-    flat, index = _flat_positions(scores, orders)
-    lengths = [len(order) for record_orders in orders for order in record_orders]
-    terms = [plackett_luce_loss(ranked.unsqueeze(0)) for ranked in flat[index].split(lengths)]
+        return bradley_terry_loss(torch.stack(better), torch.stack(worse)) * len(better), len(better)
+    terms = []
+    for s, record in zip(scores, records):
+        for ranking in record.rankings:  # Plackett-Luce on the listed (strict) order of each ranking
+            order = torch.tensor([i for tier in ranking_tiers(ranking) for i in tier]).to(s.device, non_blocking=True)
+            terms.append(plackett_luce_loss(s[order].unsqueeze(0)))
     return torch.stack(terms).sum(), len(terms)
 
 
