@@ -12,10 +12,12 @@ iterations over it: old log-probs, reference log-probs, group advantages from th
 scores, one actor update (ppo_epochs 1, one optimiser step, micro-batches under a token budget,
 each run as one packed row). The first iteration is a warm-up, left out of the figures.
 
-MFU is ``model_flops(config, lengths, training=True)`` of the actor update over its wall time
-and the device's dense peak (``klppo.monitoring.flops``): verl's FLOP count, which counts the
-LM head (twice: embedding + head) for every token, so it is higher than the FLOPs the update
-runs, where the head is applied only at response positions. Target: MFU >= 45%.
+MFU is ``model_flops(config, lengths, training=True, head_positions=response tokens)`` of the
+actor update over its wall time and the device's dense peak for ``--dtype``
+(``klppo.monitoring.flops``): the FLOPs the update runs, causal attention (half the pairs) and
+the LM head only at the response positions where log-probs are read, no FLOPs for the
+embedding lookup (verl's count charges the vocabulary twice for every token and attention
+as non-causal: about 1.45x these figures on this workload). Target: MFU >= 45%.
 
 Each rank draws its own synthetic batch (seed + rank); every rank runs as many micro-batches as
 the rank that needs the most, as in training. A single process runs FSDP2 over a group of one.
@@ -191,17 +193,18 @@ def ppo_iteration(actor, ref, optimizer, batch: RolloutBatch, args) -> PhaseTime
 def figures(args, env: DistEnv, config, n_params: int, batch: RolloutBatch, timers: list[PhaseTimer]) -> dict:
     """Per-GPU tokens/s and MFU over the timed iterations, from rank 0's batch and times."""
     seq_lens = batch.attention_mask.sum(-1).tolist()  # host-device sync
-    tokens = sum(seq_lens)
+    tokens, response_tokens = sum(seq_lens), int(batch.response_mask.sum())
     update_s = sum(t.seconds["update_actor"] for t in timers)
     step_s = sum(t.seconds["step"] for t in timers)
     peak = peak_flops(env.device, DTYPES[args.dtype])
-    update_mfu = mfu(model_flops(config, seq_lens, training=True) * len(timers), update_s, peak)
+    update_flops = model_flops(config, seq_lens, training=True, head_positions=response_tokens)
+    update_mfu = mfu(update_flops * len(timers), update_s, peak)
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     return {
         "device": device_name, "world_size": env.world_size, "size": args.size, "params_b": n_params / 1e9,
         "dtype": args.dtype, "attn": args.attn, "gradient_checkpointing": args.gradient_checkpointing,
         "sequences_per_gpu": len(seq_lens), "tokens_per_iteration_per_gpu": tokens,
-        "response_tokens_per_iteration_per_gpu": int(batch.response_mask.sum()),
+        "response_tokens_per_iteration_per_gpu": response_tokens,
         "median_sequence_tokens": statistics.median(seq_lens), "token_budget": args.token_budget,
         "timed_iterations": len(timers),
         "actor_update_tokens_per_s_per_gpu": tokens * len(timers) / update_s,

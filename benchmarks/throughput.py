@@ -128,9 +128,15 @@ def synthetic_batch(args, vocab_size: int) -> RolloutBatch:
 # ---- FLOPs ----
 
 
-def iteration_flops(config: Qwen2Config, seq_lens: list[int]) -> float:
-    """Useful FLOPs of one PPO iteration: 3 no-grad forwards (old, ref, values) + 2 training passes."""
-    return 3 * model_flops(config, seq_lens, training=False) + 2 * model_flops(config, seq_lens, training=True)
+def iteration_flops(config: Qwen2Config, seq_lens: list[int], response_tokens: int) -> float:
+    """Useful FLOPs of one PPO iteration: 2 no-grad LM forwards (old, ref) and the actor's
+    training pass, whose LM head runs at the response tokens; the critic's value forward and
+    training pass, whose 1-output head runs at every token."""
+    lm = dict(head_positions=response_tokens)
+    value = dict(head_outputs=1)
+    return (2 * model_flops(config, seq_lens, training=False, **lm) + model_flops(config, seq_lens, training=True, **lm)
+            + model_flops(config, seq_lens, training=False, **value)
+            + model_flops(config, seq_lens, training=True, **value))
 
 
 # ---- the two paths ----
@@ -250,12 +256,12 @@ def main(argv=None) -> dict:
     }
     describe(args, batch, sum(p.numel() for p in padded_models[0].parameters()))
     results, outputs = run_interleaved(specs, initial, batch, args)
-    return report(results, outputs, config, batch.attention_mask.sum(-1).tolist())
+    return report(results, outputs, config, batch.attention_mask.sum(-1).tolist(), int(batch.response_mask.sum()))
 
 
-def report(results, outputs, config, seq_lens) -> dict:
+def report(results, outputs, config, seq_lens, response_tokens: int) -> dict:
     """Median seconds, tokens/s, TFLOP/s, real-token fraction and phases of each path; their ratio."""
-    real_tokens, flops = sum(seq_lens), iteration_flops(config, seq_lens)
+    real_tokens, flops = sum(seq_lens), iteration_flops(config, seq_lens, response_tokens)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"\n{'path':>6} {'median s':>9} {'CPU s':>7} {'tokens/s':>9} {'TFLOP/s':>8} {'real/computed':>14} "
           f"{'largest fwd':>12}   " + " ".join(f"{p:>13}" for p in PHASES))

@@ -211,14 +211,28 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
     _positive(out, "reward_model.ranking.scale", cfg.reward_model.ranking.scale)
     _check_reward_model(cfg, out)
     _check_critic_warmup(cfg, out)
+    _positive(out, f"{ARF}.nccl_timeout", cfg.actor_rollout_ref.nccl_timeout, "number of seconds")
     for prefix, fsdp in ((f"{ACTOR}.fsdp_config", cfg.actor_rollout_ref.actor.fsdp_config),
                          (f"{ARF}.ref.fsdp_config", cfg.actor_rollout_ref.ref.fsdp_config),
                          ("critic.model.fsdp_config", cfg.critic.model.fsdp_config)):
         if fsdp.fsdp_size != -1 and fsdp.fsdp_size < 1:
             out.append(Problem((f"{prefix}.fsdp_size",), f"{prefix}.fsdp_size = {fsdp.fsdp_size}: use -1 (shard over "
                                "every rank) or a number of ranks that divides the world"))
+    _refuse_fp16_training(out, f"{ACTOR}.fsdp_config", cfg.actor_rollout_ref.actor.fsdp_config)
+    if cfg.algorithm.adv_estimator == "gae":  # the other estimators train no critic
+        _refuse_fp16_training(out, "critic.model.fsdp_config", cfg.critic.model.fsdp_config)
     out += not_yet_supported_ppo(cfg)
     return out
+
+
+def _refuse_fp16_training(out: list[Problem], prefix: str, fsdp) -> None:
+    """A model that trains in float16 needs loss scaling, which klppo does not have: its small
+    gradients would underflow to 0 and its large ones overflow to inf. Frozen models (the
+    reference, reward models) may compute in float16."""
+    if fsdp.dtype == "float16":
+        out.append(Problem((f"{prefix}.dtype",), f"{prefix}.dtype = float16 trains without a gradient scaler, so "
+                           "gradients underflow or overflow; set it to bfloat16 (the same memory, float32's range, "
+                           "no scaler needed) or float32"))
 
 
 def _check_reward_model(cfg: PPOConfig, out: list[Problem]) -> None:
@@ -487,6 +501,7 @@ def check_sft(cfg: SFTConfig) -> list[Problem]:
     _check_optim(cfg.optim, "optim", out)
     _positive(out, "optim.clip_grad", cfg.optim.clip_grad, "max gradient norm")
     _check_trainer_common(cfg.trainer, out)
+    _refuse_fp16_training(out, "model.fsdp_config", cfg.model.fsdp_config)
     out += not_yet_supported_sft(cfg)
     return out
 
@@ -529,6 +544,7 @@ def check_rm(cfg: RMConfig) -> list[Problem]:
                            f"{data.train_batch_size}; pick a divisor"))
     _check_optim(cfg.optim, "optim", out)
     _check_trainer_common(cfg.trainer, out)
+    _refuse_fp16_training(out, "model.fsdp_config", cfg.model.fsdp_config)
     _refuse_loggers(out, cfg.trainer.logger)
     return out
 

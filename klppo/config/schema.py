@@ -54,7 +54,9 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     # Ranks per FSDP shard group; -1 = all ranks (HSDP when it divides the world).
     fsdp_size: int = -1
-    # Mixed-precision parameter dtype; gradients are reduced in fp32.
+    # Mixed-precision compute dtype; master weights stay fp32 and gradients are reduced in fp32.
+    # float16 only for frozen models (reference, reward models): training in it would need a
+    # gradient scaler, which klppo does not have.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -216,6 +218,9 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    # Seconds a collective waits for the other ranks before the run fails (NCCL, and gloo on
+    # CPU). Every model of a klppo run shares this one process group.
+    nccl_timeout: int = 600
 
 
 @dataclass

@@ -69,11 +69,13 @@ RULES: tuple[tuple, ...] = (
       "*.optim.override_optimizer_config", "actor_rollout_ref.rollout.layer_name_map.*", "*.model.lora.*"), _MEGATRON),
     # -- processes, Ray, resource pools --
     (("trainer.use_legacy_worker_impl", "trainer.use_v1", "trainer.v1.*", "trainer.ray_wait_register_center_timeout",
-      "trainer.esi_redundant_time", "ray_kwargs.*", "ray_init.*", "actor_rollout_ref.hybrid_engine", "*.nccl_timeout",
+      "trainer.esi_redundant_time", "ray_kwargs.*", "ray_init.*", "actor_rollout_ref.hybrid_engine",
       "reward_model.num_workers", "reward.num_workers", "*.enable_resource_pool", "reward_model.n_gpus_per_node",
       "reward_model.nnodes", "reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes", "transfer_queue.*",
       "*.load_weight", "data.dataloader_num_workers", "data.filter_overlong_prompts_workers", "*.use_shm",
       "actor_rollout_ref.rollout.agent.num_workers", "distillation.n_gpus_per_node", "distillation.nnodes"), _RAY),
+    (("critic.nccl_timeout", "reward_model.nccl_timeout"),
+     "klppo's models share one process group, whose timeout is actor_rollout_ref.nccl_timeout"),
     # -- the rollout engine --
     (("actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node",
       "actor_rollout_ref.rollout.dtype", "actor_rollout_ref.rollout.gpu_memory_utilization",

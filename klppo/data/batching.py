@@ -119,10 +119,12 @@ def restore_order(outputs: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     """Rows of ``outputs`` (computed for rows ``order`` of a batch) back in the batch's order.
 
     ``outputs[j]`` belongs to batch row ``order[j]``; the result's row ``i`` is batch row ``i``.
+    ``order`` is checked on the host and copied to the device without waiting for it.
     """
-    index = torch.as_tensor(list(order), dtype=torch.long, device=outputs.device)
-    if index.numel() != outputs.shape[0] or not torch.equal(index.sort().values, torch.arange(len(index), device=index.device)):
+    order = [int(i) for i in order]
+    if len(order) != outputs.shape[0] or sorted(order) != list(range(len(order))):
         raise ValueError("order must be a permutation of the rows of outputs")
+    index = torch.tensor(order, dtype=torch.long).to(outputs.device, non_blocking=True)
     restored = torch.empty_like(outputs)
     restored[index] = outputs
     return restored
@@ -244,6 +246,7 @@ class PackedBatch:
     rows: torch.Tensor  # (N,) long, padded row of each packed token
     cols: torch.Tensor  # (N,) long, padded column of each packed token
     shape: tuple[int, int]  # (B, L) of the padded batch
+    lengths: tuple[int, ...] = ()  # (B,) real tokens of each sequence, on the host
 
     @property
     def num_tokens(self) -> int:
@@ -258,18 +261,20 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
     an empty sequence (two equal ``cu_seqlens`` entries).
     """
     mask = attention_mask.bool()
-    rows, cols = mask.nonzero(as_tuple=True)  # row-major: each sequence's tokens in order
+    rows, cols = mask.nonzero(as_tuple=True)  # row-major: each sequence's tokens in order; host-device sync
     positions = mask.long().cumsum(-1) - 1  # (B, L)
     seq_lens = mask.sum(-1)  # (B,)
+    lengths = tuple(seq_lens.tolist())  # host-device sync: the lengths are read once, here
     cu_seqlens = F.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)
     return PackedBatch(
         input_ids=input_ids[rows, cols].unsqueeze(0),
         position_ids=positions[rows, cols].unsqueeze(0),
         cu_seqlens=cu_seqlens,
-        max_seqlen=int(seq_lens.max()) if seq_lens.numel() else 0,  # host-device sync
+        max_seqlen=max(lengths, default=0),
         rows=rows,
         cols=cols,
         shape=(mask.shape[0], mask.shape[1]),
+        lengths=lengths,
     )
 
 

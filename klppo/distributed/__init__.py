@@ -3,6 +3,7 @@
 from klppo.distributed.checkpoint import load_sharded, load_training_state, save_sharded, training_state
 from klppo.distributed.dcp_reader import ShardedContents, read_sharded_contents, requested_keys
 from klppo.distributed.env import (
+    DEFAULT_TIMEOUT_S,
     SINGLE_PROCESS,
     DistEnv,
     abandon,
@@ -27,7 +28,7 @@ from klppo.distributed.fsdp import (
 )
 
 __all__ = [
-    "SINGLE_PROCESS", "DistEnv", "ShardedContents", "abandon", "all_gather_objects", "all_gather_padded",
+    "DEFAULT_TIMEOUT_S", "SINGLE_PROCESS", "DistEnv", "ShardedContents", "abandon", "all_gather_objects", "all_gather_padded",
     "all_gather_rows", "all_reduce_max_int", "all_reduce_sum", "apply_fsdp2", "fill_sharded", "materialize", "barrier", "build_mesh", "close",
     "full_state_dict", "gather_full_model", "inference_copy", "init_distributed", "max_over_ranks", "my_rows", "on_rank_zero", "is_sharded", "load_sharded",
     "load_training_state", "read_sharded_contents", "reduce_counts", "reduce_stats", "requested_keys", "run_on_ranks",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, TypeVar
 
 import torch
@@ -25,12 +26,34 @@ T = TypeVar("T")
 class DistEnv:
     rank: int  # global rank, 0 .. world_size - 1
     world_size: int  # number of processes in the run
-    local_rank: int  # rank on this node; picks the GPU
+    local_rank: int  # rank on this node; picks the GPU (``local_device_index``)
     device: torch.device  # where this rank's models and batches live
     is_distributed: bool  # True when a process group was joined (world_size > 1, or a group of one)
 
 
 SINGLE_PROCESS = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), is_distributed=False)
+
+
+# The process group of a CUDA run: NCCL for CUDA tensors, gloo for CPU ones. CPU tensors meet
+# collectives when FSDP2's offload_policy keeps gradients on CPU (clip_grad_norm_ and the
+# grad-norm DTensor's full_tensor() all-reduce them) and in object collectives; an NCCL-only
+# group fails there with "No backend type associated with device type cpu". verl's
+# fsdp_workers init the same pair.
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+DEFAULT_TIMEOUT_S = 600  # verl's actor_rollout_ref.nccl_timeout default
+
+
+def local_device_index(local_rank: int, visible: int) -> int:
+    """The CUDA device this rank uses among the ``visible`` ones.
+
+    torchrun's LOCAL_RANK indexes the node's GPUs only when every process sees all of them;
+    a launcher that gives each process one GPU (CUDA_VISIBLE_DEVICES per process, SLURM's
+    --gpus-per-task) leaves LOCAL_RANK at 0..k-1 with one visible device, index 0. The
+    remainder is right in both cases.
+    """
+    if visible < 1:
+        raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    return local_rank % visible
 
 
 def _device(device: str, local_rank: int) -> torch.device:
@@ -39,17 +62,21 @@ def _device(device: str, local_rank: int) -> torch.device:
     if device == "cuda":
         if not torch.cuda.is_available():
             raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", local_device_index(local_rank, torch.cuda.device_count()))
     if device != "cpu":
         raise UserError(f"trainer.device must be auto, cpu or cuda, not '{device}'")
     return torch.device("cpu")
 
 
-def init_distributed(device: str = "auto", *, group_of_one: bool = False) -> DistEnv:
-    """This process's ``DistEnv``; joins torchrun's process group (gloo on CPU, nccl on CUDA).
+def init_distributed(device: str = "auto", *, group_of_one: bool = False,
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> DistEnv:
+    """This process's ``DistEnv``; joins torchrun's process group (gloo on CPU; NCCL for CUDA
+    tensors plus gloo for CPU ones on CUDA, ``CUDA_BACKEND``).
 
     A single process gets no process group, unless ``group_of_one`` asks for a group of one
     rank (FSDP2 needs one, e.g. for bf16 mixed precision or CPU offload on one device).
+    ``timeout_s``: how long any collective of the group may wait for the other ranks before
+    the run fails (``actor_rollout_ref.nccl_timeout``).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -60,12 +87,13 @@ def init_distributed(device: str = "auto", *, group_of_one: bool = False) -> Dis
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        device_id = dev if dev.type == "cuda" else None
+        backend = CUDA_BACKEND if dev.type == "cuda" else "gloo"
+        common = dict(backend=backend, timeout=timedelta(seconds=timeout_s),
+                      device_id=dev if dev.type == "cuda" else None)
         if world_size == 1:  # no rendezvous needed: an in-memory store
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **common)
         else:
-            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, device_id=device_id)
+            dist.init_process_group(rank=rank, world_size=world_size, **common)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, is_distributed=True)
 
 
@@ -213,7 +241,8 @@ def close(env: DistEnv) -> None:
 
 
 def _comm_device() -> torch.device:
-    """The device collectives of the current backend run on (CUDA for nccl)."""
-    if dist.get_backend() == "nccl":
+    """The device klppo's own collectives run on: CUDA when the group has NCCL (faster, and
+    ``CUDA_BACKEND`` reports itself as "cpu:gloo,cuda:nccl"), else CPU."""
+    if "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -34,6 +34,7 @@ head instead (``klppo.models.fused_head``), never holding the logits of all toke
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -50,6 +51,8 @@ from klppo.data.batching import PackedBatch, pack
 from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_head_unsupported, fused_lm_head
 
 PACKED_SDPA = "klppo_packed_sdpa"
+# The keyword argument that hands PACKED_SDPA each row's sequence bounds once per forward.
+ROW_BOUNDS = "klppo_row_bounds"
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -71,15 +74,22 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
 
     query (B, H, L, D), key/value (B, Hkv, L, D) -> (B, L, H, D). A row is packed when no mask
     is given and its position ids restart (or ``cu_seq_lens_q`` marks the sequences).
+
+    klppo's forwards pass each row's bounds ``[0, end_1, ..., L]`` as ``klppo_row_bounds``
+    (``_bounds_kwargs``), read on the host once per forward. Without them (generation, other
+    callers) they are read here from ``cu_seq_lens_q`` or the position ids: a host-device sync
+    in every layer, which also stalls FSDP2's prefetch of the next layer.
     """
     rows = query.shape[0]
+    bounds = kwargs.pop(ROW_BOUNDS, None)
     position_ids = kwargs.get("position_ids")
     cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if attention_mask is not None or query.shape[2] != key.shape[2] or (position_ids is None and cu_seqlens is None):
+    if attention_mask is not None or query.shape[2] != key.shape[2] or (
+            bounds is None and position_ids is None and cu_seqlens is None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if cu_seqlens is not None and rows == 1:
+    if bounds is None and cu_seqlens is not None and rows == 1:
         bounds = [cu_seqlens.tolist()]  # host-device sync
-    else:
+    elif bounds is None:
         bounds = [_segment_bounds(position_ids.expand(rows, -1)[r]) for r in range(rows)]
     if all(len(b) <= 2 for b in bounds):  # one sequence per row: nothing is packed
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
@@ -156,11 +166,19 @@ def _padded_forward(model, input_ids, attention_mask, response_length, lm: bool,
     ids, mask, p, t = _trim_padding(input_ids, attention_mask, response_length)
     labels = ids[:, p : p + t]
     extra = {"logits_to_keep": torch.arange(p - 1, p - 1 + t, device=ids.device)} if lm else {}
+    extra.update(_bounds_kwargs(model, [[0, ids.shape[1]]] * ids.shape[0]))  # one sequence per row
     with head(labels) if head else nullcontext():
         out = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask),
                     use_cache=False, **extra)
     logits = out.logits if lm else out.logits[:, p - 1 : p - 1 + t]
     return logits, labels, t
+
+
+def _bounds_kwargs(model, bounds: list[list[int]]) -> dict:
+    """``{ROW_BOUNDS: bounds}`` for a PACKED_SDPA model (transformers hands the model's keyword
+    arguments to every attention call, and gradient checkpointing's recomputation keeps them);
+    nothing for other attention implementations, which take no such argument."""
+    return {ROW_BOUNDS: bounds} if model.config._attn_implementation == PACKED_SDPA else {}
 
 
 def _packed_reads(packed: PackedBatch, attention_mask: torch.Tensor, response_length: int):
@@ -179,6 +197,7 @@ def _packed_forward(model, input_ids, attention_mask, response_length, lm: bool,
     positions, rows, slots = _packed_reads(packed, attention_mask.bool(), response_length)
     labels = input_ids[rows, slots + input_ids.shape[1] - response_length]  # (n,)
     extra = {"logits_to_keep": positions} if lm else {}
+    extra.update(_bounds_kwargs(model, [list(itertools.accumulate(packed.lengths, initial=0))]))
     with head(labels) if head else nullcontext():
         out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
                     use_cache=False, **_varlen(packed), **extra)

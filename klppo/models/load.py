@@ -32,6 +32,7 @@ from transformers import (
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from klppo.errors import UserError, reading
+from klppo.models.rng import seeded
 
 # The weight files from_pretrained reads (transformers' names), the safe format first.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
@@ -183,8 +184,7 @@ def load_critic(
     config.num_labels = 1
     # The head must be deterministic: no dropout in front of the value projection.
     config.classifier_dropout = 0.0
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed, device):  # the head's initialisation; the run's own streams go on untouched
         critic = _from_pretrained(AutoModelForTokenClassification, folder, key, config=config, dtype=torch.float32)
     if gradient_checkpointing:
         critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -212,8 +212,7 @@ def load_reward_model(
     folder = check_model_folder(path, key)
     config = _model_config(folder, key)
     config.num_labels = 1
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed, device):
         model = _from_pretrained(AutoModelForSequenceClassification, folder, key, config=config, dtype=torch.float32)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id

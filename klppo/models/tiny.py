@@ -16,6 +16,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from klppo.models.rng import seeded
+
 PAD, EOS, IM_START = "<|pad|>", "<|im_end|>", "<|im_start|>"
 
 # ChatML, as Qwen2 instruct models write it; `add_generation_prompt` opens the assistant turn.
@@ -96,9 +98,8 @@ def build_tiny_model_folder(
         eos_token_id=tokenizer.eos_token_id,
         **config_kwargs,
     )
-    # fork_rng keeps the caller's global RNG stream untouched by model initialisation.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    # The caller's random streams (CPU and CUDA) stay untouched by model initialisation.
+    with seeded(seed, torch.device("cpu")):
         model = Qwen2ForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -1,55 +1,94 @@
 """FLOPs of a decoder-only transformer, model FLOPs utilisation (MFU) and peak memory.
 
-FLOPs follow verl's FlopsCounter (and the PaLM MFU convention): 2 FLOPs per parameter per
-real token for the dense part (attention projections, MLP, embedding + LM head), plus
-4 * L^2 * h per layer for QK^T and AV over a sequence of L tokens; training = 3 passes
-(forward + backward). Padding is not counted: MFU is useful work over the device's peak.
+FLOPs count what the model runs on real tokens (padding is not useful work), in the PaLM MFU
+convention (Chowdhery et al. 2022, appendix B) with two corrections to verl's FlopsCounter,
+which charges the vocabulary projection twice (embedding + head) for every token and
+attention as if it were not causal:
+- each decoder layer's projections (q, k, v, o; gate, up, down): 2 FLOPs per weight per token;
+- attention scores and weighted values, causal: a sequence of n tokens has n (n + 1) / 2
+  query-key pairs (flash attention and klppo's packed sdpa skip the masked half), 4 x heads
+  x head_dim FLOPs per pair and layer (QK^T and AV);
+- the head: 2 x hidden x outputs per position whose head output is computed. The LM head of
+  an update or log-prob forward runs only where log-probs are read (``logits_to_keep`` /
+  packed reads: the response tokens), a value head (1 output) at every token;
+- the embedding lookup: none.
+Training is 3 passes (forward, and backward's two); recomputation (gradient checkpointing,
+the fused head's backward) is not counted, as MFU conventionally leaves it out.
 """
 
 from __future__ import annotations
 
 import resource
 import sys
+from dataclasses import dataclass
 
 import torch
 
-# Dense peak FLOP/s per device by (name fragment, dtype); MFU is reported only where known.
-PEAK_FLOPS = {
-    ("H200", torch.bfloat16): 989e12,
-    ("H100", torch.bfloat16): 989e12,
-    ("A100", torch.bfloat16): 312e12,
-    ("H200", torch.float32): 67e12,
-    ("H100", torch.float32): 67e12,
-    ("A100", torch.float32): 19.5e12,
-}
+# Dense peak FLOP/s by device name: (fragments that must all appear in the name, case
+# ignored; bf16 and fp16 peak; fp32 peak without TF32), most specific first, first match wins.
+# The H100 comes as SXM5 ("NVIDIA H100 80GB HBM3"), PCIe and NVL cards with different peaks.
+DEVICE_PEAKS = (
+    (("H100", "PCIE"), 756e12, 51e12),
+    (("H100", "NVL"), 835e12, 60e12),
+    (("H200", "NVL"), 835e12, 60e12),
+    (("H100",), 989e12, 67e12),
+    (("H200",), 989e12, 67e12),
+    (("A100",), 312e12, 19.5e12),
+)
+HALF = (torch.bfloat16, torch.float16)
 
 
-def model_flops(config, seq_lens: list[int], *, training: bool) -> float:
-    """FLOPs of one pass over sequences of ``seq_lens`` real tokens (Llama/Qwen2-shaped config)."""
-    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    inter = config.intermediate_size
+def model_flops(config, seq_lens: list[int], *, training: bool, head_positions: int | None = None,
+                head_outputs: int | None = None) -> float:
+    """FLOPs of one pass over sequences of ``seq_lens`` real tokens (Llama/Qwen2-shaped config).
+
+    ``head_positions``: positions whose head output is computed (default: every token);
+    ``head_outputs``: the head's outputs per position (default: the vocabulary, an LM head).
+    """
+    h, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q = config.num_attention_heads * head_dim
     kv = config.num_key_value_heads * head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter  # q, k, v, o projections + gate/up/down
-    dense = layers * per_layer + 2 * vocab * h
-    tokens, squares = sum(seq_lens), sum(n * n for n in seq_lens)
-    forward = 2 * dense * tokens + 4 * squares * q * layers
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size  # q, k, v, o + gate/up/down
+    tokens = sum(seq_lens)
+    pairs = sum(n * (n + 1) // 2 for n in seq_lens)  # causal attention
+    positions = tokens if head_positions is None else head_positions
+    outputs = config.vocab_size if head_outputs is None else head_outputs
+    forward = 2 * layers * per_layer * tokens + 4 * q * layers * pairs + 2 * h * outputs * positions
     return (3 if training else 1) * forward
+
+
+def peak_flops_by_name(name: str, dtype: torch.dtype) -> float | None:
+    """The dense peak FLOP/s of a device called ``name`` computing in ``dtype``, or None where unknown."""
+    upper = name.upper()
+    for fragments, half, single in DEVICE_PEAKS:
+        if all(fragment in upper for fragment in fragments):
+            return half if dtype in HALF else single if dtype == torch.float32 else None
+    return None
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """The device's dense peak FLOP/s for ``dtype``, or None where unknown (CPUs, other GPUs)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for (fragment, kind), peak in PEAK_FLOPS.items() if fragment in name and kind == dtype), None)
+    return peak_flops_by_name(torch.cuda.get_device_name(device), dtype)
 
 
 def mfu(flops: float, seconds: float, peak: float | None, n_devices: int = 1) -> float | None:
     if peak is None or seconds <= 0:
         return None
     return flops / (seconds * peak * n_devices)
+
+
+@dataclass(frozen=True)
+class UpdateWork:
+    """What one model's update ran, for its MFU."""
+
+    config: object  # the model's Hugging Face config
+    epochs: int  # passes over the rows (ppo_epochs)
+    dtype: torch.dtype  # the compute dtype (fsdp_config.dtype); FSDP2's parameters are the fp32 masters
+    head_positions: int  # positions whose head output was computed: response tokens (actor), all (critic)
+    head_outputs: int | None = None  # head outputs per position: None = the vocabulary; a value head's 1
 
 
 def max_memory_gb(device: torch.device) -> float:
@@ -61,18 +100,19 @@ def max_memory_gb(device: torch.device) -> float:
 
 
 def update_efficiency_metrics(device: torch.device, seconds: dict[str, float], lengths: list[int],
-                              updated: dict[str, tuple[torch.nn.Module, int]]) -> dict[str, float]:
+                              updated: dict[str, UpdateWork]) -> dict[str, float]:
     """``perf/mfu/<role>`` of each ``update_<role>`` phase where the device's peak is known.
 
-    ``updated`` maps a role to (its model, its ppo_epochs); ``lengths`` are the real tokens of
-    the rows this rank trained on; ``seconds`` the step's phase timings.
+    ``lengths`` are the real tokens of the rows this rank trained on; ``seconds`` the step's
+    phase timings; the peak is that of each model's compute dtype.
     """
     metrics = {}
-    for role, (model, epochs) in updated.items():
+    for role, work in updated.items():
         if f"update_{role}" not in seconds:
             continue
-        flops = epochs * model_flops(model.config, lengths, training=True)
-        value = mfu(flops, seconds[f"update_{role}"], peak_flops(device, next(model.parameters()).dtype))
+        flops = work.epochs * model_flops(work.config, lengths, training=True, head_positions=work.head_positions,
+                                          head_outputs=work.head_outputs)
+        value = mfu(flops, seconds[f"update_{role}"], peak_flops(device, work.dtype))
         if value is not None:
             metrics[f"perf/mfu/{role}"] = value
     return metrics

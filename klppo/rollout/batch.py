@@ -7,6 +7,13 @@ closing EOS when it has one.
 The rollout fills the first block of fields; the scoring phases fill the ``Optional`` ones in
 the order of the loop (old log-probs, reference log-probs, values, scores, rewards,
 advantages and returns).
+
+Where a batch lives (one rule): the rollouts build it on CPU; whoever hands it to a phase
+moves it once to the run's device, ``batch.to(env.device)`` (the loop after the rollout,
+validation before scoring). Every phase (scoring forwards, reward functions and models,
+updates, validation's scorer) takes its batch there and returns tensors there. The device
+is the rank's (``DistEnv.device``), never read off a model's parameters: FSDP2's
+``offload_policy`` keeps those on CPU while the model computes on the GPU.
 """
 
 from __future__ import annotations
@@ -70,15 +77,23 @@ class RolloutBatch:
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
 
     def select(self, indices: torch.Tensor | list[int]) -> RolloutBatch:
-        """The sub-batch of rows ``indices`` (tensors indexed, lists picked), in that order."""
+        """The sub-batch of rows ``indices`` (tensors indexed, lists picked), in that order.
+
+        The index is copied to each device once and without waiting for it: a blocking copy per
+        field would stall the host until the device caught up, once per field and micro-batch.
+        """
         idx = torch.as_tensor(indices, dtype=torch.long)
+        rows = idx.tolist()  # host-side indices (a list or CPU tensor: no device involved)
+        on_device: dict[torch.device, torch.Tensor] = {}
         picked = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, torch.Tensor):
-                picked[field.name] = value[idx.to(value.device)]
+                if value.device not in on_device:
+                    on_device[value.device] = idx.to(value.device, non_blocking=True)
+                picked[field.name] = value[on_device[value.device]]
             elif isinstance(value, list):
-                picked[field.name] = [value[i] for i in idx.tolist()]
+                picked[field.name] = [value[i] for i in rows]
             else:
                 picked[field.name] = value
         return RolloutBatch(**picked)

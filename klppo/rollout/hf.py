@@ -22,7 +22,7 @@ class SamplingParams:
 
 @torch.no_grad()
 def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingParams, *,
-               synced_gpus: bool = False) -> RolloutBatch:
+               synced_gpus: bool = False, device: torch.device | None = None) -> RolloutBatch:
     """Sample ``params.n`` responses per prompt; rows grouped by prompt as in ``offline_rollout``.
 
     ``synced_gpus`` (sharded models): every rank keeps running forwards until all ranks have
@@ -31,8 +31,12 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
     Tokens after a response's first EOS are replaced by padding and masked out. Sampling
     draws from torch's global RNG, which checkpoints save and restore, so a resumed run
     samples the same responses as an uninterrupted one.
+
+    ``device``: where the model computes (the rank's device; by default its parameters'). Say
+    it for models whose parameters live elsewhere (FSDP2's ``offload_policy`` keeps them on
+    CPU). The batch comes back on CPU; callers move it to their device once.
     """
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device
     prompt_ids, prompt_mask = collate_prompts(records, tokenizer.pad_token_id)
     prompt_ids = prompt_ids.repeat_interleave(params.n, dim=0).to(device)
     prompt_mask = prompt_mask.repeat_interleave(params.n, dim=0).to(device)

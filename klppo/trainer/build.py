@@ -73,7 +73,8 @@ def fsdp_sections(cfg: PPOConfig) -> dict[str, FSDPConfig]:
 def start_processes(cfg: PPOConfig) -> DistEnv:
     """This PPO process's place in the world (``join_world`` with every model's ``fsdp_config``)."""
     trainer = cfg.trainer
-    return join_world(trainer.device, trainer.n_gpus_per_node, trainer.nnodes, fsdp_sections(cfg).values())
+    return join_world(trainer.device, trainer.n_gpus_per_node, trainer.nnodes, fsdp_sections(cfg).values(),
+                      timeout_s=cfg.actor_rollout_ref.nccl_timeout)
 
 
 def build_kl_controller(kl: KLSettings) -> FixedKLController | AdaptiveKLController:

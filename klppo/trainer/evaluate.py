@@ -13,15 +13,18 @@ from klppo.data.ranked import RankedRecord, ranked_pairs
 from klppo.data.rl_dataset import PromptRecord, tokenize_responses
 from klppo.distributed import SINGLE_PROCESS, DistEnv, all_gather_objects, all_reduce_sum
 from klppo.models.forward import HeadSettings
+from klppo.models.rng import seeded
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import SamplingParams, hf_rollout
 from klppo.trainer.forwards import compute_log_prob, decode_responses, response_scores, token_scores
+from klppo.trainer.responses import generation_model
 
 if TYPE_CHECKING:
     from klppo.trainer.build import PPOParts
 
 WHOLE = MicroBatching()  # validation forwards take each batch at once
+CPU = torch.device("cpu")
 
 
 def validation_metrics(parts: PPOParts) -> dict[str, float]:
@@ -34,11 +37,13 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
         def scorer(batch: RolloutBatch) -> torch.Tensor:
             return token_scores(s.reward, batch, response_scores(parts, batch), validation=True)
 
-        metrics.update(validate(parts.actor, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
-                                batch_size=s.val_batch_size, env=parts.env))
-        if parts.ref is not None:
-            metrics.update(sampled_kl_to_ref(parts.actor, parts.ref, parts.val_records, parts.tokenizer, s.sampling,
-                                             batch_size=s.val_batch_size, env=parts.env, head=s.forwards.head))
+        with generation_model(parts) as (sampler, sharded):  # as training samples (responses.py)
+            metrics.update(validate(sampler, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
+                                    batch_size=s.val_batch_size, env=parts.env, sharded=sharded))
+            if parts.ref is not None:
+                metrics.update(sampled_kl_to_ref(parts.actor, parts.ref, parts.val_records, parts.tokenizer,
+                                                 s.sampling, batch_size=s.val_batch_size, env=parts.env,
+                                                 head=s.forwards.head, sampler=sampler, sharded=sharded))
     if parts.val_ranked:
         metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
                                             env=parts.env, head=s.forwards.head))
@@ -75,24 +80,27 @@ def validate(
     *,
     batch_size: int | None = None,
     env: DistEnv = SINGLE_PROCESS,
+    sharded: bool | None = None,
 ) -> dict[str, float]:
     """Mean reward per data source over ``params.n`` responses per prompt, and text similarity.
 
     Keys: ``val-core/<data_source>/reward/mean@<n>`` (with the gsm8k rule this is accuracy),
     ``val-aux/response_length/mean``, and where prompts carry a reference text
     ``val-aux/bleu`` and ``val-aux/rougeL``. Sampling uses a private generator seeded per call
-    (and rank), so validation never shifts the training run's random stream. Each rank
-    validates its share of the records; the results are gathered.
+    (and rank), so validation never shifts the training run's random streams (CPU and the
+    device's). Each rank validates its share of the records; the results are gathered. The
+    scorer gets its batch on ``env.device`` (where every phase's batch lives). ``sharded``:
+    whether ``actor`` is sharded over the ranks (default: when there is a process group).
     """
+    synced = env.is_distributed if sharded is None else sharded
     rows = []  # (data source, score, length, response text or None, reference or None) per response
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(env.rank)
+    with seeded(env.rank, env.device):
         for part, n_real in rank_parts(records, batch_size or len(records), env):
-            batch = hf_rollout(actor, part, tokenizer, params, synced_gpus=env.is_distributed)
-            scores = scorer(batch).sum(-1).tolist()  # (B,) from the (B, T) token-level scores
-            lengths = batch.response_mask.sum(-1).tolist()
+            batch = hf_rollout(actor, part, tokenizer, params, synced_gpus=synced, device=env.device)
+            lengths = batch.response_mask.sum(-1).tolist()  # read on the CPU batch hf_rollout returns
             refs = [reference_of(r) for r in part for _ in range(params.n)]
             texts = decode_responses(batch, tokenizer) if any(refs) else [None] * len(refs)
+            scores = scorer(batch.to(env.device)).sum(-1).tolist()  # (B,) from (B, T) token scores; host sync
             real = n_real * params.n
             rows += [(src, score, length, text if ref else None, ref) for src, score, length, text, ref
                      in zip(batch.data_sources[:real], scores[:real], lengths[:real], texts[:real], refs[:real])]
@@ -111,14 +119,15 @@ def validate(
 
 @torch.no_grad()
 def response_log_likelihoods(actor, record: RankedRecord, tokenizer, max_response_length: int,
-                             head: HeadSettings = HeadSettings()) -> torch.Tensor:
-    """(K,) summed log-probability of each recorded response of ``record`` under ``actor``."""
+                             head: HeadSettings = HeadSettings(), device: torch.device = CPU) -> torch.Tensor:
+    """(K,) summed log-probability of each recorded response of ``record`` under ``actor`` (run on ``device``)."""
     ids, _ = tokenize_responses(record.responses, tokenizer, max_response_length)
     response_ids, response_mask = right_pad(ids, tokenizer.pad_token_id)
     as_prompt = PromptRecord(record.index, "ranked", record.raw_prompt, record.prompt_ids, None, {})
     batch = assemble_batch([as_prompt], len(ids), tokenizer.pad_token_id, response_ids, response_mask)
-    log_prob = compute_log_prob(actor, batch.to(next(actor.parameters()).device), WHOLE, temperature=1.0, head=head)
-    return (log_prob * batch.response_mask.to(log_prob.device)).sum(-1)
+    batch = batch.to(device)
+    log_prob = compute_log_prob(actor, batch, WHOLE, temperature=1.0, head=head)
+    return (log_prob * batch.response_mask).sum(-1)
 
 
 def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_response_length: int,
@@ -128,7 +137,7 @@ def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_resp
     agree = total = 0
     for part, n_real in rank_parts(records, env.world_size, env):
         for record in part:  # a stand-in record runs its forward too, uncounted
-            loglik = response_log_likelihoods(actor, record, tokenizer, max_response_length, head)
+            loglik = response_log_likelihoods(actor, record, tokenizer, max_response_length, head, env.device).tolist()
             pairs = ranked_pairs(record.rankings) if n_real else []
             agree += sum(int(loglik[better] > loglik[worse]) for better, worse in pairs)
             total += len(pairs)
@@ -138,17 +147,19 @@ def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_resp
 
 def sampled_kl_to_ref(
     actor, ref, records: list[PromptRecord], tokenizer, params: SamplingParams, *, batch_size: int | None = None,
-    env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings(),
+    env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings(), sampler=None, sharded: bool | None = None,
 ) -> dict[str, float]:
     """``val-aux/kl_to_ref``: KL(policy || reference) per token, estimated on responses *sampled
-    from the policy* (k1 is unbiased only there; on recorded offline responses it is not a KL)."""
+    from the policy* (k1 is unbiased only there; on recorded offline responses it is not a KL).
+    ``sampler``: the model that samples (the actor's gathered copy; default the actor itself),
+    ``sharded`` whether it is sharded (default: when there is a process group)."""
+    sampler, synced = sampler or actor, env.is_distributed if sharded is None else sharded
     total = torch.zeros((), dtype=torch.float64)
     tokens = torch.zeros((), dtype=torch.float64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1 + env.rank)
+    with seeded(1 + env.rank, env.device):
         for part, n_real in rank_parts(records, batch_size or len(records), env):
-            batch = hf_rollout(actor, part, tokenizer, params, synced_gpus=env.is_distributed)
-            batch = batch.to(next(actor.parameters()).device)
+            batch = hf_rollout(sampler, part, tokenizer, params, synced_gpus=synced, device=env.device)
+            batch = batch.to(env.device)
             log_ratio = (compute_log_prob(actor, batch, WHOLE, temperature=params.temperature, head=head)
                          - compute_log_prob(ref, batch, WHOLE, temperature=params.temperature, head=head))
             mask = batch.response_mask[: n_real * params.n]

@@ -35,19 +35,17 @@ def sft_loss(model, input_ids, attention_mask, loss_mask, total_tokens) -> torch
     return -(log_probs * loss_mask[:, 1:]).sum() / total_tokens
 
 
-def _evaluate(model, examples, pad_token_id, batch_rows: int) -> float:
+def _evaluate(model, examples, pad_token_id, batch_rows: int, device: torch.device) -> float:
     from klppo.data.sft_dataset import collate_sft
 
     model.eval()
-    device = next(model.parameters()).device
     total, tokens = 0.0, 0
     with torch.no_grad():
         for idx in row_chunks(len(examples), batch_rows):
             batch = collate_sft([examples[i] for i in idx], pad_token_id)
+            tokens += int(batch[2][:, 1:].sum())  # counted on the CPU copy
             ids, attn, loss_mask = (t.to(device) for t in batch)
-            n = int(loss_mask[:, 1:].sum())
-            total += float(sft_loss(model, ids, attn, loss_mask, 1.0))
-            tokens += n
+            total += float(sft_loss(model, ids, attn, loss_mask, 1.0))  # host sync
     return total / max(tokens, 1)
 
 
@@ -94,7 +92,7 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
         return {"train/loss": loss, "train/grad_norm": grad_norm}
 
     def evaluate() -> dict:  # every rank the whole validation set, in step
-        return {"val/loss": _evaluate(model, val, tokenizer.pad_token_id, micro_rows)}
+        return {"val/loss": _evaluate(model, val, tokenizer.pad_token_id, micro_rows, device)}
 
     return SupervisedJob(model, len(train), ("train/loss", "val/loss", "train/lr", "train/grad_norm"), train_step,
                          evaluate if val is not None else None, "SFT model saved to {}", kind="sft")

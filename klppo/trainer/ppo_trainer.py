@@ -18,7 +18,7 @@ from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.checkpoint.state import checkpoint_steps, export_hf, step_dir
 from klppo.data.batching import rank_shards, seqlen_balance_metrics
 from klppo.distributed import barrier, max_over_ranks, on_rank_zero
-from klppo.monitoring.flops import update_efficiency_metrics
+from klppo.monitoring.flops import UpdateWork, update_efficiency_metrics
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.monitoring.memory import PeakMemory
@@ -202,10 +202,14 @@ class PPOTrainer:
 
     def _efficiency_metrics(self, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, float]:
         """perf/mfu/{actor,critic} where the device's peak is known, and peak memory."""
-        lengths = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()  # host sync
-        updated = {"actor": (self.p.actor, self.s.actor.ppo_epochs)}
+        responses = batch.response_mask.sum(-1)
+        lengths, responses = torch.stack([batch.prompt_mask.sum(-1) + responses, responses]).tolist()  # host sync
+        s, tokens = self.s, sum(lengths)
+        # The actor's LM head runs at the response positions only; the critic's value head everywhere.
+        updated = {"actor": UpdateWork(self.p.actor.config, s.actor.ppo_epochs, s.actor.compute_dtype, sum(responses))}
         if self.p.critic is not None:
-            updated["critic"] = (self.p.critic, self.s.critic.ppo_epochs)
+            updated["critic"] = UpdateWork(self.p.critic.config, s.critic.ppo_epochs, s.critic.compute_dtype, tokens,
+                                           head_outputs=1)
         return update_efficiency_metrics(self.p.device, seconds, lengths, updated)
 
     def _validate(self) -> dict[str, float]:

@@ -33,7 +33,7 @@ def step_responses(parts: PPOParts, records: list[PromptRecord]) -> RolloutBatch
         return offline_rollout(records, n=s.n, tokenizer=tokenizer, max_response_length=s.response_length)
     mine = records[shard_range(len(records), env)]
     with parts.offloader.resident("actor"), generation_model(parts) as (model, sharded):
-        local = hf_rollout(model, mine, tokenizer, s.sampling, synced_gpus=sharded)
+        local = hf_rollout(model, mine, tokenizer, s.sampling, synced_gpus=sharded, device=env.device)
     if not env.is_distributed:
         return local
     return assemble_batch(records, s.n, tokenizer.pad_token_id,
@@ -48,7 +48,7 @@ def uses_gathered_copy(parts: PPOParts) -> bool:
         return False  # one process: the actor itself is whole (a group of one shards nothing)
     if s.generation_weights == "gathered":
         return True
-    element = torch.finfo(s.actor_dtype).bits // 8 if s.actor_dtype is not None else 4
+    element = torch.finfo(s.actor.compute_dtype).bits // 8
     needed = sum(p.numel() for p in parts.actor.parameters()) * element  # global numel of sharded params
     too_big = float(needed > available_bytes(env.device) // 2)
     return max_over_ranks({"too_big": too_big})["too_big"] == 0.0  # every rank decides the same
@@ -60,7 +60,7 @@ def generation_model(parts: PPOParts) -> Iterator[tuple[torch.nn.Module, bool]]:
     if not uses_gathered_copy(parts):
         yield parts.actor, parts.env.is_distributed
         return
-    copy = inference_copy(parts.actor, parts.settings.actor_dtype, parts.env.device)
+    copy = inference_copy(parts.actor, parts.settings.actor.compute_dtype, parts.env.device)
     try:
         yield copy, False
     finally:

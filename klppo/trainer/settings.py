@@ -19,6 +19,7 @@ import torch
 from klppo.config import PPOConfig
 from klppo.config.checks import rollout_correction_active
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
+from klppo.config.schema import FSDPConfig
 from klppo.data.batching import MicroBatching
 from klppo.errors import UserError
 from klppo.models.forward import HeadSettings
@@ -66,6 +67,7 @@ class ActorUpdateSettings:
     temperature: float  # the rollout's: log-probs of the distribution the responses came from
     head: HeadSettings = HeadSettings()  # how log-probs and entropies come out of the LM head
     rollout_correction: RolloutCorrectionSettings = RolloutCorrectionSettings()
+    compute_dtype: torch.dtype = torch.float32  # fsdp_config.dtype: what forward/backward run in (MFU's peak)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class CriticUpdateSettings:
     cliprange_value: float
     loss_agg_mode: str
     grad_clip: float
+    compute_dtype: torch.dtype = torch.float32  # fsdp_config.dtype: what forward/backward run in (MFU's peak)
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,6 @@ class PPOSettings:
     response_length: int
     sampling: SamplingParams
     generation_weights: str  # auto | gathered | sharded (rollout.generation_weights)
-    actor_dtype: Optional[torch.dtype]  # the actor's compute dtype (fsdp_config.dtype); None: fp32
     val_sampling: SamplingParams
     val_batch_size: Optional[int]  # prompts per validation batch over all ranks; None = all at once
     actor: ActorUpdateSettings
@@ -190,7 +192,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
     return PPOSettings(
         run_dir=Path(trainer.default_local_dir), world_size=world_size, rollout=arf.rollout.name, n=arf.rollout.n,
         response_length=arf.rollout.response_length, sampling=sampling_params(cfg),
-        generation_weights=arf.rollout.generation_weights, actor_dtype=PARAM_DTYPES[arf.actor.fsdp_config.dtype],
+        generation_weights=arf.rollout.generation_weights,
         val_sampling=sampling_params(cfg, validation=True), val_batch_size=cfg.data.val_batch_size,
         actor=actor, critic=critic, forwards=_forwards(cfg),
         advantage=AdvantageSettings(algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo),
@@ -247,7 +249,7 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int) -> ActorUpdateSettings:
         clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
         grad_clip=actor.grad_clip, temperature=arf.rollout.temperature, head=head_settings(cfg),
-        rollout_correction=rollout_correction_settings(cfg),
+        rollout_correction=rollout_correction_settings(cfg), compute_dtype=compute_dtype(actor.fsdp_config),
     )
 
 
@@ -278,7 +280,14 @@ def _critic(cfg: PPOConfig, mini_batch_rows: int) -> CriticUpdateSettings:
     return CriticUpdateSettings(
         mini_batch_rows=mini_batch_rows, micro=_critic_micro(cfg), ppo_epochs=critic.ppo_epochs, cliprange_value=critic.cliprange_value,
         loss_agg_mode=critic.loss_agg_mode, grad_clip=critic.grad_clip,
+        compute_dtype=compute_dtype(critic.model.fsdp_config),
     )
+
+
+def compute_dtype(fsdp: FSDPConfig) -> torch.dtype:
+    """The dtype a model's forward and backward run in: FSDP2's mixed-precision parameter dtype,
+    else float32 (its parameters' dtype, which under mixed precision are the fp32 masters)."""
+    return PARAM_DTYPES[fsdp.dtype] or torch.float32
 
 
 def _forwards(cfg: PPOConfig) -> ForwardSettings:

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from klppo.config.schema import FSDPConfig, OptimConfig
-from klppo.distributed import DistEnv, apply_fsdp2, build_mesh, fill_sharded, init_distributed, materialize
+from klppo.distributed import (
+    DEFAULT_TIMEOUT_S, DistEnv, apply_fsdp2, build_mesh, fill_sharded, init_distributed, materialize,
+)
 from klppo.errors import UserError
 from klppo.models.forward import use_packed_attention
 from klppo.models.load import ROLES, check_model_folder, empty_model_for, load_causal_lm, load_critic, load_reward_model
@@ -65,13 +67,16 @@ def check_run_dir(path: str | os.PathLike, key: str = "trainer.default_local_dir
 # ---- the world ----
 
 
-def join_world(device: str, n_gpus_per_node: int, nnodes: int, fsdp_configs: Iterable[FSDPConfig]) -> DistEnv:
+def join_world(device: str, n_gpus_per_node: int, nnodes: int, fsdp_configs: Iterable[FSDPConfig],
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> DistEnv:
     """Join torchrun's process group and check it against ``trainer.n_gpus_per_node x nnodes``.
 
     A single process gets a group of one when an ``fsdp_config`` asks for something only FSDP2
-    does (mixed precision, offload, ...), so it shards too.
+    does (mixed precision, offload, ...), so it shards too. ``timeout_s``: how long a
+    collective waits for the other ranks (PPO: ``actor_rollout_ref.nccl_timeout``; SFT and
+    reward-model training, which have no such key in verl, keep verl's PPO default of 600 s).
     """
-    env = init_distributed(device, group_of_one=any(f != FSDPConfig() for f in fsdp_configs))
+    env = init_distributed(device, group_of_one=any(f != FSDPConfig() for f in fsdp_configs), timeout_s=timeout_s)
     check_world(n_gpus_per_node, nnodes, env.world_size)
     return env
 
@@ -151,13 +156,19 @@ def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder
 def build_optimizer(
     model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]
 ) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; biases and norm weights get no weight decay."""
+    """AdamW over the trainable parameters; biases and norm weights get no weight decay.
+
+    Parameters on CUDA get torch's fused AdamW (one kernel per step, and ``optimizer_step``
+    skips a non-finite step without a host sync); elsewhere (CPU, or FSDP2's offload_policy,
+    which keeps parameters on CPU) the default foreach implementation, as before.
+    """
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+    on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=True if on_cuda and decay + no_decay else None)
 
 
 def warmup_steps(total_steps: int, lr_warmup_steps: int, lr_warmup_steps_ratio: float) -> int:

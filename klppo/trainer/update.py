@@ -44,14 +44,38 @@ def _counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def optimizer_step(model, optimizer, grad_clip: float) -> torch.Tensor:
-    """Clip, then step unless the gradient norm is not finite (the step is skipped then)."""
+    """Clip, then step unless the gradient norm is not finite (the step is skipped then).
+
+    A fused AdamW (``build_optimizer`` makes one for CUDA parameters) gets the verdict as a
+    device tensor, ``found_inf``, the way torch's GradScaler hands it over: the kernel skips
+    the update and the step count stays, and the host never waits for the norm. Other
+    optimisers are checked on the host (free on CPU, and verl checks the same way).
+    """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of per-rank partial norms
         grad_norm = grad_norm.full_tensor()
-    if torch.isfinite(grad_norm):
+    if all(group.get("fused") for group in optimizer.param_groups):
+        optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif torch.isfinite(grad_norm):  # host sync
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.detach()
+
+
+def micro_plans(batch: RolloutBatch, mini_rows: int, micro: MicroBatching) -> list[tuple[list[int], list[list[int]]]]:
+    """Each mini-batch's rows and its micro-batches' rows (within the mini-batch), planned once
+    for all epochs. A token budget reads the rows' lengths on the host once (one sync per
+    update, not one per mini-batch and epoch); fixed rows need none."""
+    if micro.max_tokens is not None:
+        lengths = batch.attention_mask.sum(-1).tolist()  # host sync
+    else:
+        lengths = [0] * len(batch)  # unread: fixed rows only count them
+    return [(mini, micro_batch_plan([lengths[i] for i in mini], micro, all_reduce_max_int))
+            for mini in row_chunks(len(batch), mini_rows)]
 
 
 def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro: MicroBatching, epochs: int,
@@ -64,12 +88,13 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
     """
     model.train()
     per_update: dict[str, list[torch.Tensor]] = defaultdict(list)
+    plans = micro_plans(batch, mini_rows, micro)
     for _ in range(epochs):
-        for mini_idx in row_chunks(len(batch), mini_rows):
+        for mini_idx, plan in plans:
             mini = batch.select(mini_idx)
             tokens, seqs = reduce_counts(*_counts(mini.update_mask))
             stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
-            for micro_idx in micro_batch_plan(mini.attention_mask.sum(-1), micro, all_reduce_max_int):
+            for micro_idx in plan:
                 part = mini.select(micro_idx)
                 loss, sums, means = micro_loss(part, tokens, seqs)
                 loss.backward()

@@ -291,3 +291,20 @@ def test_checks_reading_a_mistyped_key_stay_quiet():
 def test_empty_val_files_is_an_error_that_suggests_null():
     problems = problems_of("data.val_files=[]")
     assert problems == ["data.val_files = [] names no file: set it to a Parquet file or a list of them, or to null to turn validation off"]
+
+
+def test_training_in_float16_is_refused_naming_bfloat16_but_frozen_models_may_use_it():
+    lines = problems_of(f"{ACTOR}.fsdp_config.dtype=float16", "critic.model.fsdp_config.dtype=float16")
+    assert len(lines) == 2
+    assert lines[0].startswith(f"{ACTOR}.fsdp_config.dtype = float16 trains without a gradient scaler")
+    assert lines[1].startswith("critic.model.fsdp_config.dtype = float16") and all("bfloat16" in line for line in lines)
+    cfg = load("actor_rollout_ref.ref.fsdp_config.dtype=float16", "critic.model.fsdp_config.dtype=float16",
+               "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2")  # no critic trains
+    assert cfg.actor_rollout_ref.ref.fsdp_config.dtype == "float16"
+    assert "model.fsdp_config.dtype = float16" in sft_problems_of("model.fsdp_config.dtype=float16")[0]
+
+
+def test_the_process_group_timeout_is_verls_nccl_timeout_and_must_be_positive():
+    assert load().actor_rollout_ref.nccl_timeout == 600
+    assert load("actor_rollout_ref.nccl_timeout=1800").actor_rollout_ref.nccl_timeout == 1800
+    assert problems_of("actor_rollout_ref.nccl_timeout=0")[0].startswith("actor_rollout_ref.nccl_timeout = 0 must be > 0")

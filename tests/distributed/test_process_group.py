@@ -1,0 +1,78 @@
+"""The process group a run joins, read without a GPU: on CUDA it holds NCCL for CUDA tensors and
+gloo for CPU ones (FSDP2's offload_policy reduces CPU gradients), a CPU run keeps gloo alone,
+the timeout comes from the config, and LOCAL_RANK picks a visible device."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from klppo.config import load_ppo_config
+from klppo.distributed import env as env_module
+from klppo.trainer import build, setup
+
+
+@pytest.fixture
+def joined(monkeypatch):
+    """init_distributed with torchrun's variables and a stand-in for init_process_group -> its kwargs."""
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+    def join(device: str, *, visible: int = 8, local_rank: int = 1, **kwargs):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        for key, value in {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": str(local_rank),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+            monkeypatch.setenv(key, value)
+        env = env_module.init_distributed(device, **kwargs)
+        return env, calls[-1]
+
+    return join
+
+
+def test_a_cuda_run_joins_one_group_with_gloo_for_cpu_tensors_and_nccl_for_cuda_ones(joined):
+    env, kwargs = joined("cuda", timeout_s=1234)
+    assert kwargs["backend"] == "cpu:gloo,cuda:nccl"
+    assert kwargs["timeout"] == timedelta(seconds=1234)
+    assert kwargs["device_id"] == torch.device("cuda", 1) == env.device
+    assert (kwargs["rank"], kwargs["world_size"]) == (1, 4)
+
+
+def test_a_cpu_run_keeps_a_gloo_only_group_with_the_default_timeout(joined):
+    env, kwargs = joined("cpu")
+    assert (kwargs["backend"], kwargs["device_id"], env.device) == ("gloo", None, torch.device("cpu"))
+    assert kwargs["timeout"] == timedelta(seconds=600)
+
+
+@pytest.mark.parametrize("local_rank, visible, index", [(3, 8, 3), (3, 1, 0), (5, 4, 1)])
+def test_local_rank_picks_a_visible_device_when_each_process_sees_one_gpu(joined, local_rank, visible, index):
+    env, _ = joined("cuda", visible=visible, local_rank=local_rank)
+    assert env.device == torch.device("cuda", index) and env.local_rank == local_rank
+
+
+def test_klppos_own_collectives_run_on_cuda_when_the_group_has_nccl(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda: "cpu:gloo,cuda:nccl")
+    assert env_module._comm_device() == torch.device("cuda", 2)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    assert env_module._comm_device() == torch.device("cpu")
+
+
+def test_ppo_joins_with_actor_rollout_ref_nccl_timeout(monkeypatch):
+    seen = []
+    monkeypatch.setattr(setup, "init_distributed", lambda device, **kwargs: seen.append(kwargs) or env_module.SINGLE_PROCESS)
+    cfg = load_ppo_config(None, ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m",
+                                 "actor_rollout_ref.nccl_timeout=1800", "trainer.device=cpu"])
+    build.start_processes(cfg)
+    assert seen == [{"group_of_one": False, "timeout_s": 1800}]
+
+
+def test_verls_critic_timeout_is_noted_as_covered_by_the_one_group():
+    notes: list[str] = []
+    load_ppo_config(None, ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", "critic.nccl_timeout=1800"],
+                    notes=notes)
+    assert any("critic.nccl_timeout=1800" in n for n in notes)
+    assert any("timeout is actor_rollout_ref.nccl_timeout" in n for n in notes)

@@ -1,0 +1,58 @@
+"""Validation follows the rule every phase does: a batch is scored on the run's device
+(``DistEnv.device``), whatever device the rollout built it on; its sampling is seeded there."""
+
+import torch
+
+from klppo.data.rl_dataset import PromptRecord
+from klppo.distributed import DistEnv
+from klppo.rollout.batch import assemble_batch
+from klppo.rollout.hf import SamplingParams
+from klppo.trainer import evaluate
+
+
+def records(n: int) -> list[PromptRecord]:
+    return [PromptRecord(i, "arith", [], [5, 6, 7][: 1 + i % 3], None, {}) for i in range(n)]
+
+
+def test_validation_scores_the_batch_on_the_runs_device_not_where_the_rollout_left_it(monkeypatch):
+    # The meta device stands in for a GPU: the rollout hands back a CPU batch, as hf_rollout does.
+    device = torch.device("meta")
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=device, is_distributed=False)
+    rollout_devices, scored_devices = [], []
+
+    def fake_rollout(actor, part, tokenizer, params, *, synced_gpus, device):
+        rollout_devices.append(device)
+        ids = torch.tensor([[3, 4, 1]] * len(part) * params.n)
+        return assemble_batch(part, params.n, 0, ids, torch.tensor([[True, True, False]] * len(ids)))
+
+    def scorer(batch):
+        scored_devices.append({t.device for t in (batch.input_ids, batch.attention_mask, batch.group_index)})
+        return torch.ones(len(batch), batch.response_length)
+
+    monkeypatch.setattr(evaluate, "hf_rollout", fake_rollout)
+    metrics = evaluate.validate(None, records(5), None, scorer, SamplingParams(n=2), batch_size=3, env=env)
+    assert rollout_devices == [device, device]  # generation computes on the run's device
+    assert scored_devices == [{device}, {device}]
+    assert metrics["val-core/arith/reward/mean@2"] == 3.0  # 3 ones per response, the padding included
+    assert metrics["val-aux/response_length/mean"] == 2.0
+
+
+def test_validation_leaves_the_training_random_stream_where_it_was(monkeypatch):
+    env = DistEnv(rank=1, world_size=2, local_rank=0, device=torch.device("cpu"), is_distributed=False)
+    drawn = []
+
+    def fake_rollout(actor, part, tokenizer, params, *, synced_gpus, device):
+        drawn.append(torch.rand(1))  # sampling draws from the global stream
+        ids = torch.tensor([[3, 4]] * len(part) * params.n)
+        return assemble_batch(part, params.n, 0, ids, torch.ones_like(ids, dtype=torch.bool))
+
+    monkeypatch.setattr(evaluate, "hf_rollout", fake_rollout)
+    scorer = lambda batch: torch.zeros(len(batch), batch.response_length)  # noqa: E731
+    torch.manual_seed(11)
+    expected = torch.rand(4)
+    torch.manual_seed(11)
+    evaluate.validate(None, records(2), None, scorer, SamplingParams(), env=env)
+    evaluate.validate(None, records(2), None, scorer, SamplingParams(), env=env)
+    assert torch.equal(torch.rand(4), expected)
+    assert torch.equal(drawn[0], drawn[1])  # seeded per call (and rank): the same draw each validation
+    assert torch.equal(drawn[0], torch.rand(1, generator=torch.Generator().manual_seed(1)))
