@@ -187,12 +187,13 @@ def measure(model: Path, data: Path, work: Path, world: int, args) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = f"{'ranks':>5} {'exit':>4} {'process peak':>12} " + " ".join(f"{p:>13}" for p in PHASES)
+    head = f"{'ranks':>5} {'exit':>4} {'process peak':>12} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'step s':>7}"
     lines = [head, "-" * len(head)]
     for r in results:
         rec = r["record"]
         cells = " ".join(f"{rec.get(f'perf/peak_memory_gb/{p}', float('nan')):13.2f}" for p in PHASES)
-        lines.append(f"{r['world']:>5} {r['exit']:>4} {r['process_peak_gb']:12.2f} {cells}")
+        seconds = rec.get("timing_s/step", float("nan"))
+        lines.append(f"{r['world']:>5} {r['exit']:>4} {r['process_peak_gb']:12.2f} {cells} {seconds:7.1f}")
     return "\n".join(lines)
 
 

@@ -17,10 +17,11 @@ def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> li
     """Validate the config, build everything, train; returns the logged metrics records."""
     from klppo.distributed import run_on_ranks
     from klppo.trainer.build import start_processes
-    from klppo.trainer.setup import check_run_dir
+    from klppo.trainer.setup import check_run_dir, return_freed_memory
 
     cfg = load_ppo_config(config_path, overrides)
     check_run_dir(cfg.trainer.default_local_dir)
+    return_freed_memory()
     quiet_libraries()
     env = start_processes(cfg)
     return run_on_ranks(env, lambda log: _train(cfg, env, log), print_fn)

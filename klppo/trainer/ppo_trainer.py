@@ -9,6 +9,7 @@ guards' decisions in ``guards``.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Callable
 
@@ -94,10 +95,21 @@ class PPOTrainer:
             if action is Action.STOP:
                 self.print(f"run stopped by its guard at step {self.step}; the newest checkpoint holds good weights")
                 return records
+        self._release_training_state()
         with self.p.offloader.resident("actor"):
             export_hf(self.p.actor, self.p.tokenizer, self.s.run_dir / "actor_hf", self.env)
         self.print(f"actor exported to {self.s.run_dir / 'actor_hf'}")
         return records
+
+    def _release_training_state(self) -> None:
+        """After the last checkpoint: free what the export does not need (optimiser states, the
+        reference, critic and reward models), so rank 0 has room for the gathered actor."""
+        p = self.p
+        for optimizer in (p.actor_optimizer, p.critic_optimizer):
+            if optimizer is not None:
+                optimizer.state.clear()
+        p.ref, p.critic, p.reward_models = None, None, []
+        gc.collect()
 
     def train_step(self) -> tuple[dict[str, float | torch.Tensor], Action]:
         p, adv, timer = self.p, self.s.advantage, PhaseTimer(self.progress, self.memory)

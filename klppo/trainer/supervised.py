@@ -30,7 +30,9 @@ from klppo.distributed import DistEnv, barrier, load_training_state, run_on_rank
 from klppo.errors import UserError
 from klppo.monitoring.jsonl import set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
-from klppo.trainer.setup import Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, seed_everything
+from klppo.trainer.setup import (
+    Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, return_freed_memory, seed_everything,
+)
 
 SupervisedConfig = Union[SFTConfig, RMConfig]
 
@@ -67,6 +69,7 @@ def run_supervised(cfg: SupervisedConfig, prepare: PrepareJob, print_fn: Callabl
     Runs on every rank of a torchrun launch; returns the Hugging Face folder written.
     """
     check_run_dir(cfg.trainer.default_local_dir)
+    return_freed_memory()
     quiet_libraries()
     env = start_supervised(cfg.trainer, cfg.model.fsdp_config, cfg.data.train_batch_size)
     return run_on_ranks(env, lambda log: _train(cfg, env, prepare, log), print_fn)
@@ -180,5 +183,7 @@ def supervised_loop(run: SupervisedRun, train_step: Callable[[list[int]], dict],
 
 
 def finish(run: SupervisedRun, tokenizer) -> Path:
-    """Export the trained model to ``<run dir>/hf`` (gathered onto rank 0)."""
+    """Export the trained model to ``<run dir>/hf`` (gathered onto rank 0); the optimiser's state,
+    saved in the last checkpoint if any, is dropped first to make room for the gathered copy."""
+    run.optimizer.state.clear()
     return export_hf(run.model, tokenizer, run.run_dir / "hf", run.env)
