@@ -125,16 +125,22 @@ def plain_class(model: torch.nn.Module) -> type:
 @torch.no_grad()
 def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
     """A plain, whole copy of a sharded Hugging Face model on every rank, in ``dtype`` (its
-    compute dtype), for generation: each parameter is all-gathered once here, so decoding with
-    the copy runs no collective (verl's hybrid engine, without an inference server). Collective.
+    compute dtype), for generation: each FSDP unit is all-gathered once here (as a forward would),
+    so decoding with the copy runs no collective (verl's hybrid engine, without an inference
+    server). Collective.
 
     The copy shares no memory with the sharded model; drop it after use to free it.
     """
-    params = {}
-    for name, param in model.named_parameters():  # tied parameters come once
-        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-        params[name] = full.to(device=device, dtype=dtype or full.dtype)
-        del full
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for handle in [unit.unshard(async_op=True) for unit in units]:  # one all-gather per block, as a forward
+        if handle is not None:
+            handle.wait()
+    try:  # while unsharded, the modules hold their whole parameters (in FSDP2's compute dtype)
+        params = {name: param.detach().to(device=device, dtype=dtype or param.dtype, copy=True)
+                  for name, param in model.named_parameters()}  # tied parameters come once
+    finally:
+        for unit in units:
+            unit.reshard()
     with torch.device("meta"):
         copy = plain_class(model)(model.config)
     copy.load_state_dict(params, strict=False, assign=True)
