@@ -19,6 +19,7 @@ from klppo.algo.kl import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
+    importance_weighted_kl,
     kl_penalty,
 )
 from klppo.algo.losses import (
@@ -75,6 +76,7 @@ __all__ = [
     "compute_value_loss",
     "entropy_from_logits",
     "explained_variance",
+    "importance_weighted_kl",
     "kl_loss",
     "kl_penalty",
     "logprobs_from_logits",

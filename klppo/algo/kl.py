@@ -135,3 +135,30 @@ def apply_kl_penalty(
     }
     return token_level_rewards, stats
 
+
+
+def importance_weighted_kl(
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    behaviour_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """KL(pi || pi_ref) per token, from responses sampled by another policy mu (offline data).
+
+    KL = E_pi[sum_t log pi/pi_ref] / E_pi[|y|], and E_pi[f(y)] = E_mu[w(y) f(y)] with the
+    sequence weight w(y) = prod_t pi(y_t) / mu(y_t). The weights are self-normalised over the
+    batch (softmax of the summed log-ratios: finite for any ratio, biased towards mu for small
+    batches, as every self-normalised estimator), so
+    KL = sum_i w_i sum_t (log pi - log pi_ref)_it / sum_i w_i |y_i|.
+
+    logprob, ref_logprob, behaviour_logprob, response_mask: (B, T). Returns the estimate and
+    the weights' effective sample size 1 / sum_i w_i^2 (in [1, B]; a small one says the
+    recorded responses are far from what pi would sample and the estimate is noisy).
+    """
+    mask = response_mask.bool()
+    zero = torch.zeros_like(logprob)
+    log_w = torch.where(mask, logprob - behaviour_logprob, zero).sum(-1)  # (B,)
+    w = torch.softmax(log_w.float(), dim=0)  # (B,), sums to 1
+    per_sequence = torch.where(mask, logprob - ref_logprob, zero).sum(-1).float()  # (B,)
+    kl = (w * per_sequence).sum() / (w * mask.sum(-1).float()).sum().clamp(min=1e-8)
+    return kl, 1.0 / w.square().sum()

@@ -416,6 +416,12 @@ def _check_algorithm(cfg: PPOConfig, out: list[Problem]) -> None:
     _between(out, "algorithm.lam", algo.lam, 0.0, 1.0)
     if algo.kl_ctrl.kl_coef < 0:
         out.append(Problem(("algorithm.kl_ctrl.kl_coef",), f"algorithm.kl_ctrl.kl_coef = {algo.kl_ctrl.kl_coef!r} must be >= 0"))
+    _at_least(out, "algorithm.kl_ctrl.probe_prompts", algo.kl_ctrl.probe_prompts, 1)
+    _at_least(out, "algorithm.kl_ctrl.probe_every", algo.kl_ctrl.probe_every, 1)
+    if algo.kl_ctrl.offline_kl == "importance_weighted" and algo.rollout_correction.bypass_mode:
+        out.append(Problem(("algorithm.kl_ctrl.offline_kl", "algorithm.rollout_correction.bypass_mode"),
+                           "algorithm.kl_ctrl.offline_kl = 'importance_weighted' needs the policy's log-probs, which "
+                           "rollout_correction.bypass_mode skips (pi_old = mu); use offline_kl=sampled"))
     if algo.kl_ctrl.type == "adaptive":
         _positive(out, "algorithm.kl_ctrl.horizon", algo.kl_ctrl.horizon, "number of steps (adaptive KL control)")
         _positive(out, "algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, "KL per token (adaptive KL control)")

@@ -342,6 +342,18 @@ class KLControlConfig:
     horizon: int = 10000
     # KL per token the adaptive controller aims at.
     target_kl: float = 0.1
+    # Offline runs (rollout.name: offline): how the KL(pi || ref) that the adaptive controller and
+    # the KL guards read is measured. Recorded responses were not sampled from the policy, so
+    # their log-ratio to the reference estimates nothing (logged as actor/kl_to_ref_recorded).
+    # sampled: the policy samples rollout.n responses for each of probe_prompts prompts of the step
+    # and the KL is measured on them (k3, unbiased and low-variance there); importance_weighted: on the recorded responses, reweighted by
+    # pi / mu (needs the rollout_log_probs column); auto: importance_weighted where every row has
+    # rollout_log_probs (and rollout correction's bypass mode is off), sampled otherwise.
+    offline_kl: Literal["auto", "sampled", "importance_weighted"] = "auto"
+    # Prompts of each step the sampled probe generates for (rollout.n responses each).
+    probe_prompts: int = 8
+    # Measure the offline KL every this many steps (the controller and the KL guards act on those).
+    probe_every: int = 1
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
+from klppo.algo import importance_weighted_kl, kl_penalty
 from klppo.data.batching import MicroBatching
 from klppo.data.ranked import RankedRecord, ranked_pairs
 from klppo.data.rl_dataset import PromptRecord, tokenize_responses
@@ -41,9 +42,9 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
             metrics.update(validate(sampler, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
                                     batch_size=s.val_batch_size, env=parts.env, sharded=sharded))
             if parts.ref is not None:
-                metrics.update(sampled_kl_to_ref(parts.actor, parts.ref, parts.val_records, parts.tokenizer,
-                                                 s.sampling, batch_size=s.val_batch_size, env=parts.env,
-                                                 head=s.forwards.head, sampler=sampler, sharded=sharded))
+                metrics["val-aux/kl_to_ref"] = sampled_kl_to_ref(
+                    parts.actor, parts.ref, parts.val_records, parts.tokenizer, s.sampling,
+                    batch_size=s.val_batch_size, env=parts.env, head=s.forwards.head, sampler=sampler, sharded=sharded)
     if parts.val_ranked:
         metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
                                             env=parts.env, head=s.forwards.head))
@@ -148,22 +149,55 @@ def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_resp
 def sampled_kl_to_ref(
     actor, ref, records: list[PromptRecord], tokenizer, params: SamplingParams, *, batch_size: int | None = None,
     env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings(), sampler=None, sharded: bool | None = None,
-) -> dict[str, float]:
-    """``val-aux/kl_to_ref``: KL(policy || reference) per token, estimated on responses *sampled
-    from the policy* (k1 is unbiased only there; on recorded offline responses it is not a KL).
+    seed: int = 1, estimator: str = "kl", replicated: bool = False,
+) -> float:
+    """KL(policy || reference) per token, estimated on responses *sampled from the policy* (k1 is
+    unbiased only there; on recorded offline responses it is not a KL). ``estimator``: a
+    ``kl_penalty`` name; "kl" (k1) as validation reports it, "low_var_kl" (k3, also unbiased on
+    the policy's samples, never negative, lower variance) for small probes.
+
     ``sampler``: the model that samples (the actor's gathered copy; default the actor itself),
-    ``sharded`` whether it is sharded (default: when there is a process group)."""
+    ``sharded`` whether it is sharded (default: when there is a process group). Sampling draws
+    from a private stream seeded with ``seed`` (and the rank), so training's streams never move.
+    ``replicated``: every rank samples all ``records`` from the same stream (a small probe whose
+    value must not depend on the number of ranks) instead of its share.
+    """
     sampler, synced = sampler or actor, env.is_distributed if sharded is None else sharded
     total = torch.zeros((), dtype=torch.float64)
     tokens = torch.zeros((), dtype=torch.float64)
-    with seeded(1 + env.rank, env.device):
-        for part, n_real in rank_parts(records, batch_size or len(records), env):
+    parts = [(records, len(records))] if replicated else rank_parts(records, batch_size or len(records), env)
+    with seeded(seed + (0 if replicated else env.rank), env.device):
+        for part, n_real in parts:
             batch = hf_rollout(sampler, part, tokenizer, params, synced_gpus=synced, device=env.device)
             batch = batch.to(env.device)
-            log_ratio = (compute_log_prob(actor, batch, WHOLE, temperature=params.temperature, head=head)
-                         - compute_log_prob(ref, batch, WHOLE, temperature=params.temperature, head=head))
+            kl = kl_penalty(compute_log_prob(actor, batch, WHOLE, temperature=params.temperature, head=head),
+                            compute_log_prob(ref, batch, WHOLE, temperature=params.temperature, head=head), estimator)
             mask = batch.response_mask[: n_real * params.n]
-            total += float((log_ratio[: n_real * params.n] * mask).sum())  # host sync
+            total += float((kl[: n_real * params.n] * mask).sum())  # host sync
             tokens += float(mask.sum())
-    total, tokens = all_reduce_sum(torch.stack([total, tokens])).tolist()
-    return {"val-aux/kl_to_ref": total / max(tokens, 1.0)}
+    if not replicated:
+        total, tokens = all_reduce_sum(torch.stack([total, tokens])).tolist()
+    return float(total) / max(float(tokens), 1.0)
+
+
+def offline_policy_kl(parts: PPOParts, batch: RolloutBatch, records: list[PromptRecord], step: int
+                      ) -> tuple[float, dict[str, torch.Tensor | float]]:
+    """KL(pi_old || ref) of an offline step (``algorithm.kl_ctrl.offline_kl``) and its metrics.
+
+    Importance-weighted on the recorded responses when they carry the behaviour policy's
+    log-probs (``actor/kl_to_ref_importance_weighted``, with the weights' effective sample size),
+    else measured on responses the policy samples (``rollout.n`` each) for the step's first
+    ``probe_prompts`` prompts with the low-variance estimator (``actor/kl_to_ref_sampled``).
+    """
+    s = parts.settings
+    recorded = batch.rollout_log_probs is not None and bool(batch.has_rollout_log_probs.all())  # host sync
+    if s.kl.offline_kl == "importance_weighted" or (s.kl.offline_kl == "auto" and recorded):
+        kl, ess = importance_weighted_kl(batch.old_log_prob, batch.ref_log_prob, batch.rollout_log_probs,
+                                         batch.response_mask)
+        return float(kl), {"actor/kl_to_ref_importance_weighted": kl, "actor/kl_is_effective_sample_size": ess}
+    probe = records[: s.kl.probe_prompts]
+    with generation_model(parts) as (sampler, sharded):
+        kl = sampled_kl_to_ref(parts.actor, parts.ref, probe, parts.tokenizer, s.sampling, env=parts.env,
+                               head=s.forwards.head, sampler=sampler, sharded=sharded, seed=1000 * step,
+                               estimator="low_var_kl", replicated=True)
+    return kl, {"actor/kl_to_ref_sampled": kl}

@@ -30,7 +30,7 @@ from klppo.monitoring.timer import PEAK_MEMORY, PhaseTimer
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer import run_state
 from klppo.trainer.build import PPOParts
-from klppo.trainer.evaluate import validation_metrics
+from klppo.trainer.evaluate import offline_policy_kl, validation_metrics
 from klppo.trainer.forwards import StepShards, reward_model_roles, score_batch
 from klppo.trainer.guards import Action, RunGuard
 from klppo.trainer.responses import step_responses
@@ -121,10 +121,11 @@ class PPOTrainer:
                 batch = step_responses(p, records).to(p.device)
             # Every rank holds the whole batch; each scores and trains on its own rows.
             shards = self._shards(batch)
-            # step 3. score: old and reference log-probs, values, rewards
+            # step 3. score: old and reference log-probs, values, rewards; the sampling policy's KL
             score_batch(p, batch, shards, timer)
+            kl, metrics = self._policy_kl(batch, records, timer)
             # step 4. shape: token rewards = scores - beta * KL(old || ref)
-            metrics = self._shape_rewards(batch)
+            metrics.update(self._shape_rewards(batch, kl))
             # step 5. advantages
             with timer.phase("adv"):
                 batch.advantages, batch.returns = compute_advantage(
@@ -132,13 +133,18 @@ class PPOTrainer:
                     values=batch.values, gamma=adv.gamma, lam=adv.lam,
                     norm_adv_by_std_in_grpo=adv.norm_adv_by_std_in_grpo)
             # step 6. guard: KL of the sampling policy to the reference, finite rewards
-            action = self._guard_before_update(batch)
+            action = self._guard_before_update(batch, kl)
             # step 7. update: critic, then actor (once trainer.critic_warmup critic-only steps are done)
             if action is Action.CONTINUE:
                 metrics.update(self._update(batch.select(shards.mine), timer))
                 action = self._guard_after_update(metrics)
         # step 8. metrics
-        metrics.update(compute_data_metrics(batch, self.s.response_length))
+        data_metrics = compute_data_metrics(batch, self.s.response_length)
+        if self.s.rollout == "offline" and "actor/kl_to_ref" in data_metrics:  # recorded: not a KL of the policy
+            data_metrics["actor/kl_to_ref_recorded"] = data_metrics.pop("actor/kl_to_ref")
+            if kl is not None:
+                data_metrics["actor/kl_to_ref"] = kl
+        metrics.update(data_metrics)
         metrics.update(timer.metrics())
         metrics.update(self._memory_metrics(timer))
         metrics.update(compute_throughput_metrics(batch, timer.seconds["step"], n_devices=self.env.world_size))
@@ -153,7 +159,22 @@ class PPOTrainer:
         rows = rank_shards(lengths, self.env.world_size, self.s.shard_chunk_rows, self.s.balance_batch)
         return StepShards(rows, self.env.rank)
 
-    def _shape_rewards(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    def _policy_kl(self, batch: RolloutBatch, records, timer: PhaseTimer) -> tuple[float | None, dict]:
+        """KL(pi_old || ref) per token, or None (no reference; an offline step between probes).
+
+        Online, the batch's own responses were sampled by pi_old: the mean log-ratio (k1) on them.
+        Offline, they were not: importance-weighted or measured on sampled responses
+        (``evaluate.offline_policy_kl``, ``algorithm.kl_ctrl.offline_kl``)."""
+        if batch.ref_log_prob is None:
+            return None, {}
+        if self.s.rollout != "offline":
+            return float(masked_mean(batch.old_log_prob - batch.ref_log_prob, batch.response_mask)), {}  # host sync
+        if (self.step - 1) % self.s.kl.probe_every:
+            return None, {}
+        with timer.phase("kl_probe"):
+            return offline_policy_kl(self.p, batch, records, self.step)
+
+    def _shape_rewards(self, batch: RolloutBatch, kl_estimate: float | None) -> dict[str, torch.Tensor]:
         kl = self.s.kl
         if not kl.in_reward:
             batch.token_level_rewards = batch.token_level_scores
@@ -161,8 +182,11 @@ class PPOTrainer:
         batch.token_level_rewards, stats = apply_kl_penalty(
             batch.token_level_scores, batch.old_log_prob, batch.ref_log_prob, batch.response_mask,
             kl_coef=self.p.kl_ctrl.value, kl_penalty=kl.penalty)
-        # Ziegler et al.: the controller moves beta by the step's KL, n_steps = responses seen.
-        self.p.kl_ctrl.update(current_kl=float(stats["actor/reward_kl_penalty"]), n_steps=len(batch))
+        # Ziegler et al.: the controller moves beta by the step's KL, n_steps = responses seen: the
+        # batch's penalty online (verl), the offline estimate on the steps that measure it.
+        current = float(stats["actor/reward_kl_penalty"]) if self.s.rollout != "offline" else kl_estimate
+        if current is not None:
+            self.p.kl_ctrl.update(current_kl=current, n_steps=len(batch))
         return stats
 
     def _update(self, batch: RolloutBatch, timer: PhaseTimer) -> dict[str, torch.Tensor | float]:
@@ -185,9 +209,8 @@ class PPOTrainer:
             metrics.update(overlap.metrics())
         return metrics
 
-    def _guard_before_update(self, batch: RolloutBatch) -> Action:
-        if batch.ref_log_prob is not None:
-            kl = float(masked_mean(batch.old_log_prob - batch.ref_log_prob, batch.response_mask))  # host sync
+    def _guard_before_update(self, batch: RolloutBatch, kl: float | None) -> Action:
+        if kl is not None:
             action = self.guard.check_kl(self.step, kl, existing=set(checkpoint_steps(self.s.run_dir)))
             if action is not Action.CONTINUE:
                 return action

@@ -119,6 +119,9 @@ class KLSettings:
     coef: float  # (initial) beta
     target: float
     horizon: int
+    offline_kl: str = "sampled"  # offline runs: auto | sampled | importance_weighted (kl_ctrl.offline_kl)
+    probe_prompts: int = 8  # the sampled probe's prompts per measurement
+    probe_every: int = 1  # offline runs measure the KL every this many steps
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,9 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         val_sampling=sampling_params(cfg, validation=True), val_batch_size=cfg.data.val_batch_size,
         actor=actor, critic=critic, forwards=_forwards(cfg),
         advantage=AdvantageSettings(algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo),
-        kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon),
+        kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon,
+                      offline_kl="sampled" if algo.rollout_correction.bypass_mode else kl.offline_kl,
+                      probe_prompts=min(kl.probe_prompts, cfg.data.train_batch_size), probe_every=kl.probe_every),
         uses_reference=uses_reference(cfg),
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
         guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=math.gcd(*global_rows.values()), balance_batch=trainer.balance_batch,

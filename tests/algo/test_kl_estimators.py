@@ -120,3 +120,33 @@ def test_apply_kl_penalty_subtracts_beta_kl_on_real_tokens_only():
     assert torch.allclose(stats["actor/reward_kl_penalty"], torch.tensor(0.75))
     assert torch.allclose(stats["actor/reward_kl_penalty_coeff"], torch.tensor(0.1))
     assert all(v.dim() == 0 for v in stats.values())
+
+
+def test_importance_weighted_kl_by_hand():
+    """Two responses sampled by mu. Sequence 0: log pi/mu = 0.5 + 0.2 = 0.7, log pi/ref = 0.1 + 0.3;
+    sequence 1 (one token): log pi/mu = -0.7, log pi/ref = -0.2. Weights softmax(0.7, -0.7):
+    w0 = 1 / (1 + e^-1.4), w1 = 1 - w0. KL = (w0 * 0.4 + w1 * -0.2) / (2 w0 + 1 w1)."""
+    import math
+
+    from klppo.algo import importance_weighted_kl
+
+    pi = torch.tensor([[-1.0, -2.0], [-1.5, 0.0]])
+    mu = pi - torch.tensor([[0.5, 0.2], [-0.7, 9.0]])  # 9.0 sits on padding and must not count
+    ref = pi - torch.tensor([[0.1, 0.3], [-0.2, 5.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    kl, ess = importance_weighted_kl(pi, ref, mu, mask)
+    w0 = 1 / (1 + math.exp(-1.4))
+    w1 = 1 - w0
+    assert kl.item() == pytest.approx((w0 * 0.4 + w1 * -0.2) / (2 * w0 + w1), rel=1e-6)
+    assert ess.item() == pytest.approx(1 / (w0 ** 2 + w1 ** 2), rel=1e-6)
+
+
+def test_importance_weighted_kl_equals_the_plain_mean_when_mu_is_pi():
+    from klppo.algo import importance_weighted_kl
+
+    g = torch.Generator().manual_seed(0)
+    pi, ref = torch.randn(5, 7, generator=g), torch.randn(5, 7, generator=g)
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    kl, ess = importance_weighted_kl(pi, ref, pi, mask)
+    assert kl.item() == pytest.approx(((pi - ref) * mask).sum().item() / mask.sum().item(), rel=1e-6)
+    assert ess.item() == pytest.approx(5.0)

@@ -89,8 +89,9 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_for_resume(ppo_over
     assert [r["step"] for r in resumed] == [3, 4]
 
 
-def test_a_kl_blow_up_is_rolled_back_and_the_run_ends_under_target(ppo_overrides, tmp_path):
+def test_a_kl_blow_up_is_rolled_back_and_the_run_ends_under_target(ppo_overrides, task_dir, tmp_path):
     changes = {
+        "data.train_files": task_dir / "train.parquet", "actor_rollout_ref.rollout.name": "hf",
         "actor_rollout_ref.actor.optim.lr": 0.05,  # a learning-rate spike: KL explodes within a step
         "trainer.total_training_steps": 6, "trainer.save_freq": 1,
         "trainer.guard.rollback_kl": 0.05, "trainer.guard.early_stop_kl": 5.0,
@@ -139,3 +140,40 @@ def test_nan_rewards_step_after_step_stop_the_run(ppo_overrides, tmp_path):
     kinds = [e["kind"] for e in read_jsonl(tmp_path / "run" / EVENTS_FILE)]
     assert kinds == ["skip_nonfinite", "stop_nonfinite"]
     assert not (tmp_path / "run" / "actor_hf").exists()
+
+
+def test_an_offline_policy_that_runs_away_is_rolled_back_though_its_recorded_kl_stays_negative(
+        tiny_model_dir, task_dir, ppo_overrides, tmp_path):
+    """An SFT model, and recorded responses that all score 0 with a strong entropy bonus: the policy
+    flattens away from what the reference likes. On the recorded responses the log-ratio to the
+    reference (the recorded k1) is negative; on what the policy now samples the KL is large. The
+    guard reads the sampled KL and rolls back."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from klppo.config import load_sft_config
+    from klppo.trainer.main_sft import run_sft
+
+    sft = run_sft(load_sft_config(None, [
+        f"data.train_files={task_dir / 'sft.parquet'}", "data.max_length=96", "data.train_batch_size=16",
+        f"model.partial_pretrain={tiny_model_dir}", "optim.lr=3e-3", "trainer.total_epochs=4",
+        f"trainer.default_local_dir={tmp_path / 'sft'}", "trainer.logger=[]", "trainer.device=cpu"]), print_fn=quiet)
+    rows = pq.read_table(task_dir / "offline.parquet").to_pylist()
+    for row in rows:
+        row["scores"] = [0.0] * len(row["responses"])
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "flat.parquet")
+    changes = {
+        "data.train_files": tmp_path / "flat.parquet", "actor_rollout_ref.model.path": sft,
+        "actor_rollout_ref.actor.optim.lr": 0.01, "actor_rollout_ref.actor.entropy_coeff": 1.0,
+        "algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": "false",
+        "actor_rollout_ref.actor.use_kl_loss": "true", "actor_rollout_ref.actor.kl_loss_coef": 0.0,
+        "trainer.total_training_steps": 3, "trainer.save_freq": 1,
+        "trainer.guard.rollback_kl": 0.3, "trainer.guard.early_stop_kl": 50.0, "trainer.guard.max_rollbacks": 1,
+        "trainer.guard.rollback_lr": 1e-9,
+    }
+    records = run_ppo(None, ppo_overrides(**changes), print_fn=quiet)
+    events = [e for e in read_jsonl(tmp_path / "run" / EVENTS_FILE) if e["kind"] == "rollback"]
+    assert events, [(r["step"], r.get("actor/kl_to_ref_sampled"), r.get("actor/kl_to_ref_recorded")) for r in records]
+    at = next(r for r in records if r["step"] == events[0]["step"])
+    assert at["actor/kl_to_ref_recorded"] < 0 < 0.3 < at["actor/kl_to_ref_sampled"] == at["actor/kl_to_ref"]
+    assert events[0]["kl"] == pytest.approx(at["actor/kl_to_ref_sampled"])

@@ -76,8 +76,10 @@ def test_critic_free_estimators_train_without_a_critic(ppo_overrides, estimator)
     assert not any(k.startswith("critic/vf_") for k in records[-1])
 
 
-def test_adaptive_kl_controller_moves_the_coefficient(ppo_overrides):
+def test_adaptive_kl_controller_moves_the_coefficient(ppo_overrides, task_dir):
+    """Online, as verl: the controller reads the batch's KL penalty (the responses are the policy's)."""
     overrides = ppo_overrides(**{
+        "data.train_files": task_dir / "train.parquet", "actor_rollout_ref.rollout.name": "hf",
         "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.1,
         "algorithm.kl_ctrl.target_kl": 1e-6, "algorithm.kl_ctrl.horizon": 10,
         "trainer.total_training_steps": 3,
@@ -89,6 +91,18 @@ def test_adaptive_kl_controller_moves_the_coefficient(ppo_overrides):
     # step 2: KL > 0 far above 1e-6, error clipped to +0.2 -> beta = 0.068 * (1 + 0.2 * 1.6) = 0.08976.
     assert records[0]["actor/reward_kl_penalty"] == 0.0 and records[1]["actor/reward_kl_penalty"] > 1e-5
     assert coefs == pytest.approx([0.1, 0.068, 0.08976])
+
+
+def test_offline_the_adaptive_controller_reads_the_sampled_kl(ppo_overrides):
+    overrides = ppo_overrides(**{
+        "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.1, "algorithm.kl_ctrl.target_kl": 0.5,
+        "algorithm.kl_ctrl.horizon": 10, "trainer.total_training_steps": 3,
+    })
+    records = run_ppo(None, overrides, print_fn=quiet)
+    coefs = [r["actor/reward_kl_penalty_coeff"] for r in records]
+    for before, after, record in zip(coefs, coefs[1:], records):
+        error = min(max(record["actor/kl_to_ref_sampled"] / 0.5 - 1, -0.2), 0.2)
+        assert after == pytest.approx(before * (1 + error * 16 / 10))
 
 
 def _comparable(record: dict) -> dict:

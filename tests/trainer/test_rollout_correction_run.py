@@ -91,13 +91,15 @@ def test_offline_ppo_with_token_is_and_rejection_logs_the_rollout_corr_metrics(p
 
 
 def test_without_the_correction_the_column_only_adds_diagnostics(ppo_overrides, scored_file, task_dir, tmp_path):
+    """... and the offline KL estimate, importance-weighted with the column, sampled without it."""
     plain = run_ppo(None, ppo_overrides(tmp_path / "plain"), print_fn=quiet)
     with_column = run_ppo(None, ppo_overrides(tmp_path / "column", **{"data.train_files": scored_file}),
                           print_fn=quiet)
     for a, b in zip(plain, with_column):
         extra = {k for k in b if k.startswith("rollout_corr/")}
         assert extra and "rollout_corr/rollout_is_mean" not in extra
-        same = {k: v for k, v in a.items() if not k.startswith(("timing_s/", "perf/"))}
+        estimate = ("actor/kl_to_ref", "actor/kl_to_ref_sampled")
+        same = {k: v for k, v in a.items() if not k.startswith(("timing_s/", "perf/")) and k not in estimate}
         assert same == {k: b[k] for k in same}
 
 
@@ -113,3 +115,18 @@ def test_bypass_mode_takes_mu_as_pi_old_and_skips_that_forward(ppo_overrides, sc
 def test_the_correction_on_data_without_the_column_names_the_row_and_the_command(ppo_overrides):
     with pytest.raises(UserError, match=r"row 0, column 'rollout_log_probs': .*klppo score-logprobs"):
         run_ppo(None, ppo_overrides(**CORRECTED), print_fn=quiet)
+
+
+def test_offline_kl_is_importance_weighted_when_the_data_has_behaviour_log_probs(scored_file, ppo_overrides,
+                                                                                tmp_path):
+    """The recorded responses come from another policy: their log-ratio to the reference is logged as
+    the recorded k1, and the KL the guards read is the importance-weighted one."""
+    record = run_ppo(None, ppo_overrides(**{"data.train_files": scored_file, "trainer.total_training_steps": 2}),
+                     print_fn=quiet)[-1]
+    assert record["actor/kl_to_ref"] == record["actor/kl_to_ref_importance_weighted"]
+    assert 1.0 <= record["actor/kl_is_effective_sample_size"] <= 16.0
+    assert "actor/kl_to_ref_recorded" in record and "actor/kl_to_ref_sampled" not in record
+    sampled = run_ppo(None, ppo_overrides(tmp_path / "sampled", **{
+                                          "data.train_files": scored_file, "trainer.total_training_steps": 2,
+                                             "algorithm.kl_ctrl.offline_kl": "sampled"}), print_fn=quiet)[-1]
+    assert sampled["actor/kl_to_ref"] == sampled["actor/kl_to_ref_sampled"]
