@@ -6,11 +6,13 @@ released checkpoint is) and a tokenizer with that many entries, writes a small P
 then runs ``klppo ppo`` on it as one process and under ``torchrun`` with 2 ranks, one after the
 other (two such runs side by side would not fit this machine's memory), and prints one table:
 
-- ``process peak``: each run's largest resident set over its processes (``ru_maxrss`` of the
-  run's children: on 2 ranks the larger rank), CPU; on CUDA the phase peaks are what counts;
 - ``perf/peak_memory_gb/<phase>``: what klppo logs, the phase's own peak (the high-water mark
   is reset as each phase starts), the largest over ranks: setup (data and models loaded),
-  gen, old_log_prob, ref, values, update_critic, update_actor.
+  gen, old_log_prob, ref, values, update_critic, update_actor, and the whole step;
+- ``run peak``: the largest of those and of the run's tail (the final export), which
+  ``ru_maxrss`` of the run's processes gives: the kernel reports the high-water mark since the
+  last reset, i.e. since the last phase began (on 2 ranks: the larger rank). CPU resident set;
+  on CUDA the phase peaks are ``max_memory_allocated``.
 
     python benchmarks/memory.py                      # offline GRPO + KL loss, 1 process vs 2 ranks
     python benchmarks/memory.py --mode online        # HF generate rollouts
@@ -183,17 +185,18 @@ def measure(model: Path, data: Path, work: Path, world: int, args) -> dict:
     if code == 0:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         record = json.loads(lines[-1])
-    return {"world": world, "exit": code, "process_peak_gb": peak, "record": record}
+    phases = [v for k, v in record.items() if k.startswith("perf/peak_memory_gb/")]
+    return {"world": world, "exit": code, "run_peak_gb": max([peak, *phases]), "record": record}
 
 
 def table(results: list[dict]) -> str:
-    head = f"{'ranks':>5} {'exit':>4} {'process peak':>12} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'step s':>7}"
+    head = f"{'ranks':>5} {'exit':>4} {'run peak':>9} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'step s':>7}"
     lines = [head, "-" * len(head)]
     for r in results:
         rec = r["record"]
         cells = " ".join(f"{rec.get(f'perf/peak_memory_gb/{p}', float('nan')):13.2f}" for p in PHASES)
         seconds = rec.get("timing_s/step", float("nan"))
-        lines.append(f"{r['world']:>5} {r['exit']:>4} {r['process_peak_gb']:12.2f} {cells} {seconds:7.1f}")
+        lines.append(f"{r['world']:>5} {r['exit']:>4} {r['run_peak_gb']:9.2f} {cells} {seconds:7.1f}")
     return "\n".join(lines)
 
 
@@ -216,7 +219,7 @@ def main(argv=None) -> list[dict]:
         one = next((r for r in results if r["world"] == 1 and r["exit"] == 0), None)
         for r in results:
             if one is not None and r["world"] > 1 and r["exit"] == 0:
-                print(f"{r['world']} ranks / 1 process, process peak: {r['process_peak_gb'] / one['process_peak_gb']:.2f}x")
+                print(f"{r['world']} ranks / 1 process, run peak: {r['run_peak_gb'] / one['run_peak_gb']:.2f}x")
     return results
 
 
