@@ -42,6 +42,7 @@ from klppo.distributed import DistEnv, apply_fsdp2, build_mesh, close, init_dist
 from klppo.models.forward import use_packed_attention
 from klppo.models.tiny import tiny_model_config
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
+from klppo.monitoring.memory import PeakMemory
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.forwards import compute_log_prob
@@ -166,10 +167,11 @@ def token_budget(args) -> MicroBatching:
     return MicroBatching(max_tokens=args.token_budget, packed=True)
 
 
-def ppo_iteration(actor, ref, optimizer, batch: RolloutBatch, args) -> PhaseTimer:
-    """Score, advantages, actor update; PhaseTimer synchronises CUDA at the end of each phase."""
+def ppo_iteration(actor, ref, optimizer, batch: RolloutBatch, args, memory: PeakMemory) -> PhaseTimer:
+    """Score, advantages, actor update; PhaseTimer synchronises CUDA at the end of each phase and
+    records each phase's own peak memory."""
     forward = token_budget(args)
-    timer = PhaseTimer()
+    timer = PhaseTimer(memory=memory)
     with timer.phase("step"):
         # step 1. old log-probs: the actor before the update
         with timer.phase("old_log_prob"):
@@ -215,6 +217,7 @@ def figures(args, env: DistEnv, config, n_params: int, batch: RolloutBatch, time
         "mfu_target": MFU_TARGET,
         "meets_target": None if update_mfu is None else update_mfu >= MFU_TARGET,
         "phase_seconds_mean": {name: statistics.mean(t.seconds[name] for t in timers) for name in timers[0].seconds},
+        "phase_peak_memory_gb": {name: max(t.peak_gb[name] for t in timers) for name in timers[0].peak_gb},
     }
 
 
@@ -238,6 +241,8 @@ def print_table(f: dict) -> None:
         print(f"{name:<{width}}  {value}")
     print("phase seconds (mean of timed iterations): "
           + ", ".join(f"{k} {v:.3f}" for k, v in f["phase_seconds_mean"].items()))
+    print("phase peak memory (GB, largest over timed iterations): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in f["phase_peak_memory_gb"].items()))
 
 
 def run(args, env: DistEnv) -> dict:
@@ -246,9 +251,9 @@ def run(args, env: DistEnv) -> dict:
     n_params = sum(p.numel() for p in actor.parameters())  # DTensor numel is the full size
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6, weight_decay=0.01)
     batch = workload(args, config.vocab_size, env)
-    timers = []
+    timers, memory = [], PeakMemory(env.device)
     for i in range(args.iterations):
-        timer = ppo_iteration(actor, ref, optimizer, dataclasses.replace(batch), args)
+        timer = ppo_iteration(actor, ref, optimizer, dataclasses.replace(batch), args, memory)
         if env.rank == 0:
             print(f"iteration {i}{' (warm-up)' if i == 0 else ''}: {timer.seconds['step']:.2f} s, "
                   f"actor update {timer.seconds['update_actor']:.2f} s", flush=True)
