@@ -33,7 +33,7 @@ import shutil
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -230,14 +230,17 @@ def load_rank_state(folder: str | Path, env: DistEnv) -> dict[str, Any]:
     return load_plain(path)
 
 
-def export_hf(model, tokenizer, out_dir: str | Path, env: DistEnv = SINGLE_PROCESS) -> Path:
+def export_hf(model, tokenizer, out_dir: str | Path, env: DistEnv = SINGLE_PROCESS,
+              transform: Callable[[dict], dict] | None = None) -> Path:
     """Write ``model`` and ``tokenizer`` as a folder that ``from_pretrained`` loads.
 
     Every rank calls this: a sharded model is gathered whole onto rank 0, which writes.
+    ``transform`` (rank 0) turns the model's whole tensors into those of the plain class that
+    is written (a LoRA model's adapters merged into its weights).
     """
     out = Path(out_dir)
-    if is_sharded(model):
-        model = gather_full_model(model)
+    if is_sharded(model) or transform is not None:
+        model = gather_full_model(model, transform)
     if env.rank == 0:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)

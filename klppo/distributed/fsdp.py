@@ -122,14 +122,20 @@ def plain_class(model: torch.nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
+StateTransform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
 @torch.no_grad()
-def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
+def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device,
+                   transform: StateTransform | None = None) -> torch.nn.Module:
     """A plain, whole copy of a sharded Hugging Face model on every rank, in ``dtype`` (its
     compute dtype), for generation: each FSDP unit is all-gathered once here (as a forward would),
     so decoding with the copy runs no collective (verl's hybrid engine, without an inference
     server). Collective.
 
-    The copy shares no memory with the sharded model; drop it after use to free it.
+    ``transform``: turns the gathered tensors into the plain class's state (a LoRA model's
+    adapters merged into its weights). The copy shares no memory with the sharded model; drop
+    it after use to free it.
     """
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for handle in [unit.unshard(async_op=True) for unit in units]:  # one all-gather per block, as a forward
@@ -141,6 +147,8 @@ def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: to
     finally:
         for unit in units:
             unit.reshard()
+    if transform is not None:
+        params = transform(params)
     with torch.device("meta"):
         copy = plain_class(model)(model.config)
     copy.load_state_dict(params, strict=False, assign=True)
@@ -155,7 +163,7 @@ def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: to
     return copy.eval().requires_grad_(False)
 
 
-def gather_full_model(model: torch.nn.Module) -> torch.nn.Module | None:
+def gather_full_model(model: torch.nn.Module, transform: StateTransform | None = None) -> torch.nn.Module | None:
     """A plain, unsharded CPU copy of a Hugging Face model on rank 0 (None elsewhere); collective.
 
     The copy is built on the meta device and takes the gathered tensors as its parameters
@@ -165,10 +173,16 @@ def gather_full_model(model: torch.nn.Module) -> torch.nn.Module | None:
     tied embeddings are tied again. ``fully_shard`` swaps the model's class for an
     ``FSDP<Name>`` subclass, which ``save_pretrained`` would record as the architecture; the
     copy has the original class.
+
+    ``transform`` (run on rank 0) turns the whole tensors into the plain class's state (a LoRA
+    model's adapters merged into its weights). A model that is not sharded gives its own
+    tensors to the transform, and the copy shares the ones it leaves unchanged.
     """
-    state = full_state_dict(model)
-    if dist.get_rank() != 0:
+    state = full_state_dict(model) if is_sharded(model) else dict(model.state_dict())
+    if dist.is_initialized() and dist.get_rank() != 0:
         return None
+    if transform is not None:
+        state = transform(state)
     plain_cls = plain_class(model)
     with torch.device("meta"):
         plain = plain_cls(model.config)

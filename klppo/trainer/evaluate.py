@@ -4,7 +4,7 @@ them with reference texts, and check the policy's preferences against held-out r
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -17,7 +17,7 @@ from klppo.models.rng import seeded
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import SamplingParams, hf_rollout
-from klppo.trainer.forwards import compute_log_prob, decode_responses, response_scores, token_scores
+from klppo.trainer.forwards import compute_log_prob, decode_responses, reference_model, response_scores, token_scores
 from klppo.trainer.responses import generation_model
 
 if TYPE_CHECKING:
@@ -40,10 +40,11 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
         with generation_model(parts) as (sampler, sharded):  # as training samples (responses.py)
             metrics.update(validate(sampler, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
                                     batch_size=s.val_batch_size, env=parts.env, sharded=sharded))
-            if parts.ref is not None:
-                metrics.update(sampled_kl_to_ref(parts.actor, parts.ref, parts.val_records, parts.tokenizer,
-                                                 s.sampling, batch_size=s.val_batch_size, env=parts.env,
-                                                 head=s.forwards.head, sampler=sampler, sharded=sharded))
+            if s.uses_reference:
+                metrics.update(sampled_kl_to_ref(parts.actor, lambda: reference_model(parts), parts.val_records,
+                                                 parts.tokenizer, s.sampling, batch_size=s.val_batch_size,
+                                                 env=parts.env, head=s.forwards.head, sampler=sampler,
+                                                 sharded=sharded))
     if parts.val_ranked:
         metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
                                             env=parts.env, head=s.forwards.head))
@@ -146,11 +147,13 @@ def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_resp
 
 
 def sampled_kl_to_ref(
-    actor, ref, records: list[PromptRecord], tokenizer, params: SamplingParams, *, batch_size: int | None = None,
-    env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings(), sampler=None, sharded: bool | None = None,
+    actor, reference: Callable[[], ContextManager], records: list[PromptRecord], tokenizer, params: SamplingParams,
+    *, batch_size: int | None = None, env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings(),
+    sampler=None, sharded: bool | None = None,
 ) -> dict[str, float]:
     """``val-aux/kl_to_ref``: KL(policy || reference) per token, estimated on responses *sampled
     from the policy* (k1 is unbiased only there; on recorded offline responses it is not a KL).
+    ``reference()``: a context giving the reference model (``forwards.reference_model``);
     ``sampler``: the model that samples (the actor's gathered copy; default the actor itself),
     ``sharded`` whether it is sharded (default: when there is a process group)."""
     sampler, synced = sampler or actor, env.is_distributed if sharded is None else sharded
@@ -160,8 +163,9 @@ def sampled_kl_to_ref(
         for part, n_real in rank_parts(records, batch_size or len(records), env):
             batch = hf_rollout(sampler, part, tokenizer, params, synced_gpus=synced, device=env.device)
             batch = batch.to(env.device)
-            log_ratio = (compute_log_prob(actor, batch, WHOLE, temperature=params.temperature, head=head)
-                         - compute_log_prob(ref, batch, WHOLE, temperature=params.temperature, head=head))
+            log_prob = compute_log_prob(actor, batch, WHOLE, temperature=params.temperature, head=head)
+            with reference() as ref:
+                log_ratio = log_prob - compute_log_prob(ref, batch, WHOLE, temperature=params.temperature, head=head)
             mask = batch.response_mask[: n_real * params.n]
             total += float((log_ratio[: n_real * params.n] * mask).sum())  # host sync
             tokens += float(mask.sum())
