@@ -36,7 +36,12 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     The optimiser's state is materialised if it has not stepped yet, so the dicts are also the
     right shape to load a checkpoint into.
     """
-    return get_state_dict(model, optimizer, options=_trained_only(model))
+    options = _trained_only(model)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    if not options.strict:  # DCP drops frozen parameters by their first name only, not a tied alias (lm_head)
+        frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        model_state = {key: value for key, value in model_state.items() if key not in frozen}
+    return model_state, optimizer_state
 
 
 def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
