@@ -8,7 +8,7 @@ per-rank gradients is the gradient of the global mini-batch, whatever the world 
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -163,7 +163,40 @@ def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: to
     return copy.eval().requires_grad_(False)
 
 
-def gather_full_model(model: torch.nn.Module, transform: StateTransform | None = None) -> torch.nn.Module | None:
+def whole_tensor_groups(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's parameters (then its persistent buffers) as whole CPU tensors on rank 0, a group
+    at a time: the parameters of one decoder block (``_no_split_modules``), or a run of the
+    root's own (embeddings, final norm, heads); tied parameters come once, by their first name.
+    Collective: every rank iterates to the end (each sharded parameter is one all-gather, and
+    no rank holds more than one whole tensor of it); other ranks get empty groups.
+
+    A model that is not sharded gives its own tensors (no copy on CPU).
+    """
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        unit.reshard()  # a root kept gathered after a forward (keep_root_gathered) holds plain tensors
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [f"{name}." for name, m in model.named_modules() if plain_class(m).__name__ in block_names]
+    group, current = {}, None
+    for name, param in model.named_parameters():
+        owner = next((prefix for prefix in blocks if name.startswith(prefix)), "")
+        if owner != current and group:
+            yield group
+            group = {}
+        current = owner
+        whole = param.full_tensor() if isinstance(param, DTensor) else param
+        if rank0:
+            group[name] = whole.detach().to("cpu")
+        del whole
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = {name: b for name, b in model.state_dict().items() if name not in params}  # persistent buffers
+    if rank0 and buffers:
+        group.update({name: b.detach().to("cpu") for name, b in buffers.items()})
+    if group:
+        yield group
+
+
+def gather_full_model(model: torch.nn.Module) -> torch.nn.Module | None:
     """A plain, unsharded CPU copy of a Hugging Face model on rank 0 (None elsewhere); collective.
 
     The copy is built on the meta device and takes the gathered tensors as its parameters
@@ -173,16 +206,10 @@ def gather_full_model(model: torch.nn.Module, transform: StateTransform | None =
     tied embeddings are tied again. ``fully_shard`` swaps the model's class for an
     ``FSDP<Name>`` subclass, which ``save_pretrained`` would record as the architecture; the
     copy has the original class.
-
-    ``transform`` (run on rank 0) turns the whole tensors into the plain class's state (a LoRA
-    model's adapters merged into its weights). A model that is not sharded gives its own
-    tensors to the transform, and the copy shares the ones it leaves unchanged.
     """
-    state = full_state_dict(model) if is_sharded(model) else dict(model.state_dict())
-    if dist.is_initialized() and dist.get_rank() != 0:
+    state = full_state_dict(model)
+    if dist.get_rank() != 0:
         return None
-    if transform is not None:
-        state = transform(state)
     plain_cls = plain_class(model)
     with torch.device("meta"):
         plain = plain_cls(model.config)

@@ -238,11 +238,14 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def merged_state(state: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
-    """``state`` (an adapted model's whole tensors) as the plain model's state: every adapted weight
-    merged, W + scaling * B @ A (in fp32, then W's dtype), under its plain name; the adapter
-    tensors dropped. Entries are taken out of ``state`` as they are merged (a gathered copy is
-    freed as it goes); ``scalings``: module name -> lora_alpha / r (``lora_scalings``)."""
+    """``state`` (an adapted model's whole tensors, or a group of whole modules of them) as the plain
+    model's state: every adapted weight merged, W + scaling * B @ A (in fp32, then W's dtype),
+    under its plain name; the adapter tensors dropped. Entries are taken out of ``state`` as they
+    are merged (a gathered copy is freed as it goes); ``scalings``: module name -> lora_alpha / r
+    (``lora_scalings``)."""
     for module, scaling in scalings.items():
+        if f"{module}.base_layer.weight" not in state:  # another group's module
+            continue
         a = state.pop(f"{module}.lora_A.{ADAPTER}.weight")
         b = state.pop(f"{module}.lora_B.{ADAPTER}.weight")
         weight = state.pop(f"{module}.base_layer.weight")
@@ -271,7 +274,7 @@ def trained_heads(model: torch.nn.Module) -> list[str]:
 
 
 def save_adapter(out: Path, model: torch.nn.Module, state: dict[str, torch.Tensor], base_path: str) -> None:
-    """Write ``model``'s adapters (and trained head) from its whole tensors ``state`` into folder
+    """Write ``model``'s adapters (and trained head) from their whole tensors in ``state`` into folder
     ``out`` in peft's layout, for ``PeftModel.from_pretrained(<the model of base_path>, out)``."""
     from peft import LoraConfig
     from safetensors.torch import save_file
