@@ -43,6 +43,7 @@ def apply_fsdp2(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     keep_root_gathered: bool = False,
+    replicate_frozen_root: bool = False,
 ) -> torch.nn.Module:
     """``fully_shard`` each decoder block (``model._no_split_modules``), then the root; returns ``model``.
 
@@ -50,6 +51,14 @@ def apply_fsdp2(
     gathered from forward to backward. Needed when the loss is built from an intermediate
     output (a reward model's per-position scores) rather than the root's output, whose
     backward hook would otherwise gather them again.
+
+    ``replicate_frozen_root``: the root's frozen parameters (a LoRA model's embeddings and final
+    norm) stay whole on every rank instead of sharded, when they compute in their own dtype
+    (no ``param_dtype``). FSDP2 gathers the root whole for the whole forward and backward, and
+    while gathering it holds the parameters twice (its all-gather buffer, then the copy out):
+    for a 0.5B model's tied fp32 embedding, 1.09 GB at the peak of each rank instead of 0.55 GB
+    kept whole, and no all-gather of it per forward. Under mixed precision the gathered copy is
+    in the (half as large) compute dtype, so sharding costs no more at the peak and is kept.
     """
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     if not block_names:
@@ -67,7 +76,11 @@ def apply_fsdp2(
         raise ValueError(f"no module of {type(model).__name__} is one of its _no_split_modules {sorted(block_names)}")
     for block in blocks:
         fully_shard(block, **kwargs)
-    fully_shard(model, **{**kwargs, "reshard_after_forward": reshard_after_forward and not keep_root_gathered})
+    root_kwargs = {**kwargs, "reshard_after_forward": reshard_after_forward and not keep_root_gathered}
+    if replicate_frozen_root and param_dtype is None:
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        root_kwargs["ignored_params"] = {p for p in model.parameters() if not p.requires_grad and id(p) not in in_blocks}
+    fully_shard(model, **root_kwargs)
     # Sum, not average: a divide factor of 1, and plain SUM collectives (gloo has no PREMUL_SUM).
     for module in [*blocks, model]:
         module.set_gradient_divide_factor(1.0)
@@ -78,11 +91,19 @@ def apply_fsdp2(
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
     """Give a model built with its parameters on the meta device (and sharded) empty parameters on
     ``device`` -- each rank only its shards -- and keep its buffers' values (rotary frequencies and
-    the like are computed at construction, not loaded)."""
+    the like are computed at construction, not loaded) and its tied parameters tied."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    first_name, aliases = {}, []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            aliases.append((name, first_name[id(param)]))
+        first_name.setdefault(id(param), name)
     model.to_empty(device=device)
     for name, b in model.named_buffers():
         b.copy_(buffers[name])
+    for alias, name in aliases:  # a parameter FSDP2 left whole gets one new tensor per module: tie them again
+        owner, _, leaf = alias.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = model.get_parameter(name)
 
 
 @torch.no_grad()
@@ -91,12 +112,17 @@ def fill_sharded(model: torch.nn.Module, tensor_of: Callable[[str], torch.Tensor
 
     One tensor at a time: rank 0 reads it, and each rank keeps its own shard of it
     (``distribute_tensor`` scatters or broadcasts from rank 0 over the parameter's mesh), so no
-    rank ever holds more than one whole tensor. Without a process group the model is filled as is.
+    rank ever holds more than one whole tensor. A parameter FSDP2 leaves whole
+    (``replicate_frozen_root``) is broadcast. Without a process group the model is filled as is.
     """
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     for name, param in model.named_parameters():
-        if not isinstance(param, DTensor):
-            param.copy_(tensor_of(name))
+        if not isinstance(param, DTensor):  # whole on every rank (no process group, or replicated)
+            if dist.is_initialized():
+                param.copy_(tensor_of(name) if rank0 else torch.empty_like(param))
+                dist.broadcast(param, src=0)
+            else:
+                param.copy_(tensor_of(name))
             continue
         mesh = param.device_mesh
         if rank0:

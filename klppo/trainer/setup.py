@@ -119,7 +119,8 @@ class Sharder:
         self.env = env
         self.meshes: dict[int, object] = {}
 
-    def shard(self, model: torch.nn.Module, fsdp: FSDPConfig, *, keep_root_gathered: bool = False) -> torch.nn.Module:
+    def shard(self, model: torch.nn.Module, fsdp: FSDPConfig, *, keep_root_gathered: bool = False,
+              replicate_frozen_root: bool = False) -> torch.nn.Module:
         if not self.env.is_distributed:
             return model
         if fsdp.fsdp_size not in self.meshes:
@@ -129,7 +130,7 @@ class Sharder:
                 raise UserError(f"fsdp_config.fsdp_size: {exc}") from None
         return apply_fsdp2(model, self.meshes[fsdp.fsdp_size], param_dtype=PARAM_DTYPES[fsdp.dtype],
                            reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.offload_policy,
-                           keep_root_gathered=keep_root_gathered)
+                           keep_root_gathered=keep_root_gathered, replicate_frozen_root=replicate_frozen_root)
 
 
 # ---- models ----
@@ -189,7 +190,7 @@ def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder
                              seed=seed)
     if lora is not None:
         tensor_of = with_adapters(model, lora, tensor_of, seed=seed, train_head=train_head)
-    model = sharder.shard(model, fsdp, keep_root_gathered=keep_root_gathered)
+    model = sharder.shard(model, fsdp, keep_root_gathered=keep_root_gathered, replicate_frozen_root=lora is not None)
     materialize(model, env.device)
     fill_sharded(model, tensor_of if env.rank == 0 else None)
     return model
