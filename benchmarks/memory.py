@@ -17,6 +17,7 @@ other (two such runs side by side would not fit this machine's memory), and prin
     python benchmarks/memory.py                      # offline GRPO + KL loss, 1 process vs 2 ranks
     python benchmarks/memory.py --mode online        # HF generate rollouts
     python benchmarks/memory.py --ranks 1 --extra actor_rollout_ref.model.use_fused_kernels=false
+    python benchmarks/memory.py --compare actor_rollout_ref.model.lora_rank=16   # full fine-tuning vs LoRA
 
 Runs the ranks with one thread each, so the two processes of a 2-rank run share the two cores.
 """
@@ -53,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--response-words", type=int, default=8, help="words per recorded response (offline)")
     p.add_argument("--response-length", type=int, default=32, help="tokens per generated response (online)")
     p.add_argument("--extra", nargs="*", default=[], help="more klppo overrides for every run")
+    p.add_argument("--compare", nargs="*", default=[],
+                   help="overrides of a second configuration, run at every world size after the first and "
+                        "printed beside it with the ratios (e.g. actor_rollout_ref.model.lora_rank=16)")
     p.add_argument("--workdir", help="keep the model and runs here (default: a temporary folder)")
     return p.parse_args(argv)
 
@@ -174,30 +178,52 @@ def run(cmd: list[str], env: dict) -> tuple[int, float]:
     return code, max_rss_kb / 2**20
 
 
-def measure(model: Path, data: Path, work: Path, world: int, args) -> dict:
-    run_dir = work / f"run_{args.mode}_{world}"
+def measure(model: Path, data: Path, work: Path, world: int, args, label: str = "base",
+            changes: tuple[str, ...] = ()) -> dict:
+    run_dir = work / f"run_{args.mode}_{world}" if label == "base" else work / f"run_{args.mode}_{world}_{label}"
     launcher = ["-m", "klppo.trainer.main_ppo"] if world == 1 else [
         "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", "klppo.trainer.main_ppo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if world > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
            "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
-    code, peak = run([sys.executable, *launcher, *overrides(model, data, run_dir, world, args)], env)
+    code, peak = run([sys.executable, *launcher, *overrides(model, data, run_dir, world, args), *changes], env)
     record = {}
     if code == 0:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         record = json.loads(lines[-1])
     phases = [v for k, v in record.items() if k.startswith("perf/peak_memory_gb/")]
-    return {"world": world, "exit": code, "run_peak_gb": max([peak, *phases]), "record": record}
+    return {"world": world, "label": label, "exit": code, "run_peak_gb": max([peak, *phases]), "record": record}
 
 
 def table(results: list[dict]) -> str:
-    head = f"{'ranks':>5} {'exit':>4} {'run peak':>9} " + " ".join(f"{p:>13}" for p in PHASES) + f" {'step s':>7}"
+    head = (f"{'config':>7} {'ranks':>5} {'exit':>4} {'run peak':>9} " + " ".join(f"{p:>13}" for p in PHASES)
+            + f" {'step s':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         rec = r["record"]
         cells = " ".join(f"{rec.get(f'perf/peak_memory_gb/{p}', float('nan')):13.2f}" for p in PHASES)
         seconds = rec.get("timing_s/step", float("nan"))
-        lines.append(f"{r['world']:>5} {r['exit']:>4} {r['run_peak_gb']:9.2f} {cells} {seconds:7.1f}")
+        lines.append(f"{r['label']:>7} {r['world']:>5} {r['exit']:>4} {r['run_peak_gb']:9.2f} {cells} "
+                     f"{seconds:7.1f}")
     return "\n".join(lines)
+
+
+def ratios(results: list[dict]) -> list[str]:
+    """Lines comparing the runs: N ranks against 1 process, and the compared config against the base."""
+    out, ok = [], {(r["label"], r["world"]): r for r in results if r["exit"] == 0}
+    for (label, world), r in ok.items():
+        one = ok.get((label, 1))
+        if world > 1 and one is not None:
+            out.append(f"{label}: {world} ranks / 1 process, run peak: "
+                       f"{r['run_peak_gb'] / one['run_peak_gb']:.2f}x")
+    for (label, world), r in ok.items():
+        base = ok.get(("base", world))
+        if label != "base" and base is not None:
+            step = r["record"].get("timing_s/step", float("nan")) / base["record"].get("timing_s/step", float("nan"))
+            update = (r["record"].get("timing_s/update_actor", float("nan"))
+                      / base["record"].get("timing_s/update_actor", float("nan")))
+            out.append(f"{label} / base, {world} rank(s): run peak {r['run_peak_gb'] / base['run_peak_gb']:.2f}x,"
+                       f" step time {step:.2f}x, actor update time {update:.2f}x")
+    return out
 
 
 def main(argv=None) -> list[dict]:
@@ -210,16 +236,17 @@ def main(argv=None) -> list[dict]:
             build_model_folder(model, args)
         data = write_task(work / "task.parquet", args)
         results = []
+        configs = [("base", ())] + ([("compare", tuple(args.compare))] if args.compare else [])
         for world in [int(w) for w in args.ranks.split(",")]:
-            print(f"[memory] {args.mode}, {world} rank(s) ...", flush=True)
-            results.append(measure(model, data, work, world, args))
+            for label, changes in configs:
+                print(f"[memory] {args.mode}, {world} rank(s), {label} ...", flush=True)
+                results.append(measure(model, data, work, world, args, label, changes))
         print(f"\npeak memory (GiB), {args.mode}, {args.prompts} prompts x {args.responses} responses, "
-              f"extra overrides: {' '.join(args.extra) or 'none'}")
+              f"extra overrides: {' '.join(args.extra) or 'none'}"
+              + (f"; compare: {' '.join(args.compare)}" if args.compare else ""))
         print(table(results))
-        one = next((r for r in results if r["world"] == 1 and r["exit"] == 0), None)
-        for r in results:
-            if one is not None and r["world"] > 1 and r["exit"] == 0:
-                print(f"{r['world']} ranks / 1 process, run peak: {r['run_peak_gb'] / one['run_peak_gb']:.2f}x")
+        for line in ratios(results):
+            print(line)
     return results
 
 

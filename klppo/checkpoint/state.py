@@ -10,7 +10,7 @@ Layout of a run directory (verl's names where verl has one)::
             weights/                          models and optimisers, one DCP shard per rank
             rank_0.pt, rank_1.pt, ...         each rank's RNG states
         metrics.jsonl
-        actor_hf/                             exported at the end of the run
+        actor_hf/                             exported at the end of the run (klppo.checkpoint.export)
 
 Everything outside ``weights/`` is plain data (tensors, numbers, strings, lists, dicts; the
 RNG states as tensors), written and read back with ``torch.load(weights_only=True)``, so a
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from klppo.distributed import (
-    SINGLE_PROCESS, DistEnv, barrier, gather_full_model, is_sharded, load_sharded, save_sharded,
+    SINGLE_PROCESS, DistEnv, barrier, load_sharded, save_sharded,
 )
 from klppo.errors import UserError, reading
 
@@ -228,22 +228,3 @@ def load_rank_state(folder: str | Path, env: DistEnv) -> dict[str, Any]:
             "processes that saved it"
         )
     return load_plain(path)
-
-
-def export_hf(model, tokenizer, out_dir: str | Path, env: DistEnv = SINGLE_PROCESS) -> Path:
-    """Write ``model`` and ``tokenizer`` as a folder that ``from_pretrained`` loads.
-
-    Every rank calls this: a sharded model is gathered whole onto rank 0, which writes.
-    """
-    out = Path(out_dir)
-    if is_sharded(model):
-        model = gather_full_model(model)
-    if env.rank == 0:
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    barrier()
-    return out

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from klppo.config.lora import lora_problems
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
 from klppo.config.schema import (
     ActorConfig,
@@ -219,10 +220,16 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
             out.append(Problem((f"{prefix}.fsdp_size",), f"{prefix}.fsdp_size = {fsdp.fsdp_size}: use -1 (shard over "
                                "every rank) or a number of ranks that divides the world"))
     _refuse_fp16_training(out, f"{ACTOR}.fsdp_config", cfg.actor_rollout_ref.actor.fsdp_config)
+    _check_lora(out, cfg.actor_rollout_ref.model, f"{ARF}.model")
     if cfg.algorithm.adv_estimator == "gae":  # the other estimators train no critic
         _refuse_fp16_training(out, "critic.model.fsdp_config", cfg.critic.model.fsdp_config)
+        _check_lora(out, cfg.critic.model, "critic.model")
     out += not_yet_supported_ppo(cfg)
     return out
+
+
+def _check_lora(out: list[Problem], model_cfg, prefix: str) -> None:
+    out += [Problem((key,), message) for key, message in lora_problems(model_cfg, prefix)]
 
 
 def _refuse_fp16_training(out: list[Problem], prefix: str, fsdp) -> None:
@@ -508,6 +515,7 @@ def check_sft(cfg: SFTConfig) -> list[Problem]:
     _positive(out, "optim.clip_grad", cfg.optim.clip_grad, "max gradient norm")
     _check_trainer_common(cfg.trainer, out)
     _refuse_fp16_training(out, "model.fsdp_config", cfg.model.fsdp_config)
+    _check_lora(out, cfg.model, "model")
     out += not_yet_supported_sft(cfg)
     return out
 
@@ -520,15 +528,6 @@ def not_yet_supported_ppo(cfg: PPOConfig) -> list[Problem]:
     """Knobs of later work, refused when set: left alone they would silently do nothing."""
     out: list[Problem] = []
     arf = cfg.actor_rollout_ref
-    models = [(f"{ARF}.model", arf.model)] + [("critic.model", cfg.critic.model)] * (cfg.algorithm.adv_estimator == "gae")
-    for prefix, model in models:  # the critic trains with gae only
-        if model.lora_rank != 0:
-            out.append(Problem((f"{prefix}.lora_rank",), f"{prefix}.lora_rank = {model.lora_rank}: LoRA is not "
-                               "implemented in klppo yet, and without it every parameter would train; set "
-                               f"{prefix}.lora_rank=0 for full fine-tuning"))
-        if model.lora_adapter_path is not None:
-            out.append(Problem((f"{prefix}.lora_adapter_path",), f"{prefix}.lora_adapter_path: LoRA is not "
-                               "implemented in klppo yet; merge the adapter into the model folder, or remove the key"))
     backend = f"{ARF}.model.fused_kernel_options.impl_backend"
     if arf.model.fused_kernel_options.impl_backend != "torch":
         out.append(Problem((backend,), f"{backend} = {arf.model.fused_kernel_options.impl_backend!r}: klppo's fused "
@@ -551,6 +550,7 @@ def check_rm(cfg: RMConfig) -> list[Problem]:
     _check_optim(cfg.optim, "optim", out)
     _check_trainer_common(cfg.trainer, out)
     _refuse_fp16_training(out, "model.fsdp_config", cfg.model.fsdp_config)
+    _check_lora(out, cfg.model, "model")
     _refuse_loggers(out, cfg.trainer.logger)
     return out
 

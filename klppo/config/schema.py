@@ -79,15 +79,18 @@ class ModelConfig:
     # wherever the model's head allows it (a Linear head the model does not rescale afterwards).
     use_fused_kernels: Optional[bool] = None
     fused_kernel_options: FusedKernelOptionsConfig = field(default_factory=FusedKernelOptionsConfig)
-    # LoRA rank; 0 trains every parameter (LoRA itself is not implemented yet: non-zero is refused).
+    # LoRA rank; 0 trains every parameter. Above 0 only LoRA adapters (peft) train, and the
+    # reference policy is the actor with its adapters switched off: no second model is loaded.
     lora_rank: int = 0
     # LoRA scaling alpha (the update is scaled by lora_alpha / lora_rank).
     lora_alpha: int = 16
-    # Modules that get adapters: "all-linear" or a list of module names.
+    # Modules that get adapters: "all-linear" (every linear layer of the backbone) or a list of
+    # module names such as [q_proj, v_proj].
     target_modules: Union[str, list[str]] = "all-linear"
     # Modules never given adapters (names or a regex); None excludes none.
     exclude_modules: Optional[Union[str, list[str]]] = None
-    # Folder of a trained LoRA adapter to start from; None starts new adapters.
+    # Folder of a saved LoRA adapter (peft's layout) to start from; it turns LoRA on, and its
+    # adapter_config.json decides rank, alpha and target modules. None starts new adapters.
     lora_adapter_path: Optional[str] = None
 
 
@@ -231,7 +234,7 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = False
     # Pack sequences without padding.
     use_remove_padding: bool = False
-    # LoRA rank of the critic; 0 trains every parameter (non-zero is refused until LoRA lands).
+    # LoRA rank of the critic; 0 trains every parameter. Above 0 the adapters and the value head train.
     lora_rank: int = 0
     # LoRA scaling alpha.
     lora_alpha: int = 16
@@ -239,7 +242,7 @@ class CriticModelConfig:
     target_modules: Union[str, list[str]] = "all-linear"
     # Modules never given adapters; None excludes none.
     exclude_modules: Optional[Union[str, list[str]]] = None
-    # Folder of a trained LoRA adapter to start from; None starts new adapters.
+    # Folder of a saved LoRA adapter (peft's layout) to start from; None starts new adapters.
     lora_adapter_path: Optional[str] = None
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -500,6 +503,13 @@ class SFTModelConfig:
     partial_pretrain: str = ""
     # Recompute activations in the backward pass.
     enable_gradient_checkpointing: bool = False
+    # LoRA as actor_rollout_ref.model's keys: above 0 only the adapters train, and the
+    # adapter alone is also written to <default_local_dir>/adapter.
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Union[str, list[str]] = "all-linear"
+    exclude_modules: Optional[Union[str, list[str]]] = None
+    lora_adapter_path: Optional[str] = None
     # FSDP2 options (as the PPO models'); used on torchrun ranks or, when set, on one process.
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -589,6 +599,13 @@ class RMModelConfig:
     partial_pretrain: str = ""
     # Recompute activations in the backward pass.
     enable_gradient_checkpointing: bool = False
+    # LoRA as actor_rollout_ref.model's keys: above 0 only the adapters and the score head train, and the
+    # adapter alone is also written to <default_local_dir>/adapter.
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Union[str, list[str]] = "all-linear"
+    exclude_modules: Optional[Union[str, list[str]]] = None
+    lora_adapter_path: Optional[str] = None
     # FSDP2 options (as the PPO models'); used on torchrun ranks or, when set, on one process.
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

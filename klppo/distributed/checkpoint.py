@@ -15,25 +15,40 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from klppo.distributed.dcp_reader import METADATA_FILE, SafeFileSystemReader, WeightsOnlyLoadPlanner
 from klppo.errors import reading
 
 
+def _trained_only(model: torch.nn.Module) -> StateDictOptions:
+    """Frozen parameters (a LoRA model's base weights) come from the model folder at every start: a
+    checkpoint holds what trains (for LoRA the adapters, and a new head) and its optimiser state.
+    Loading then leaves the frozen ones as they are (not strict) where there are any."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(model, optimiser) state dicts keyed by parameter names, sharded as the model is.
+    """(model, optimiser) state dicts keyed by parameter names, sharded as the model is, of the
+    parameters that train (every one, in full fine-tuning).
 
     The optimiser's state is materialised if it has not stepped yet, so the dicts are also the
     right shape to load a checkpoint into.
     """
-    return get_state_dict(model, optimizer)
+    options = _trained_only(model)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    if not options.strict:  # DCP drops frozen parameters by their first name only, not a tied alias (lm_head)
+        frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        model_state = {key: value for key, value in model_state.items() if key not in frozen}
+    return model_state, optimizer_state
 
 
 def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                         optimizer_state: dict) -> None:
     """Put ``training_state`` dicts (e.g. filled by ``load_sharded``) back into the model and optimiser."""
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=_trained_only(model))
 
 
 def _single_process() -> bool:

@@ -28,7 +28,10 @@ from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.trainer.offload import Offloader
 from klppo.trainer.settings import KLSettings, PPOSettings, compile_ppo, uses_critic, uses_reference
-from klppo.trainer.setup import Sharder, build_optimizer_and_scheduler, join_world, load_model, seed_everything
+from klppo.trainer.adapters import trained_values
+from klppo.trainer.setup import (
+    Sharder, build_optimizer_and_scheduler, join_world, load_model, lora_spec, seed_everything,
+)
 
 RANKING_COLUMNS = {"ranking", "rankings", "chosen"}  # offline files with these are ranked data
 
@@ -54,6 +57,7 @@ class PPOParts:
     batches: PromptBatches
     total_steps: int
     offloader: Offloader  # param_offload / optimizer_offload: models on CPU between their phases
+    initial_adapters: Optional[dict[str, torch.Tensor]] = None  # LoRA actor: its adapters' starting values (rollback)
 
     @property
     def device(self) -> torch.device:
@@ -168,13 +172,18 @@ def build_offloader(device, fsdp: dict[str, FSDPConfig], actor, actor_optimizer,
 
 
 def _load_actor_and_ref(cfg: PPOConfig, env: DistEnv, sharder: Sharder):
-    """The actor and, when a KL term needs it, the frozen reference (both from model.path)."""
+    """The actor and, when a KL term needs it, the frozen reference (both from model.path).
+
+    A LoRA actor needs no reference model: its base weights, with the adapters switched off,
+    are the reference (``forwards.reference_model``).
+    """
     model_cfg, arf = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref
     common = dict(key="actor_rollout_ref.model.path", env=env, sharder=sharder, packed=model_cfg.use_remove_padding)
-    actor = load_model("causal_lm", model_cfg.path, fsdp=arf.actor.fsdp_config,
+    lora = lora_spec(model_cfg, "actor_rollout_ref.model")
+    actor = load_model("causal_lm", model_cfg.path, fsdp=arf.actor.fsdp_config, seed=cfg.data.seed, lora=lora,
                        gradient_checkpointing=model_cfg.enable_gradient_checkpointing, **common)
     ref = None
-    if uses_reference(cfg):
+    if uses_reference(cfg) and lora is None:
         ref = load_model("causal_lm", model_cfg.path, fsdp=arf.ref.fsdp_config, **common).eval().requires_grad_(False)
     return actor, ref
 
@@ -198,7 +207,7 @@ def _load_critic(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder) -> t
     critic_cfg = cfg.critic.model
     check_same_tokenizer(tokenizer, critic_cfg.path, "critic.model.path")
     return load_model("critic", critic_cfg.path, key="critic.model.path", env=env, sharder=sharder,
-                      fsdp=critic_cfg.fsdp_config, seed=cfg.data.seed,
+                      fsdp=critic_cfg.fsdp_config, seed=cfg.data.seed, lora=lora_spec(critic_cfg, "critic.model"),
                       gradient_checkpointing=critic_cfg.enable_gradient_checkpointing,
                       packed=critic_cfg.use_remove_padding)
 
@@ -235,4 +244,5 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
         critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         kl_ctrl=build_kl_controller(settings.kl), reward_fn=reward_fn, train_records=train, val_records=val,
         val_ranked=val_ranked, batches=batches, total_steps=total_steps, offloader=offloader,
+        initial_adapters=trained_values(actor) if settings.actor_lora else None,
     )

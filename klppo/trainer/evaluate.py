@@ -4,7 +4,7 @@ them with reference texts, and check the policy's preferences against held-out r
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -18,7 +18,7 @@ from klppo.models.rng import seeded
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import SamplingParams, hf_rollout
-from klppo.trainer.forwards import compute_log_prob, decode_responses, response_scores, token_scores
+from klppo.trainer.forwards import compute_log_prob, decode_responses, reference_model, response_scores, token_scores
 from klppo.trainer.responses import generation_model
 
 if TYPE_CHECKING:
@@ -41,9 +41,9 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
         with generation_model(parts) as (sampler, sharded):  # as training samples (responses.py)
             metrics.update(validate(sampler, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
                                     batch_size=s.val_batch_size, env=parts.env, sharded=sharded))
-            if parts.ref is not None:
+            if s.uses_reference:
                 metrics["val-aux/kl_to_ref"] = sampled_kl_to_ref(
-                    parts.actor, parts.ref, parts.val_records, parts.tokenizer, s.sampling,
+                    parts.actor, lambda: reference_model(parts), parts.val_records, parts.tokenizer, s.sampling,
                     batch_size=s.val_batch_size, env=parts.env, head=s.forwards.head, sampler=sampler, sharded=sharded)
     if parts.val_ranked:
         metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
@@ -147,14 +147,16 @@ def preference_agreement(actor, records: list[RankedRecord], tokenizer, max_resp
 
 
 def sampled_kl_to_ref(
-    actor, ref, records: list[PromptRecord], tokenizer, params: SamplingParams, *, batch_size: int | None = None,
-    env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings(), sampler=None, sharded: bool | None = None,
-    seed: int = 1, estimator: str = "kl", replicated: bool = False,
+    actor, reference: Callable[[], ContextManager], records: list[PromptRecord], tokenizer, params: SamplingParams,
+    *, batch_size: int | None = None, env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings(),
+    sampler=None, sharded: bool | None = None, seed: int = 1, estimator: str = "kl", replicated: bool = False,
 ) -> float:
     """KL(policy || reference) per token, estimated on responses *sampled from the policy* (k1 is
-    unbiased only there; on recorded offline responses it is not a KL). ``estimator``: a
-    ``kl_penalty`` name; "kl" (k1) as validation reports it, "low_var_kl" (k3, also unbiased on
-    the policy's samples, never negative, lower variance) for small probes.
+    unbiased only there; on recorded offline responses it is not a KL). ``reference()``: a context
+    giving the reference model (``forwards.reference_model``: the frozen reference, or a LoRA
+    actor with its adapters off). ``estimator``: a ``kl_penalty`` name; "kl" (k1) as validation
+    reports it, "low_var_kl" (k3, also unbiased on the policy's samples, never negative, lower
+    variance) for small probes.
 
     ``sampler``: the model that samples (the actor's gathered copy; default the actor itself),
     ``sharded`` whether it is sharded (default: when there is a process group). Sampling draws
@@ -170,8 +172,10 @@ def sampled_kl_to_ref(
         for part, n_real in parts:
             batch = hf_rollout(sampler, part, tokenizer, params, synced_gpus=synced, device=env.device)
             batch = batch.to(env.device)
-            kl = kl_penalty(compute_log_prob(actor, batch, WHOLE, temperature=params.temperature, head=head),
-                            compute_log_prob(ref, batch, WHOLE, temperature=params.temperature, head=head), estimator)
+            log_prob = compute_log_prob(actor, batch, WHOLE, temperature=params.temperature, head=head)
+            with reference() as ref:
+                kl = kl_penalty(log_prob, compute_log_prob(ref, batch, WHOLE, temperature=params.temperature,
+                                                           head=head), estimator)
             mask = batch.response_mask[: n_real * params.n]
             total += float((kl[: n_real * params.n] * mask).sum())  # host sync
             tokens += float(mask.sum())
@@ -197,7 +201,7 @@ def offline_policy_kl(parts: PPOParts, batch: RolloutBatch, records: list[Prompt
         return float(kl), {"actor/kl_to_ref_importance_weighted": kl, "actor/kl_is_effective_sample_size": ess}
     probe = records[: s.kl.probe_prompts]
     with generation_model(parts) as (sampler, sharded):
-        kl = sampled_kl_to_ref(parts.actor, parts.ref, probe, parts.tokenizer, s.sampling, env=parts.env,
-                               head=s.forwards.head, sampler=sampler, sharded=sharded, seed=1000 * step,
+        kl = sampled_kl_to_ref(parts.actor, lambda: reference_model(parts), probe, parts.tokenizer, s.sampling,
+                               env=parts.env, head=s.forwards.head, sampler=sampler, sharded=sharded, seed=1000 * step,
                                estimator="low_var_kl", replicated=True)
     return kl, {"actor/kl_to_ref_sampled": kl}

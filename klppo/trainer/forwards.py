@@ -10,13 +10,15 @@ every rank. Rewards come from recorded offline scores, a rule function, or rewar
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from klppo.data.batching import MicroBatching, micro_batch_plan, restore_order, row_chunks
 from klppo.distributed import all_gather_rows, all_reduce_max_int
 from klppo.models.forward import HeadSettings, response_logprobs, response_values, sequence_scores
+from klppo.models.lora import adapters_disabled
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rewards.distill import group_ranking_rewards
 from klppo.rewards.score import score_responses
@@ -121,6 +123,23 @@ def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable) -> torch
 # ---- the scoring phase of a step ----
 
 
+@contextmanager
+def reference_model(parts: PPOParts) -> Iterator[torch.nn.Module]:
+    """The reference policy for the ``with`` block: the frozen reference model, or for a LoRA actor
+    (``ref_in_actor``) the actor itself with its adapters switched off, which computes with the
+    base weights it started from: the reference costs no memory."""
+    if parts.settings.ref_in_actor:
+        with adapters_disabled(parts.actor):
+            yield parts.actor
+    else:
+        yield parts.ref
+
+
+def reference_role(parts: PPOParts) -> str:
+    """The offloader's name of the model the reference runs on."""
+    return "actor" if parts.settings.ref_in_actor else "ref"
+
+
 def reward_model_roles(parts: PPOParts) -> list[str]:
     """The offloader's names of the run's reward models."""
     return [f"reward_model_{i}" for i in range(len(parts.reward_models))]
@@ -140,9 +159,9 @@ def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer:
         with timer.phase("old_log_prob"), resident("actor"):
             batch.old_log_prob = shards.gather(compute_log_prob(parts.actor, mine, f.old_log_prob,
                                                                 temperature=f.temperature, head=f.head))
-    if parts.ref is not None:
-        with timer.phase("ref"), resident("ref"):
-            batch.ref_log_prob = shards.gather(compute_log_prob(parts.ref, mine, f.ref, temperature=f.temperature,
+    if parts.settings.uses_reference:
+        with timer.phase("ref"), resident(reference_role(parts)), reference_model(parts) as ref:
+            batch.ref_log_prob = shards.gather(compute_log_prob(ref, mine, f.ref, temperature=f.temperature,
                                                                 head=f.head))
     if parts.critic is not None:
         with timer.phase("values"), resident("critic"):

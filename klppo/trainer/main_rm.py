@@ -130,7 +130,7 @@ def run_rm(cfg: RMConfig, print_fn=print) -> Path:
 def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
     """The ranked data, the reward model (sharded), and the step that fits it to a share of a batch."""
     from klppo.data.ranked import load_ranked_dataset
-    from klppo.trainer.setup import load_model
+    from klppo.trainer.setup import load_model, lora_spec
     from klppo.trainer.supervised import SupervisedJob
 
     data, key = cfg.data, "model.partial_pretrain"
@@ -141,7 +141,8 @@ def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
     # The loss reads the score head at every position (sequence_scores), not the root's output.
     model = load_model("reward_model", cfg.model.partial_pretrain, key=key, env=env, sharder=sharder,
                        fsdp=cfg.model.fsdp_config, seed=data.seed,
-                       gradient_checkpointing=cfg.model.enable_gradient_checkpointing, keep_root_gathered=True)
+                       gradient_checkpointing=cfg.model.enable_gradient_checkpointing, keep_root_gathered=True,
+                       lora=lora_spec(cfg.model, "model"))
 
     def train_step(run, indices: list[int]) -> dict:
         return rm_step(model, run.optimizer, [train[i] for i in indices], tokenizer, cfg, env.device)

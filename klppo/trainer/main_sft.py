@@ -73,7 +73,7 @@ def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
 def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
     """The SFT data, the causal LM (sharded), and the step that trains it on a share of a batch."""
     from klppo.data.sft_dataset import collate_sft, load_sft_dataset
-    from klppo.trainer.setup import load_model
+    from klppo.trainer.setup import load_model, lora_spec
     from klppo.trainer.supervised import SupervisedJob
 
     data, key, device = cfg.data, "model.partial_pretrain", env.device
@@ -82,7 +82,8 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
     train = load_sft_dataset(data.train_files, tokenizer, **common)
     val = load_sft_dataset(data.val_files, tokenizer, **common) if data.val_files else None
     model = load_model("causal_lm", cfg.model.partial_pretrain, key=key, env=env, sharder=sharder,
-                       fsdp=cfg.model.fsdp_config, gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
+                       fsdp=cfg.model.fsdp_config, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+                       seed=data.seed, lora=lora_spec(cfg.model, "model"))
     micro_rows = data.micro_batch_size_per_gpu or data.train_batch_size // env.world_size
 
     def train_step(run, indices: list[int]) -> dict:

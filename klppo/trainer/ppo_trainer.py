@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
-from klppo.checkpoint.state import checkpoint_steps, export_hf, step_dir
+from klppo.checkpoint.state import checkpoint_steps, step_dir
 from klppo.data.batching import rank_shards, seqlen_balance_metrics
 from klppo.distributed import barrier, max_over_ranks, on_rank_zero
 from klppo.monitoring.flops import UpdateWork, update_efficiency_metrics
@@ -29,6 +29,7 @@ from klppo.monitoring.progress import Progress
 from klppo.monitoring.timer import PEAK_MEMORY, PhaseTimer
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer import run_state
+from klppo.trainer.adapters import export_model
 from klppo.trainer.build import PPOParts
 from klppo.trainer.evaluate import offline_policy_kl, validation_metrics
 from klppo.trainer.forwards import StepShards, reward_model_roles, score_batch
@@ -96,9 +97,10 @@ class PPOTrainer:
                 self.print(f"run stopped by its guard at step {self.step}; the newest checkpoint holds good weights")
                 return records
         self._release_training_state()
-        with self.p.offloader.resident("actor"):
-            export_hf(self.p.actor, self.p.tokenizer, self.s.run_dir / "actor_hf", self.env)
-        self.print(f"actor exported to {self.s.run_dir / 'actor_hf'}")
+        with self.p.offloader.resident("actor"):  # a LoRA actor: merged, and its adapter alone
+            written = export_model(self.p.actor, self.p.tokenizer, self.s.run_dir / "actor_hf",
+                                   self.s.run_dir / "actor_adapter", self.env)
+        self.print(f"actor exported to {' and '.join(str(folder) for folder in written)}")
         return records
 
     def _release_training_state(self) -> None:

@@ -6,6 +6,11 @@ either all-gathered once into a whole inference copy that decodes without any co
 (``rollout.generation_weights: gathered``), or used sharded, which all-gathers every layer for
 every generated token but needs no second copy (``sharded``); ``auto`` picks the copy where it
 fits in half the memory free on this rank.
+
+A LoRA actor's copy has its adapters merged into the weights (once per step, in fp32, then the
+compute dtype), also in one process: decoding through peft's adapter layers ran 1.15x (a
+512-wide, 8-layer model) to 1.9x (the tiny model) slower on CPU than a merged copy, merging
+included (``benchmarks/README.md``, "LoRA"). With ``sharded`` the adapters decode in place.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from klppo.data.rl_dataset import PromptRecord
 from klppo.distributed import all_gather_padded, inference_copy, max_over_ranks, shard_range
+from klppo.models.lora import merging
 from klppo.monitoring.memory import available_bytes
 from klppo.rollout.batch import RolloutBatch, assemble_batch
 from klppo.rollout.hf import hf_rollout
@@ -42,9 +48,11 @@ def step_responses(parts: PPOParts, records: list[PromptRecord]) -> RolloutBatch
 
 
 def uses_gathered_copy(parts: PPOParts) -> bool:
-    """Whether this step generates with a whole copy of the sharded actor (``generation_weights``)."""
+    """Whether this step generates with a whole copy of the sharded (or LoRA) actor (``generation_weights``)."""
     s, env = parts.settings, parts.env
-    if s.generation_weights == "sharded" or env.world_size == 1 or not env.is_distributed:
+    if s.generation_weights == "sharded":
+        return False
+    if (env.world_size == 1 or not env.is_distributed) and not s.actor_lora:
         return False  # one process: the actor itself is whole (a group of one shards nothing)
     if s.generation_weights == "gathered":
         return True
@@ -60,7 +68,7 @@ def generation_model(parts: PPOParts) -> Iterator[tuple[torch.nn.Module, bool]]:
     if not uses_gathered_copy(parts):
         yield parts.actor, parts.env.is_distributed
         return
-    copy = inference_copy(parts.actor, parts.settings.actor.compute_dtype, parts.env.device)
+    copy = inference_copy(parts.actor, parts.settings.actor.compute_dtype, parts.env.device, merging(parts.actor))
     try:
         yield copy, False
     finally:

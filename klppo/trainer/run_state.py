@@ -22,6 +22,7 @@ from klppo.checkpoint.state import (
 )
 from klppo.checkpoint.verify import find_resume_folder
 from klppo.distributed import load_training_state, training_state
+from klppo.trainer.adapters import restore_values
 from klppo.trainer.build import PPOParts
 from klppo.trainer.guards import RunGuard
 
@@ -86,8 +87,12 @@ def restore(parts: PPOParts, folder: Path, guard: RunGuard, *, weights_only: boo
 
 
 def restore_initial_actor(parts: PPOParts) -> None:
-    """Roll the actor back to the weights the run started from (the reference's) and reset Adam."""
-    parts.actor.load_state_dict(parts.ref.state_dict())
+    """Roll the actor back to the weights the run started from and reset Adam: the reference's
+    weights, or for a LoRA actor its adapters' starting values (the base weights never change)."""
+    if parts.initial_adapters is not None:
+        restore_values(parts.actor, parts.initial_adapters)
+    else:
+        parts.actor.load_state_dict(parts.ref.state_dict())
     parts.actor_optimizer.state = defaultdict(dict)
 
 

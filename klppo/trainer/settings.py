@@ -18,6 +18,7 @@ import torch
 
 from klppo.config import PPOConfig
 from klppo.config.checks import rollout_correction_active
+from klppo.config.lora import lora_enabled
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
 from klppo.config.schema import FSDPConfig
 from klppo.data.batching import MicroBatching
@@ -162,6 +163,8 @@ class PPOSettings:
     advantage: AdvantageSettings
     kl: KLSettings
     uses_reference: bool
+    actor_lora: bool  # the actor trains LoRA adapters only (actor_rollout_ref.model.lora_rank / lora_adapter_path)
+    ref_in_actor: bool  # verl's name: the reference is the LoRA actor with its adapters off; no model of its own
     reward: RewardSettings
     guard: GuardSettings  # KL guards off without a reference
     critic_warmup: int  # steps that update the critic only; the actor's updates start after them
@@ -202,7 +205,8 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon,
                       offline_kl="sampled" if algo.rollout_correction.bypass_mode else kl.offline_kl,
                       probe_prompts=min(kl.probe_prompts, cfg.data.train_batch_size), probe_every=kl.probe_every),
-        uses_reference=uses_reference(cfg),
+        uses_reference=uses_reference(cfg), actor_lora=lora_enabled(arf.model),
+        ref_in_actor=uses_reference(cfg) and lora_enabled(arf.model),
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
         guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=math.gcd(*global_rows.values()), balance_batch=trainer.balance_batch,
         save_freq=trainer.save_freq, test_freq=trainer.test_freq, val_before_train=trainer.val_before_train,

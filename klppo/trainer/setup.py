@@ -24,6 +24,7 @@ from klppo.distributed import (
 from klppo.errors import UserError
 from klppo.models.forward import use_packed_attention
 from klppo.models.load import ROLES, check_model_folder, empty_model_for, load_causal_lm, load_critic, load_reward_model
+from klppo.models.lora import LoraSpec, attach_adapters, read_adapter_config, with_adapters
 from klppo.models.sharded_load import WeightReader, full_tensors
 
 PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # None: no mixed precision
@@ -118,7 +119,8 @@ class Sharder:
         self.env = env
         self.meshes: dict[int, object] = {}
 
-    def shard(self, model: torch.nn.Module, fsdp: FSDPConfig, *, keep_root_gathered: bool = False) -> torch.nn.Module:
+    def shard(self, model: torch.nn.Module, fsdp: FSDPConfig, *, keep_root_gathered: bool = False,
+              replicate_frozen_root: bool = False) -> torch.nn.Module:
         if not self.env.is_distributed:
             return model
         if fsdp.fsdp_size not in self.meshes:
@@ -128,7 +130,7 @@ class Sharder:
                 raise UserError(f"fsdp_config.fsdp_size: {exc}") from None
         return apply_fsdp2(model, self.meshes[fsdp.fsdp_size], param_dtype=PARAM_DTYPES[fsdp.dtype],
                            reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=fsdp.offload_policy,
-                           keep_root_gathered=keep_root_gathered)
+                           keep_root_gathered=keep_root_gathered, replicate_frozen_root=replicate_frozen_root)
 
 
 # ---- models ----
@@ -136,9 +138,25 @@ class Sharder:
 _LOADERS = {"causal_lm": load_causal_lm, "critic": load_critic, "reward_model": load_reward_model}
 
 
+def lora_spec(model_cfg, prefix: str) -> LoraSpec | None:
+    """The LoRA adapters a config section asks for (``<prefix>.lora_rank`` etc., verl's keys), or None
+    for full fine-tuning. A ``lora_adapter_path`` turns LoRA on by itself, as in verl; its own
+    config then decides rank, alpha and target modules."""
+    if model_cfg.lora_rank <= 0 and model_cfg.lora_adapter_path is None:
+        return None
+
+    def as_modules(value):
+        return tuple(value) if isinstance(value, list) else value
+
+    return read_adapter_config(LoraSpec(
+        key=prefix, rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
+        target_modules=as_modules(model_cfg.target_modules), exclude_modules=as_modules(model_cfg.exclude_modules),
+        adapter_path=model_cfg.lora_adapter_path))
+
+
 def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder, fsdp: FSDPConfig, seed: int = 0,
                gradient_checkpointing: bool = False, packed: bool = False,
-               keep_root_gathered: bool = False) -> torch.nn.Module:
+               keep_root_gathered: bool = False, lora: LoraSpec | None = None) -> torch.nn.Module:
     """The actor, reference, critic or reward model (``role``: causal_lm | critic | reward_model) of
     folder ``path``, on this rank's device, sharded when the run has a process group.
 
@@ -146,12 +164,20 @@ def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder
     meta device, shard it, and fill their shards from rank 0's reading of the folder one tensor at
     a time (``klppo.models.sharded_load``): no rank ever holds the whole model in fp32, and the
     weights are those ``from_pretrained`` gives. ``packed``: attention for packed rows.
+
+    ``lora``: LoRA adapters (``klppo.models.lora``) go into the backbone before sharding, so that
+    FSDP2 shards them with the frozen weights of their blocks; only the adapters (and a critic's
+    or reward model's new head) train. Their starting values come from ``seed`` (or a saved
+    adapter), the same on one process and on any number of ranks.
     """
     dtype = PARAM_DTYPES[fsdp.dtype]
+    train_head = role != "causal_lm"
     if not env.is_distributed:
         kwargs = {"seed": seed} if role != "causal_lm" else {}
         model = _LOADERS[role](path, key=key, device=env.device, gradient_checkpointing=gradient_checkpointing,
                                **kwargs)
+        if lora is not None:
+            attach_adapters(model, lora, seed=seed, train_head=train_head)
         if packed:
             use_packed_attention(model, dtype)
         return model
@@ -162,7 +188,9 @@ def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder
     # folder fails everywhere at once (reading the names is a header read; tensors are read later).
     tensor_of = full_tensors(model, WeightReader(check_model_folder(path, key), key), new_heads=ROLES[role][2],
                              seed=seed)
-    model = sharder.shard(model, fsdp, keep_root_gathered=keep_root_gathered)
+    if lora is not None:
+        tensor_of = with_adapters(model, lora, tensor_of, seed=seed, train_head=train_head)
+    model = sharder.shard(model, fsdp, keep_root_gathered=keep_root_gathered, replicate_frozen_root=lora is not None)
     materialize(model, env.device)
     fill_sharded(model, tensor_of if env.rank == 0 else None)
     return model

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from klppo.checkpoint.state import (
-    export_hf, load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint, set_rng_state,
+    load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint, set_rng_state,
 )
 from klppo.checkpoint.verify import find_resume_folder
 from klppo.cli_support import quiet_libraries
@@ -30,6 +30,7 @@ from klppo.distributed import DistEnv, barrier, load_training_state, run_on_rank
 from klppo.errors import UserError
 from klppo.monitoring.jsonl import set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
+from klppo.trainer.adapters import export_model
 from klppo.trainer.setup import (
     Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, return_freed_memory, seed_everything,
 )
@@ -183,7 +184,8 @@ def supervised_loop(run: SupervisedRun, train_step: Callable[[list[int]], dict],
 
 
 def finish(run: SupervisedRun, tokenizer) -> Path:
-    """Export the trained model to ``<run dir>/hf`` (gathered onto rank 0); the optimiser's state,
-    saved in the last checkpoint if any, is dropped first to make room for the gathered copy."""
+    """Export the trained model to ``<run dir>/hf`` (gathered onto rank 0; a LoRA model merged, and
+    its adapter alone to ``<run dir>/adapter``); the optimiser's state, saved in the last
+    checkpoint if any, is dropped first to make room for the gathered copy."""
     run.optimizer.state.clear()
-    return export_hf(run.model, tokenizer, run.run_dir / "hf", run.env)
+    return export_model(run.model, tokenizer, run.run_dir / "hf", run.run_dir / "adapter", run.env)[0]

@@ -176,14 +176,12 @@ def test_critic_warmup_is_kept_and_needs_a_critic():
     assert "trainer.critic_warmup = 3 holds back the actor" in message and "set trainer.critic_warmup=0" in message
 
 
-def test_lora_rank_is_refused_until_lora_lands_for_actor_and_critic():
-    message = error_of("actor_rollout_ref.model.lora_rank=64", "critic.model.lora_rank=8",
-                       "actor_rollout_ref.model.lora_adapter_path=adapter")
-    assert "actor_rollout_ref.model.lora_rank = 64: LoRA is not implemented in klppo yet" in message
-    assert "critic.model.lora_rank = 8: LoRA is not implemented" in message
-    assert "actor_rollout_ref.model.lora_adapter_path: LoRA is not implemented" in message
-    cfg = load("actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]")
-    assert cfg.actor_rollout_ref.model.target_modules == ["q_proj", "v_proj"]
+def test_lora_keys_are_typed_for_actor_and_critic():
+    cfg = load("actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_alpha=32",
+               "actor_rollout_ref.model.target_modules=[q_proj,v_proj]", "critic.model.lora_rank=8")
+    model = cfg.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (64, 32, ["q_proj", "v_proj"])
+    assert cfg.critic.model.lora_rank == 8
 
 
 def test_fused_kernels_accept_the_torch_backend_and_refuse_triton_with_the_fix():

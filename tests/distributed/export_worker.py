@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from klppo.checkpoint.state import export_hf
+from klppo.checkpoint.export import export_hf
 from klppo.distributed import apply_fsdp2, build_mesh, close, init_distributed
 
 if __name__ == "__main__":

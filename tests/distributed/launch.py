@@ -31,6 +31,29 @@ def run_ok(overrides: list[str], nproc: int | None, module: str = PPO) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
+def exact_ppo_overrides(model: Path, task: Path, run_dir: Path, world: int, steps: int, **changes) -> list[str]:
+    """An offline GAE run that exercises every cross-rank path: two mini-batches per step, token-budget
+    micro-batches with packing, balanced ranks, adaptive KL in the reward, a critic, and a
+    checkpoint every 2 steps."""
+    settings = {
+        "data.train_files": task / "offline.parquet",
+        "data.max_prompt_length": 64, "data.max_response_length": 16, "data.train_batch_size": 8,
+        "actor_rollout_ref.model.path": model,
+        "actor_rollout_ref.model.use_remove_padding": "true",
+        "actor_rollout_ref.rollout.name": "offline", "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "actor_rollout_ref.actor.use_dynamic_bsz": "true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 128,
+        "actor_rollout_ref.actor.optim.lr": 1e-3, "critic.optim.lr": 1e-3,
+        "algorithm.use_kl_in_reward": "true", "algorithm.kl_ctrl.type": "adaptive",
+        "trainer.total_training_steps": steps, "trainer.save_freq": 2, "trainer.balance_batch": "true",
+        "trainer.logger": "[]", "trainer.device": "cpu", "trainer.n_gpus_per_node": world,
+        "trainer.default_local_dir": run_dir,
+    }
+    settings.update(changes)
+    return [f"{k}={v}" for k, v in settings.items()]
+
+
 def _comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/", "global_seqlen/"))}  # rank loads differ
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import assert_same_metrics, assert_same_weights, launch, run_ok
+from launch import assert_same_metrics, assert_same_weights, exact_ppo_overrides, launch, run_ok
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from klppo.errors import UserError
@@ -24,29 +24,9 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def exact_overrides(tiny_model_dir, task_dir):
-    """An offline GAE run that exercises every cross-rank path: two mini-batches per step, token-budget
-    micro-batches with packing, balanced ranks, adaptive KL in the reward, and a critic."""
-
-    def overrides(run_dir: Path, world: int, **changes) -> list[str]:
-        settings = {
-            "data.train_files": task_dir / "offline.parquet",
-            "data.max_prompt_length": 64, "data.max_response_length": 16, "data.train_batch_size": 8,
-            "actor_rollout_ref.model.path": tiny_model_dir,
-            "actor_rollout_ref.model.use_remove_padding": "true",
-            "actor_rollout_ref.rollout.name": "offline", "actor_rollout_ref.rollout.n": 2,
-            "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
-            "actor_rollout_ref.actor.use_dynamic_bsz": "true",
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 128,
-            "actor_rollout_ref.actor.optim.lr": 1e-3, "critic.optim.lr": 1e-3,
-            "algorithm.use_kl_in_reward": "true", "algorithm.kl_ctrl.type": "adaptive",
-            "trainer.total_training_steps": STEPS, "trainer.save_freq": 2, "trainer.balance_batch": "true",
-            "trainer.logger": "[]", "trainer.device": "cpu", "trainer.n_gpus_per_node": world,
-            "trainer.default_local_dir": run_dir,
-        }
-        settings.update(changes)
-        return [f"{k}={v}" for k, v in settings.items()]
-
-    return overrides
+    """overrides(run_dir, world, **changes): ``launch.exact_ppo_overrides`` of the tiny model and task."""
+    return lambda run_dir, world, **changes: exact_ppo_overrides(tiny_model_dir, task_dir, run_dir, world, STEPS,
+                                                                 **changes)
 
 
 @pytest.fixture(scope="module")

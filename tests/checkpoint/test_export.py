@@ -1,0 +1,36 @@
+"""The Hugging Face export streams the model a block at a time into safetensors files of a bounded
+size: what it writes loads with ``from_pretrained`` and holds exactly the model's weights."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+from klppo.checkpoint.export import INDEX_FILE, SINGLE_FILE, export_hf
+from klppo.distributed import whole_tensor_groups
+
+
+@pytest.mark.parametrize("auto_class", [AutoModelForCausalLM, AutoModelForTokenClassification])
+def test_an_export_split_into_several_files_loads_with_the_same_weights(tiny_model_dir, tmp_path, auto_class):
+    kwargs = {"num_labels": 1} if auto_class is AutoModelForTokenClassification else {}
+    model = auto_class.from_pretrained(tiny_model_dir, **kwargs)
+    out = export_hf(model, AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "hf", shard_bytes=20_000)
+    index = json.loads((out / INDEX_FILE).read_text())
+    files = sorted({f for f in index["weight_map"].values()})
+    assert len(files) > 2 and files[-1].endswith(f"-of-{len(files):05d}.safetensors") and not (out / SINGLE_FILE).exists()
+    assert json.loads((out / "config.json").read_text())["architectures"] == [type(model).__name__]
+    loaded = auto_class.from_pretrained(out)
+    expected = model.state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    assert all(torch.equal(loaded.state_dict()[k], expected[k]) for k in expected)
+    if auto_class is AutoModelForCausalLM:
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def test_the_groups_are_decoder_blocks_and_runs_of_the_roots_own_parameters(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    groups = [sorted(group) for group in whole_tensor_groups(model)]
+    assert groups[0] == ["model.embed_tokens.weight"] and groups[-1] == ["model.norm.weight"]
+    assert [{name.split(".")[2] for name in group} for group in groups[1:-1]] == [{"0"}, {"1"}]
+    assert sum(len(g) for g in groups) == len(list(model.parameters()))  # the tied head comes once

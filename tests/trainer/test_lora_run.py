@@ -1,0 +1,187 @@
+"""LoRA PPO runs of the tiny model in one process: only the adapters (and the critic's head) train,
+the reference is the actor without its adapters, checkpoints hold the adapters, exports load in
+transformers and peft, and a resumed or rolled-back run is exact."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from klppo.config import load_ppo_config
+from klppo.distributed import read_sharded_contents
+from klppo.errors import UserError
+from klppo.models.lora import adapters_disabled, is_adapter
+from klppo.monitoring.logger import read_metrics
+from klppo.trainer import run_state
+from klppo.trainer.build import build_ppo
+from klppo.trainer.main_ppo import run_ppo
+from klppo.trainer.ppo_trainer import PPOTrainer
+
+STEPS = 4
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+
+
+def quiet(*args, **kwargs) -> None:
+    """A print_fn that prints nothing."""
+
+
+@pytest.fixture(scope="module")
+def lora_overrides(tiny_model_dir, task_dir):
+    """overrides(run_dir, **changes): an offline GAE run with a LoRA actor and a LoRA critic, KL in the
+    reward, packed token-budget micro-batches and a checkpoint every 2 steps."""
+
+    def overrides(run_dir: Path, **changes) -> list[str]:
+        settings = {
+            "data.train_files": task_dir / "offline.parquet", "data.max_prompt_length": 64,
+            "data.max_response_length": 16, "data.train_batch_size": 8,
+            "actor_rollout_ref.model.path": tiny_model_dir, "actor_rollout_ref.model.use_remove_padding": "true",
+            "actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 16,
+            "critic.model.lora_rank": 4, "actor_rollout_ref.rollout.name": "offline", "actor_rollout_ref.rollout.n": 2,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "actor_rollout_ref.actor.use_dynamic_bsz": "true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 128, "actor_rollout_ref.actor.optim.lr": 1e-2,
+            "critic.optim.lr": 1e-3, "algorithm.use_kl_in_reward": "true", "trainer.total_training_steps": STEPS,
+            "trainer.save_freq": 2, "trainer.logger": "[]", "trainer.device": "cpu",
+            "trainer.default_local_dir": run_dir,
+        }
+        settings.update(changes)
+        return [f"{k}={v}" for k, v in settings.items()]
+
+    return overrides
+
+
+@pytest.fixture(scope="module")
+def trained(lora_overrides, tmp_path_factory):
+    """(the parts after a finished LoRA run, its run folder, its metrics). The run drops its critic
+    before the export; ``parts.critic_names`` keeps the critic's parameter names by id."""
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    parts = build_ppo(load_ppo_config(None, lora_overrides(run_dir)), log=quiet)
+    parts.critic_names = {id(p): n for n, p in parts.critic.named_parameters()}
+    records = PPOTrainer(parts, print_fn=quiet).fit()
+    return parts, run_dir, records
+
+
+def test_only_the_adapters_and_the_critics_head_are_in_the_optimisers(trained):
+    parts, _, _ = trained
+    actor_names = {id(p): n for n, p in parts.actor.named_parameters()}
+    optimised = {actor_names[id(p)] for group in parts.actor_optimizer.param_groups for p in group["params"]}
+    assert optimised and all(is_adapter(name) for name in optimised)
+    assert optimised == {n for n in actor_names.values() if is_adapter(n)}
+    critic_names = parts.critic_names
+    critic_optimised = {critic_names[id(p)] for group in parts.critic_optimizer.param_groups for p in group["params"]}
+    head = {n for n in critic_names.values() if not n.startswith("model.")}  # the value head, outside the backbone
+    assert head and {n for n in critic_optimised if not is_adapter(n)} == head
+    assert any(is_adapter(n) for n in critic_optimised)
+
+
+def test_no_reference_model_is_loaded_and_the_kl_is_zero_before_the_first_update(trained):
+    parts, _, records = trained
+    assert parts.ref is None and parts.settings.ref_in_actor
+    assert records[0]["actor/kl_to_ref"] == 0.0 and records[0]["actor/reward_kl_penalty"] == 0.0
+    assert records[-1]["actor/kl_to_ref"] != 0.0  # the adapters moved the policy away from the base
+    # The offline probe samples from the policy and scores with the adapters off: also exactly 0 at first.
+    assert records[0]["actor/kl_to_ref_sampled"] == 0.0 and records[-1]["actor/kl_to_ref_sampled"] > 0.0
+
+
+def test_the_base_weights_stay_as_loaded_and_the_reference_is_the_base_model(trained, tiny_model_dir):
+    parts, _, _ = trained
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    weights = parts.actor.state_dict()
+    for name, value in base.state_dict().items():
+        adapted = name.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        assert torch.equal(weights.get(adapted, weights.get(name)), value), name
+    with torch.no_grad(), adapters_disabled(parts.actor):
+        torch.testing.assert_close(parts.actor(IDS).logits, base(IDS).logits, rtol=0, atol=0)
+    assert all(p.requires_grad == is_adapter(n) for n, p in parts.actor.named_parameters())  # flags restored
+
+
+def test_the_merged_export_and_the_adapter_give_the_adapted_models_logits(trained, tiny_model_dir):
+    from peft import PeftModel
+
+    parts, run_dir, _ = trained
+    with torch.no_grad():
+        adapted = parts.actor(IDS).logits
+        merged = AutoModelForCausalLM.from_pretrained(run_dir / "actor_hf")
+        torch.testing.assert_close(merged(IDS).logits, adapted, rtol=1e-5, atol=1e-5)
+        assert not any(is_adapter(name) for name in merged.state_dict())
+        with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                                 run_dir / "actor_adapter")
+        torch.testing.assert_close(with_adapter(IDS).logits, adapted, rtol=1e-5, atol=1e-5)
+    with safe_open(str(run_dir / "actor_adapter" / "adapter_model.safetensors"), "pt") as f:
+        assert f.keys() and all(".lora_A." in k or ".lora_B." in k for k in f.keys())
+
+
+def test_checkpoints_hold_the_adapters_and_their_optimiser_state_only(trained):
+    _, run_dir, _ = trained
+    keys = read_sharded_contents(run_dir / "global_step_4" / "weights").keys
+    actor = [k for k in keys if k.startswith(("actor.", "actor_optimizer."))]
+    assert actor and all(".lora_A." in k or ".lora_B." in k or k.startswith("actor_optimizer.param_groups")
+                         for k in actor)
+    assert any(k.startswith("actor_optimizer.state.") and k.endswith(".exp_avg") for k in actor)
+    assert not any("base_layer" in k or "embed_tokens" in k for k in keys)
+
+
+def test_a_resumed_lora_run_repeats_the_uninterrupted_run_exactly(trained, lora_overrides, tmp_path):
+    _, run_dir, records = trained
+    run_ppo(None, lora_overrides(tmp_path / "run", **{"trainer.total_training_steps": 2}), print_fn=quiet)
+    resumed = run_ppo(None, lora_overrides(tmp_path / "run"), print_fn=quiet)
+    comparable = [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in records[2:]]
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in resumed] == comparable
+    with safe_open(str(run_dir / "actor_adapter" / "adapter_model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "run" / "actor_adapter" / "adapter_model.safetensors"), "pt") as b:
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+
+
+def test_rolling_back_to_the_initial_weights_restores_the_adapters_starting_values(lora_overrides, tiny_model_dir,
+                                                                                     tmp_path):
+    parts = build_ppo(load_ppo_config(None, lora_overrides(tmp_path / "run", **{"trainer.total_training_steps": 1})),
+                      log=quiet)
+    start = {n: p.detach().clone() for n, p in parts.actor.named_parameters() if is_adapter(n)}
+    trainer = PPOTrainer(parts, print_fn=quiet)
+    trainer.step = 1  # the actor updates after the critic's warm-up steps (none)
+    trainer.train_step()
+    assert any(not torch.equal(p, start[n]) for n, p in parts.actor.named_parameters() if n in start)
+    run_state.restore_initial_actor(parts)
+    assert all(torch.equal(p, start[n]) for n, p in parts.actor.named_parameters() if n in start)
+    assert not parts.actor_optimizer.state
+    with torch.no_grad():  # lora_B is zero again: the actor is the base model
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        torch.testing.assert_close(parts.actor(IDS).logits, base(IDS).logits, rtol=0, atol=0)
+
+
+def test_a_run_starts_from_a_saved_adapter(trained, lora_overrides, tmp_path):
+    _, run_dir, _ = trained
+    overrides = lora_overrides(tmp_path / "run", **{"actor_rollout_ref.model.lora_rank": 0,
+                                                    "actor_rollout_ref.model.lora_adapter_path": run_dir / "actor_adapter",
+                                                    "trainer.total_training_steps": 1})
+    parts = build_ppo(load_ppo_config(None, overrides), log=quiet)
+    with safe_open(str(run_dir / "actor_adapter" / "adapter_model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    weights = dict(parts.actor.named_parameters())
+    for key, value in saved.items():
+        name = key.removeprefix("base_model.model.").replace(".weight", ".default.weight")
+        assert torch.equal(weights[name], value), name
+    records = PPOTrainer(parts, print_fn=quiet).fit()
+    assert records[0]["actor/kl_to_ref"] != 0.0  # the saved adapter is not the base model
+
+
+def test_target_modules_that_match_no_layer_are_refused_naming_the_layers(lora_overrides, tmp_path):
+    overrides = lora_overrides(tmp_path / "run", **{"actor_rollout_ref.model.target_modules": "[qproj]"})
+    with pytest.raises(UserError, match=r"actor_rollout_ref.model.target_modules = \('qproj',\).*adapts no layer.*"
+                                        r"'q_proj'.*list some of them, or use all-linear"):
+        build_ppo(load_ppo_config(None, overrides), log=quiet)
+
+
+def test_online_lora_run_generates_with_a_merged_copy_and_validates(lora_overrides, task_dir, tmp_path):
+    overrides = lora_overrides(tmp_path / "run", **{
+        "data.train_files": task_dir / "train.parquet", "data.val_files": task_dir / "val.parquet",
+        "actor_rollout_ref.rollout.name": "hf", "trainer.test_freq": 1, "trainer.total_training_steps": 1,
+        "trainer.save_freq": -1, "algorithm.adv_estimator": "grpo", "actor_rollout_ref.rollout.n": 2,
+        "algorithm.use_kl_in_reward": "false", "actor_rollout_ref.actor.use_kl_loss": "true"})
+    records = run_ppo(None, overrides, print_fn=quiet)
+    assert records[0]["step"] == 0 and records[0]["val-aux/kl_to_ref"] == 0.0
+    assert records[-1]["response_length/mean"] > 0 and "val-aux/kl_to_ref" in records[-1]
+    assert (tmp_path / "run" / "actor_adapter" / "adapter_config.json").is_file()
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 1
