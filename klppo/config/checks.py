@@ -302,6 +302,9 @@ def _check_files(out: list[Problem], key: str, files: str | list[str] | None, re
 def _check_ppo_paths(cfg: PPOConfig, out: list[Problem]) -> None:
     _check_files(out, "data.train_files", cfg.data.train_files, required=True)
     _check_files(out, "data.val_files", cfg.data.val_files, required=False)
+    if cfg.trainer.val_only and not cfg.data.val_files:
+        out.append(Problem(("trainer.val_only", "data.val_files"), "trainer.val_only validates the model on "
+                           "data.val_files, which is not set: set it, or set trainer.val_only=false to train"))
     if not cfg.actor_rollout_ref.model.path:
         key = f"{ARF}.model.path"
         out.append(Problem((key,), f"{key} is required: set it to a local Hugging Face model folder, e.g. {key}=models/Qwen2.5-0.5B-Instruct"))

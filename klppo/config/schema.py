@@ -440,6 +440,9 @@ class TrainerConfig:
     test_freq: int = -1
     # Validate once before training.
     val_before_train: bool = True
+    # Only validate the model (data.val_files, as val_before_train does) and stop: no training,
+    # no checkpoint, no export. Measures a model, e.g. one trained elsewhere, with the run's reward.
+    val_only: bool = False
     # Output folder for checkpoints, metrics and exports; None = checkpoints/<project>/<experiment>.
     default_local_dir: Optional[str] = None
     # auto: continue from the latest checkpoint if there is one; disable: start fresh;

@@ -47,7 +47,6 @@ RULES: tuple[tuple, ...] = (
     (("algorithm.rollout_correction.use_policy_gradient",), "verl 0.6.1 key; set "
      "algorithm.rollout_correction.loss_type=reinforce with bypass_mode=true", REFUSE),
     (("distillation.enabled",), "on-policy distillation is not implemented in klppo", REFUSE),
-    (("trainer.val_only",), "klppo has no validate-only run; set trainer.total_training_steps and val_before_train", REFUSE),
     (("*.qat.enable",), "quantisation-aware training is not implemented in klppo", REFUSE),
     (("*.optim.optimizer",), "klppo trains with torch's AdamW only", REFUSE),
     (("data.train_max_samples",), "klppo trains on every row of data.train_files; cut the Parquet file instead", REFUSE),

@@ -76,8 +76,10 @@ class PPOTrainer:
     def _train_to_the_end(self) -> list[dict[str, float]]:
         s, records = self.s, []
         has_val = bool(self.p.val_records or self.p.val_ranked)
-        if has_val and s.val_before_train and self.step == 0:
-            records.append(self.logger.log(0, self._validate(), total=self.p.total_steps))
+        if s.val_only or (has_val and s.val_before_train and self.step == 0):
+            records.append(self.logger.log(self.step, self._validate(), total=self.p.total_steps))
+        if s.val_only:
+            return records
         while self.step < self.p.total_steps:
             self.step += 1
             last = self.step == self.p.total_steps

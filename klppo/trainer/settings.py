@@ -173,6 +173,7 @@ class PPOSettings:
     save_freq: int
     test_freq: int
     val_before_train: bool
+    val_only: bool  # validate once and stop
     max_ckpt_to_keep: Optional[int]
     resume_mode: str
     resume_from_path: Optional[str]
@@ -210,6 +211,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
         guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=math.gcd(*global_rows.values()), balance_batch=trainer.balance_batch,
         save_freq=trainer.save_freq, test_freq=trainer.test_freq, val_before_train=trainer.val_before_train,
+        val_only=trainer.val_only,
         max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep, resume_mode=trainer.resume_mode,
         resume_from_path=trainer.resume_from_path,
         logger=LoggerSettings(tuple(trainer.logger), trainer.project_name, trainer.experiment_name,

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from klppo.checkpoint.state import LATEST_FILE
+from klppo.errors import UserError
 from klppo.monitoring.logger import read_metrics
 from klppo.trainer.main_ppo import run_ppo
 
@@ -188,3 +189,17 @@ def test_critic_warmup_steps_train_the_critic_only(ppo_overrides, tmp_path, tiny
     records = run_ppo(None, ppo_overrides(tmp_path / "run3", **{"trainer.critic_warmup": 2,
                                                                 "trainer.total_training_steps": 3}), print_fn=quiet)
     assert ["actor/pg_loss" in r for r in records] == [False, False, True]
+
+
+def test_val_only_validates_the_model_once_and_writes_no_checkpoint_or_export(ppo_overrides, task_dir, tmp_path):
+    overrides = ppo_overrides(**{"data.val_files": task_dir / "val.parquet", "trainer.val_only": "true",
+                                 "trainer.val_before_train": "false"})
+    records = run_ppo(None, overrides, print_fn=quiet)
+    assert [r["step"] for r in records] == [0] and "val-core/openai/gsm8k/reward/mean@1" in records[0]
+    assert read_metrics(tmp_path / "run") == records
+    assert not (tmp_path / "run" / "actor_hf").exists() and not list((tmp_path / "run").glob("global_step_*"))
+
+
+def test_val_only_without_validation_files_is_refused(ppo_overrides):
+    with pytest.raises(UserError, match="trainer.val_only.*data.val_files"):
+        run_ppo(None, ppo_overrides(**{"trainer.val_only": "true"}), print_fn=quiet)
