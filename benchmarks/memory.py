@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--responses", type=int, default=4, help="responses per prompt (rollout.n)")
     p.add_argument("--response-words", type=int, default=8, help="words per recorded response (offline)")
-    p.add_argument("--response-length", type=int, default=32, help="tokens per generated response (online)")
+    p.add_argument("--response-length", type=int, default=32, help="tokens per generated response (online; offline, of the KL probe's samples)")
     p.add_argument("--extra", nargs="*", default=[], help="more klppo overrides for every run")
     p.add_argument("--compare", nargs="*", default=[],
                    help="overrides of a second configuration, run at every world size after the first and "
@@ -147,9 +147,11 @@ def overrides(model: Path, data: Path, run_dir: Path, world: int, args) -> list[
         "trainer.total_training_steps=1", "trainer.logger=[]", "trainer.device=cpu", "trainer.resume_mode=disable",
         "trainer.save_freq=-1", f"trainer.n_gpus_per_node={world}", f"trainer.default_local_dir={run_dir}",
     ]
+    # Offline, the rollout length is that of the KL probe's samples (algorithm.kl_ctrl.offline_kl).
+    common.append(f"actor_rollout_ref.rollout.response_length={args.response_length}")
     if args.mode == "offline":
         return common + ["actor_rollout_ref.rollout.name=offline"] + args.extra
-    return common + ["actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.rollout.response_length={args.response_length}",
+    return common + ["actor_rollout_ref.rollout.name=hf",
                      "custom_reward_function.path=" + str(_length_reward(run_dir.parent))] + args.extra
 
 
