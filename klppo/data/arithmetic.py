@@ -1,7 +1,10 @@
 """The built-in demo task: one-step arithmetic word problems in GSM8K's format.
 
 Problems are short ("Tom has 7 apples and gets 5 more. How many apples does Tom have?")
-with operands in [0, 20) and non-negative results, so a tiny model can learn them on a CPU.
+with operands in [0, max_operand) and non-negative results, so a tiny model can learn them on
+a CPU. The (a, op, b) triples are split once and for all into a training part and a held-out
+part (``part``): problems drawn from the held-out part share no triple with any training
+problem, so a validation set drawn there measures generalisation, not memory.
 Solutions are written as GSM8K's are, ending in ``#### <answer>``, and the RL Parquet uses
 ``data_source="openai/gsm8k"`` so the GSM8K rule reward scores it, exactly as verl's
 ``examples/data_preprocess/gsm8k.py`` lays GSM8K out.
@@ -10,6 +13,7 @@ Solutions are written as GSM8K's are, ending in ``#### <answer>``, and the RL Pa
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +39,8 @@ TEMPLATES = (
     ("-", "There are {a} {a_obj} in a box. {name} takes out {b}. How many {objs} are in the box?"),
 )
 MAX_OPERAND = 20  # operands are drawn from [0, MAX_OPERAND)
+HELD_OUT_EVERY = 5  # one (a, op, b) triple in 5 belongs to the held-out part
+PARTS = ("all", "train", "held_out")
 
 
 @dataclass(frozen=True)
@@ -56,23 +62,38 @@ class ArithmeticProblem:
         return f"{self.a} {self.op} {self.b} = {result} #### {result}"
 
 
-def make_arithmetic_problem(rng: random.Random, max_operand: int = MAX_OPERAND) -> ArithmeticProblem:
-    """Draw one problem from ``rng`` with operands in [0, max_operand); subtraction stays >= 0."""
-    op, template = rng.choice(TEMPLATES)
-    name = rng.choice(NAMES)
-    singular, plural = rng.choice(OBJECTS)
-    a = rng.randrange(max_operand)
-    b = rng.randrange(max_operand) if op == "+" else rng.randrange(a + 1)
-    question = template.format(name=name, a=a, b=b, a_obj=singular if a == 1 else plural, objs=plural)
-    return ArithmeticProblem(question, a, op, b)
+def is_held_out(a: int, op: str, b: int) -> bool:
+    """Whether triple (a, op, b) belongs to the held-out part (a fixed hash: the same on every run)."""
+    return zlib.crc32(f"{a}{op}{b}".encode()) % HELD_OUT_EVERY == 0
 
 
-def make_problems(n: int, seed: int, max_operand: int = MAX_OPERAND) -> list[ArithmeticProblem]:
-    """``n`` problems drawn from ``random.Random(seed)``; the same seed gives the same list."""
+def make_arithmetic_problem(rng: random.Random, max_operand: int = MAX_OPERAND, part: str = "all") -> ArithmeticProblem:
+    """Draw one problem from ``rng`` with operands in [0, max_operand); subtraction stays >= 0.
+
+    ``part``: "all" triples, only the "train" part, or only the "held_out" part (problems of
+    the other part are drawn again).
+    """
+    if part not in PARTS:
+        raise UserError(f"part is {part!r}; use one of {', '.join(PARTS)}")
+    for _ in range(10_000):
+        op, template = rng.choice(TEMPLATES)
+        name = rng.choice(NAMES)
+        singular, plural = rng.choice(OBJECTS)
+        a = rng.randrange(max_operand)
+        b = rng.randrange(max_operand) if op == "+" else rng.randrange(a + 1)
+        if part == "all" or is_held_out(a, op, b) == (part == "held_out"):
+            question = template.format(name=name, a=a, b=b, a_obj=singular if a == 1 else plural, objs=plural)
+            return ArithmeticProblem(question, a, op, b)
+    raise UserError(f"no arithmetic problem with operands below {max_operand} falls in the {part} part; "
+                    "raise max_operand")
+
+
+def make_problems(n: int, seed: int, max_operand: int = MAX_OPERAND, part: str = "all") -> list[ArithmeticProblem]:
+    """``n`` problems drawn from ``random.Random(seed)`` (from ``part``); the same seed gives the same list."""
     if n <= 0:
         raise UserError(f"number of arithmetic problems is {n}; ask for at least 1")
     rng = random.Random(seed)
-    return [make_arithmetic_problem(rng, max_operand) for _ in range(n)]
+    return [make_arithmetic_problem(rng, max_operand, part) for _ in range(n)]
 
 
 def _prompt(problem: ArithmeticProblem, instruction: str) -> list[dict]:
@@ -82,11 +103,11 @@ def _prompt(problem: ArithmeticProblem, instruction: str) -> list[dict]:
 
 def write_arithmetic_parquet(
     path: str | Path, n: int, seed: int, *, instruction: str = "", split: str = "train",
-    max_operand: int = MAX_OPERAND,
+    max_operand: int = MAX_OPERAND, part: str = "all",
 ) -> Path:
     """Write ``n`` RL prompts in verl's RLHFDataset format (as verl's gsm8k preprocessing does)."""
     rows = []
-    for i, p in enumerate(make_problems(n, seed, max_operand)):
+    for i, p in enumerate(make_problems(n, seed, max_operand, part)):
         rows.append({
             "data_source": "openai/gsm8k",
             "prompt": _prompt(p, instruction),
@@ -99,7 +120,7 @@ def write_arithmetic_parquet(
 
 def write_arithmetic_sft_parquet(
     path: str | Path, n: int, seed: int, *, wrong_fraction: float, instruction: str = "",
-    max_operand: int = MAX_OPERAND,
+    max_operand: int = MAX_OPERAND, part: str = "all",
 ) -> Path:
     """Write ``n`` prompt/response rows; ``round(n * wrong_fraction)`` of them answer one too many.
 
@@ -108,7 +129,7 @@ def write_arithmetic_sft_parquet(
     """
     if not 0.0 <= wrong_fraction <= 1.0:
         raise UserError(f"wrong_fraction is {wrong_fraction}; set it between 0 and 1")
-    problems = make_problems(n, seed, max_operand)
+    problems = make_problems(n, seed, max_operand, part)
     wrong = set(random.Random(seed + 1).sample(range(n), round(n * wrong_fraction)))
     rows = [{"prompt": _prompt(p, instruction),
              "response": p.solution(p.answer + 1 if i in wrong else None)} for i, p in enumerate(problems)]
@@ -143,7 +164,7 @@ def write_arithmetic_offline_parquet(
 
 def write_arithmetic_ranked_parquet(
     path: str | Path, n: int, seed: int, *, n_responses: int = 4, instruction: str = "",
-    max_operand: int = MAX_OPERAND,
+    max_operand: int = MAX_OPERAND, part: str = "all",
 ) -> Path:
     """Ranked-response rows: ``n_responses`` answers off by 0, 1, 2, ... ranked by closeness.
 
@@ -154,7 +175,7 @@ def write_arithmetic_ranked_parquet(
         raise UserError(f"n_responses is {n_responses}; a ranking needs at least 2")
     rng = random.Random(seed + 11)
     rows = []
-    for i, p in enumerate(make_problems(n, seed, max_operand)):
+    for i, p in enumerate(make_problems(n, seed, max_operand, part)):
         offsets = list(range(n_responses))  # closeness to the right answer: 0 is best
         rng.shuffle(offsets)
         responses = [p.solution(p.answer + k) for k in offsets]
@@ -169,13 +190,14 @@ def write_arithmetic_ranked_parquet(
     return _write(path, rows)
 
 
-def arithmetic_corpus(n: int, seed: int, *, instruction: str = "", max_operand: int = MAX_OPERAND) -> list[str]:
+def arithmetic_corpus(n: int, seed: int, *, instruction: str = "", max_operand: int = MAX_OPERAND,
+                      part: str = "all") -> list[str]:
     """Texts for training the demo tokenizer: questions, solutions and the ChatML role lines.
 
     The ChatML special tokens themselves are left out (the tokenizer adds them as specials).
     """
     texts = [GSM8K_INSTRUCTION, instruction, "system\n", "user\n", "assistant\n"]
-    for p in make_problems(n, seed, max_operand):
+    for p in make_problems(n, seed, max_operand, part):
         texts.append(f"user\n{p.question}\nassistant\n{p.solution()}\n")
         texts.append(p.solution(p.answer + 1))
     return [t for t in texts if t]

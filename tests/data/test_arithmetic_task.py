@@ -80,3 +80,14 @@ def test_corpus_round_trips_through_the_tiny_tokenizer(tok):
     assert any("####" in t for t in texts) and not any("<|im_start|>" in t for t in texts)
     for text in texts[:10]:
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_held_out_problems_share_no_triple_with_training_problems():
+    from klppo.data.arithmetic import is_held_out
+
+    train = {(p.a, p.op, p.b) for p in make_problems(2000, seed=3, max_operand=100, part="train")}
+    held_out = {(p.a, p.op, p.b) for p in make_problems(500, seed=4, max_operand=100, part="held_out")}
+    assert train and held_out and not train & held_out
+    everything = [(p.a, p.op, p.b) for p in make_problems(5000, seed=5, max_operand=100)]
+    share = sum(is_held_out(*t) for t in everything) / len(everything)
+    assert 0.15 < share < 0.25  # one triple in five
