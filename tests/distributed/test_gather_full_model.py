@@ -6,18 +6,9 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from klppo.distributed import apply_fsdp2, build_mesh, close, gather_full_model, init_distributed
+from klppo.distributed import apply_fsdp2, gather_full_model
 from klppo.models.rng import seeded
 from klppo.models.tiny import tiny_model_config
-
-
-@pytest.fixture
-def group_of_one(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    env = init_distributed("cpu", group_of_one=True)
-    yield build_mesh(1)
-    close(env)
 
 
 @pytest.mark.parametrize("cls, tied", [(Qwen2ForCausalLM, True), (Qwen2ForCausalLM, False),
