@@ -34,3 +34,37 @@ def test_the_groups_are_decoder_blocks_and_runs_of_the_roots_own_parameters(tiny
     assert groups[0] == ["model.embed_tokens.weight"] and groups[-1] == ["model.norm.weight"]
     assert [{name.split(".")[2] for name in group} for group in groups[1:-1]] == [{"0"}, {"1"}]
     assert sum(len(g) for g in groups) == len(list(model.parameters()))  # the tied head comes once
+
+
+def test_streamed_files_read_back_with_safetensors_own_reader_in_every_dtype(tmp_path):
+    from safetensors import safe_open
+    from klppo.checkpoint.export import _ShardWriter
+
+    tensors = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16), "f16": torch.randn(7).half(), "f64": torch.randn(2, 2).double(),
+        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "ints": torch.arange(-5, 6), "bools": torch.rand(9) > 0.5,
+        "bytes": torch.arange(13, dtype=torch.uint8), "strided": torch.randn(4, 6).t(),  # not contiguous
+    }
+    writer = _ShardWriter(tmp_path, limit=1 << 20)
+    writer.add(dict(list(tensors.items())[:4]))
+    writer.add(dict(list(tensors.items())[4:]))
+    writer.close()
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(tensors) and f.metadata() == {"format": "pt"}
+        for name, expected in tensors.items():
+            got = f.get_tensor(name)
+            assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected), name
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no spool file left behind
+
+
+def test_the_writer_keeps_no_tensor_once_it_is_written(tmp_path):
+    import weakref
+    from klppo.checkpoint.export import _ShardWriter
+
+    writer = _ShardWriter(tmp_path, limit=1 << 30)  # one file: nothing is finished before close()
+    tensor = torch.randn(256, 256)
+    alive = weakref.ref(tensor)
+    writer.add({"w": tensor})
+    del tensor
+    assert alive() is None
+    writer.close()
