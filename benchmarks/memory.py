@@ -57,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare", nargs="*", default=[],
                    help="overrides of a second configuration, run at every world size after the first and "
                         "printed beside it with the ratios (e.g. actor_rollout_ref.model.lora_rank=16)")
-    p.add_argument("--workdir", help="keep the model and runs here (default: a temporary folder)")
+    p.add_argument("--workdir", help="keep the model, the runs and each run's whole output (run_*.log) here "
+                                      "(default: a temporary folder)")
     return p.parse_args(argv)
 
 
@@ -163,20 +164,20 @@ def _length_reward(folder: Path) -> Path:
     return path
 
 
-def run(cmd: list[str], env: dict) -> tuple[int, float]:
-    """(exit status, the largest resident set of any process the command started, GiB)."""
+def run(cmd: list[str], env: dict, log: Path) -> tuple[int, float]:
+    """(exit status, the largest resident set of any process the command started, GiB); the
+    command's whole output (every rank's) goes to ``log``, and its tail to stderr if it fails."""
     probe = textwrap.dedent("""
         import json, resource, subprocess, sys
         code = subprocess.run(sys.argv[1:]).returncode
         print(json.dumps([code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))
     """)
     done = subprocess.run([sys.executable, "-c", probe, *cmd], env=env, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode or not done.stdout.strip():
-        sys.stderr.write(done.stderr[-4000:])
-        return done.returncode or 1, float("nan")
-    code, max_rss_kb = json.loads(done.stdout.strip().splitlines()[-1])
+    log.write_text(done.stderr)
+    ok = done.returncode == 0 and done.stdout.strip()
+    code, max_rss_kb = json.loads(done.stdout.strip().splitlines()[-1]) if ok else (done.returncode or 1, float("nan"))
     if code:
-        sys.stderr.write(done.stderr[-4000:])
+        sys.stderr.write(f"{done.stderr[-4000:]}\n[memory] the run failed; its whole output: {log}\n")
     return code, max_rss_kb / 2**20
 
 
@@ -187,7 +188,8 @@ def measure(model: Path, data: Path, work: Path, world: int, args, label: str = 
         "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", "klppo.trainer.main_ppo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if world > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
            "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
-    code, peak = run([sys.executable, *launcher, *overrides(model, data, run_dir, world, args), *changes], env)
+    code, peak = run([sys.executable, *launcher, *overrides(model, data, run_dir, world, args), *changes], env,
+                     run_dir.with_name(run_dir.name + ".log"))
     record = {}
     if code == 0:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()

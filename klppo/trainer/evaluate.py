@@ -3,6 +3,7 @@ them with reference texts, and check the policy's preferences against held-out r
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
 
@@ -41,9 +42,10 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
         with generation_model(parts) as (sampler, sharded):  # as training samples (responses.py)
             metrics.update(validate(sampler, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
                                     batch_size=s.val_batch_size, env=parts.env, sharded=sharded))
-            if s.uses_reference:
+            if s.uses_reference:  # one sample per prompt: the held-out prompts give the estimate its spread
                 metrics["val-aux/kl_to_ref"] = sampled_kl_to_ref(
-                    parts.actor, lambda: reference_model(parts), parts.val_records, parts.tokenizer, s.sampling,
+                    parts.actor, lambda: reference_model(parts), parts.val_records, parts.tokenizer,
+                    dataclasses.replace(s.sampling, n=1),
                     batch_size=s.val_batch_size, env=parts.env, head=s.forwards.head, sampler=sampler, sharded=sharded)
     if parts.val_ranked:
         metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
