@@ -42,11 +42,11 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
         with generation_model(parts) as (sampler, sharded):  # as training samples (responses.py)
             metrics.update(validate(sampler, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
                                     batch_size=s.val_batch_size, env=parts.env, sharded=sharded))
-            if s.uses_reference:  # one sample per prompt: the held-out prompts give the estimate its spread
+            if s.uses_reference:  # one sample per held-out prompt, k3: unbiased, never negative, low variance
                 metrics["val-aux/kl_to_ref"] = sampled_kl_to_ref(
                     parts.actor, lambda: reference_model(parts), parts.val_records, parts.tokenizer,
-                    dataclasses.replace(s.sampling, n=1),
-                    batch_size=s.val_batch_size, env=parts.env, head=s.forwards.head, sampler=sampler, sharded=sharded)
+                    dataclasses.replace(s.sampling, n=1), batch_size=s.val_batch_size, env=parts.env,
+                    head=s.forwards.head, sampler=sampler, sharded=sharded, estimator="low_var_kl")
     if parts.val_ranked:
         metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
                                             env=parts.env, head=s.forwards.head))
@@ -156,9 +156,9 @@ def sampled_kl_to_ref(
     """KL(policy || reference) per token, estimated on responses *sampled from the policy* (k1 is
     unbiased only there; on recorded offline responses it is not a KL). ``reference()``: a context
     giving the reference model (``forwards.reference_model``: the frozen reference, or a LoRA
-    actor with its adapters off). ``estimator``: a ``kl_penalty`` name; "kl" (k1) as validation
-    reports it, "low_var_kl" (k3, also unbiased on the policy's samples, never negative, lower
-    variance) for small probes.
+    actor with its adapters off). ``estimator``: a ``kl_penalty`` name; "kl" (k1), or "low_var_kl"
+    (k3, also unbiased on the policy's samples, never negative, lower variance) as validation
+    and the offline probe use.
 
     ``sampler``: the model that samples (the actor's gathered copy; default the actor itself),
     ``sharded`` whether it is sharded (default: when there is a process group). Sampling draws
