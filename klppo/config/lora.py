@@ -12,18 +12,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from klppo.config.schema import LoraKeys
+
 CONFIG_FILE, WEIGHT_FILES = "adapter_config.json", ("adapter_model.safetensors", "adapter_model.bin")
 # peft options klppo's merge, export and reference do not model: an adapter using them is refused.
 UNSUPPORTED = {"use_dora": "DoRA", "use_rslora": "rank-stabilised scaling", "rank_pattern": "per-layer ranks",
                "alpha_pattern": "per-layer alphas", "layers_to_transform": "a subset of layers"}
 
 
-def lora_enabled(model_cfg) -> bool:
+def lora_enabled(model_cfg: LoraKeys) -> bool:
     """LoRA is on with a rank above 0 or a saved adapter to start from (verl's rule)."""
     return model_cfg.lora_rank > 0 or model_cfg.lora_adapter_path is not None
 
 
-def lora_problems(model_cfg, prefix: str) -> list[tuple[str, str]]:
+def lora_problems(model_cfg: LoraKeys, prefix: str) -> list[tuple[str, str]]:
     """(key, message naming the fix) of each problem with the LoRA keys of section ``prefix``."""
     out = []
     if model_cfg.lora_rank < 0:
@@ -42,7 +44,7 @@ def lora_problems(model_cfg, prefix: str) -> list[tuple[str, str]]:
     return out
 
 
-def _adapter_problems(model_cfg, prefix: str) -> list[tuple[str, str]]:
+def _adapter_problems(model_cfg: LoraKeys, prefix: str) -> list[tuple[str, str]]:
     key = f"{prefix}.lora_adapter_path"
     folder = Path(model_cfg.lora_adapter_path)
     fix = "point it at a folder that PeftModel.save_pretrained (or a klppo run's *_adapter export) wrote"

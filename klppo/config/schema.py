@@ -67,20 +67,12 @@ class FusedKernelOptionsConfig:
 
 
 @dataclass
-class ModelConfig:
-    # Local Hugging Face folder of the model (no hub downloads).
-    path: str = ""
-    # Recompute activations in the backward pass to save memory.
-    enable_gradient_checkpointing: bool = False
-    # Pack sequences without padding (sequence packing).
-    use_remove_padding: bool = False
-    # Compute log-probs and entropy through the LM head one vocabulary slice at a time, never
-    # holding the (tokens x vocab) logits whole. None (klppo's default; verl's is false): on
-    # wherever the model's head allows it (a Linear head the model does not rescale afterwards).
-    use_fused_kernels: Optional[bool] = None
-    fused_kernel_options: FusedKernelOptionsConfig = field(default_factory=FusedKernelOptionsConfig)
-    # LoRA rank; 0 trains every parameter. Above 0 only LoRA adapters (peft) train, and the
-    # reference policy is the actor with its adapters switched off: no second model is loaded.
+class LoraKeys:
+    """verl's LoRA keys, flat in every model section that trains (actor_rollout_ref.model,
+    critic.model, and klppo sft's and rm's model): the sections inherit them."""
+
+    # LoRA rank; 0 trains every parameter. Above 0 only LoRA adapters (peft) train, plus the new
+    # head of a critic or reward model; the adapter alone is also exported next to the model.
     lora_rank: int = 0
     # LoRA scaling alpha (the update is scaled by lora_alpha / lora_rank).
     lora_alpha: int = 16
@@ -92,6 +84,23 @@ class ModelConfig:
     # Folder of a saved LoRA adapter (peft's layout) to start from; it turns LoRA on, and its
     # adapter_config.json decides rank, alpha and target modules. None starts new adapters.
     lora_adapter_path: Optional[str] = None
+
+
+@dataclass
+class ModelConfig(LoraKeys):
+    # (LoRA: with lora_rank > 0 the reference policy is the actor with its adapters switched off,
+    # so no second model is loaded.)
+    # Local Hugging Face folder of the model (no hub downloads).
+    path: str = ""
+    # Recompute activations in the backward pass to save memory.
+    enable_gradient_checkpointing: bool = False
+    # Pack sequences without padding (sequence packing).
+    use_remove_padding: bool = False
+    # Compute log-probs and entropy through the LM head one vocabulary slice at a time, never
+    # holding the (tokens x vocab) logits whole. None (klppo's default; verl's is false): on
+    # wherever the model's head allows it (a Linear head the model does not rescale afterwards).
+    use_fused_kernels: Optional[bool] = None
+    fused_kernel_options: FusedKernelOptionsConfig = field(default_factory=FusedKernelOptionsConfig)
 
 
 @dataclass
@@ -227,23 +236,13 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
-class CriticModelConfig:
+class CriticModelConfig(LoraKeys):
     # Backbone of the critic; None = the actor's model.path.
     path: Optional[str] = None
     # Recompute activations in the backward pass.
     enable_gradient_checkpointing: bool = False
     # Pack sequences without padding.
     use_remove_padding: bool = False
-    # LoRA rank of the critic; 0 trains every parameter. Above 0 the adapters and the value head train.
-    lora_rank: int = 0
-    # LoRA scaling alpha.
-    lora_alpha: int = 16
-    # Modules that get adapters: "all-linear" or a list of module names.
-    target_modules: Union[str, list[str]] = "all-linear"
-    # Modules never given adapters; None excludes none.
-    exclude_modules: Optional[Union[str, list[str]]] = None
-    # Folder of a saved LoRA adapter (peft's layout) to start from; None starts new adapters.
-    lora_adapter_path: Optional[str] = None
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -501,18 +500,11 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTModelConfig:
+class SFTModelConfig(LoraKeys):  # LoRA: the adapter also goes to <default_local_dir>/adapter
     # Local Hugging Face folder to start from.
     partial_pretrain: str = ""
     # Recompute activations in the backward pass.
     enable_gradient_checkpointing: bool = False
-    # LoRA as actor_rollout_ref.model's keys: above 0 only the adapters train, and the
-    # adapter alone is also written to <default_local_dir>/adapter.
-    lora_rank: int = 0
-    lora_alpha: int = 16
-    target_modules: Union[str, list[str]] = "all-linear"
-    exclude_modules: Optional[Union[str, list[str]]] = None
-    lora_adapter_path: Optional[str] = None
     # FSDP2 options (as the PPO models'); used on torchrun ranks or, when set, on one process.
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -597,18 +589,11 @@ class RMDataConfig:
 
 
 @dataclass
-class RMModelConfig:
+class RMModelConfig(LoraKeys):  # LoRA: the adapter also goes to <default_local_dir>/adapter
     # Local Hugging Face folder to start from (a causal LM: its backbone gets a score head).
     partial_pretrain: str = ""
     # Recompute activations in the backward pass.
     enable_gradient_checkpointing: bool = False
-    # LoRA as actor_rollout_ref.model's keys: above 0 only the adapters and the score head train, and the
-    # adapter alone is also written to <default_local_dir>/adapter.
-    lora_rank: int = 0
-    lora_alpha: int = 16
-    target_modules: Union[str, list[str]] = "all-linear"
-    exclude_modules: Optional[Union[str, list[str]]] = None
-    lora_adapter_path: Optional[str] = None
     # FSDP2 options (as the PPO models'); used on torchrun ranks or, when set, on one process.
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

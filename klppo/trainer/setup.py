@@ -17,7 +17,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from klppo.config.schema import FSDPConfig, OptimConfig
+from klppo.config.lora import lora_enabled
+from klppo.config.schema import FSDPConfig, LoraKeys, OptimConfig
 from klppo.distributed import (
     DEFAULT_TIMEOUT_S, DistEnv, apply_fsdp2, build_mesh, fill_sharded, init_distributed, materialize,
 )
@@ -138,11 +139,11 @@ class Sharder:
 _LOADERS = {"causal_lm": load_causal_lm, "critic": load_critic, "reward_model": load_reward_model}
 
 
-def lora_spec(model_cfg, prefix: str) -> LoraSpec | None:
+def lora_spec(model_cfg: LoraKeys, prefix: str) -> LoraSpec | None:
     """The LoRA adapters a config section asks for (``<prefix>.lora_rank`` etc., verl's keys), or None
     for full fine-tuning. A ``lora_adapter_path`` turns LoRA on by itself, as in verl; its own
     config then decides rank, alpha and target modules."""
-    if model_cfg.lora_rank <= 0 and model_cfg.lora_adapter_path is None:
+    if not lora_enabled(model_cfg):
         return None
 
     def as_modules(value):
