@@ -117,7 +117,7 @@ def summary_table(records: list[dict], reward_label: str | None = "train mean re
 # ``klppo demo --lora``: the PPO actor trains rank-16 adapters only (its reference is the SFT
 # model under them, adapters off); adapters need a larger learning rate than full fine-tuning.
 LORA = {"actor_rollout_ref.model.lora_rank": "16", "actor_rollout_ref.model.lora_alpha": "32",
-        "actor_rollout_ref.actor.optim.lr": "2e-3"}
+        "actor_rollout_ref.actor.optim.lr": "1e-3"}
 
 
 def with_changes(overrides: list[str], changes: dict[str, str]) -> list[str]:
