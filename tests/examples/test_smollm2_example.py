@@ -28,24 +28,16 @@ pytestmark = [
 ]
 
 
-def load_script(name: str):
-    """Import examples/smollm2/<name>.py as a module (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"smollm2_{name}", EXAMPLE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> tuple:
+def converted(tmp_path_factory, smollm2_script) -> tuple:
     """(the converted SmolLM2 folder, seconds the conversion took): converted once for the module."""
     start = time.perf_counter()
-    model_dir = load_script("convert").convert(tmp_path_factory.mktemp("smollm2") / "model", print_fn=print)
+    model_dir = smollm2_script("convert").convert(tmp_path_factory.mktemp("smollm2") / "model", print_fn=print)
     return model_dir, time.perf_counter() - start
 
 
-def test_converted_smollm2_trains_one_offline_ppo_step_that_moves_the_actor(tmp_path, converted):
-    prepare = load_script("prepare_data")
+def test_converted_smollm2_trains_one_offline_ppo_step_that_moves_the_actor(tmp_path, converted, smollm2_script):
+    prepare = smollm2_script("prepare_data")
     model_dir, converted_s = converted
     train_file = prepare.write_offline_parquet(tmp_path / "train.parquet", n=16, seed=0)
     run_dir = tmp_path / "ppo"
@@ -76,12 +68,13 @@ def test_converted_smollm2_trains_one_offline_ppo_step_that_moves_the_actor(tmp_
     assert 0.0 < change < 1e-4
 
 
-def test_converted_smollm2_runs_the_online_grpo_yaml_with_a_learning_signal_from_the_start(tmp_path, converted):
+def test_converted_smollm2_runs_the_online_grpo_yaml_with_a_learning_signal_from_the_start(tmp_path, converted,
+                                                                                          smollm2_script):
     """One step of ppo_online.yaml on the real model, validated before and after on a few held-out
     problems: the instruct model's samples are right often enough, and wrong often enough, that
     GRPO's groups are not all ties (the reward gives it something to learn from at step 1)."""
     model_dir, _ = converted
-    prepare = load_script("prepare_online")
+    prepare = smollm2_script("prepare_online")
     train_file, val_file = prepare.write_online_parquets(tmp_path / "data", n_train=32, n_val=8, seed=0)
     run_dir = tmp_path / "online"
     start = time.perf_counter()

@@ -1,7 +1,6 @@
 """examples/smollm2's online run, its parts on their own: the reward, the held-out split, and the
 YAML run end to end with the tiny test model in place of SmolLM2 (fast; no optional package)."""
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -16,14 +15,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2"
 REPO = EXAMPLE.parents[1]
 
 
-def load_script(name: str):
-    """Import examples/smollm2/<name>.py as a module (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"smollm2_{name}", EXAMPLE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(("response", "truth", "score"), [
     ("Ben has 6 pens and gets 10 more, so Ben has 6 + 10 = 16 pens.", "16", 1.0),
     ("16", "16", 1.0),
@@ -34,8 +25,8 @@ def load_script(name: str):
     ("Sam has no balls left.", "0", 0.0),                  # no number: no answer
     ("17 #### 17", "16", 0.0),
 ])
-def test_reward_reads_the_last_integer_of_the_response(response, truth, score):
-    reward = load_script("reward")
+def test_reward_reads_the_last_integer_of_the_response(response, truth, score, smollm2_script):
+    reward = smollm2_script("reward")
     assert reward.compute_score("openai/gsm8k", response, truth, {}) == score
 
 
@@ -45,8 +36,8 @@ def triple(row: dict) -> tuple[int, str, int]:
     return int(a), op, int(b)
 
 
-def test_validation_problems_share_no_operands_and_operator_with_training_problems(tmp_path):
-    prepare = load_script("prepare_online")
+def test_validation_problems_share_no_operands_and_operator_with_training_problems(tmp_path, smollm2_script):
+    prepare = smollm2_script("prepare_online")
     train_file, val_file = prepare.write_online_parquets(tmp_path, n_train=500, n_val=100, seed=3)
     train = pq.read_table(train_file).to_pylist()
     val = pq.read_table(val_file).to_pylist()
@@ -57,9 +48,10 @@ def test_validation_problems_share_no_operands_and_operator_with_training_proble
     assert all(r["prompt"][-1]["content"].endswith(prepare.INSTRUCTION) for r in train + val)
 
 
-def test_the_online_yaml_runs_a_validated_grpo_step_with_the_example_reward(tmp_path, tiny_model_dir, monkeypatch):
+def test_the_online_yaml_runs_a_validated_grpo_step_with_the_example_reward(tmp_path, tiny_model_dir, monkeypatch,
+                                                                           smollm2_script):
     monkeypatch.chdir(REPO)  # the YAML names its reward file relative to the repository root
-    prepare = load_script("prepare_online")
+    prepare = smollm2_script("prepare_online")
     train_file, val_file = prepare.write_online_parquets(tmp_path / "data", n_train=16, n_val=4, seed=0)
     run_dir = tmp_path / "run"
     run_ppo(str(EXAMPLE / "ppo_online.yaml"), [
