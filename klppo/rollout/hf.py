@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
+from transformers import GenerationConfig
 
 from klppo.data.rl_dataset import PromptRecord, collate_prompts
 from klppo.rollout.batch import RolloutBatch, assemble_batch, mask_after_eos
@@ -28,6 +31,12 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
     ``synced_gpus`` (sharded models): every rank keeps running forwards until all ranks have
     finished, so FSDP2's per-forward collectives line up.
 
+    Sampling is from exactly softmax(logits / temperature), with ``params.top_p`` / ``top_k``
+    and nothing else: ``generate`` would start from the model folder's generation_config and
+    apply its other processors too (Qwen2.5-Instruct ships ``repetition_penalty: 1.05``;
+    others set ``no_repeat_ngram_size``, ``min_p``, ``suppress_tokens``, ...), so the responses
+    would not come from the policy whose log-probs PPO uses (``neutral_generation_config``).
+
     Tokens after a response's first EOS are replaced by padding and masked out. Sampling
     draws from torch's global RNG, which checkpoints save and restore, so a resumed run
     samples the same responses as an uninterrupted one.
@@ -42,20 +51,8 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
     prompt_mask = prompt_mask.repeat_interleave(params.n, dim=0).to(device)
     was_training = model.training
     model.eval()
-    sampling = {}
-    if params.do_sample:
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0)}
-    output = model.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask.long(),
-        max_new_tokens=params.max_new_tokens,
-        do_sample=params.do_sample,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        use_cache=True,
-        synced_gpus=synced_gpus,
-        **sampling,
-    )
+    with generating_with(model, neutral_generation_config(params, tokenizer)):
+        output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), synced_gpus=synced_gpus)
     model.train(was_training)
     response_ids = output[:, prompt_ids.shape[1] :].cpu()  # (B, T) with T <= max_new_tokens
     if response_ids.shape[1] == 0:
@@ -63,3 +60,33 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
     response_mask = mask_after_eos(response_ids, tokenizer.eos_token_id)
     response_ids = response_ids.masked_fill(~response_mask, tokenizer.pad_token_id)
     return assemble_batch(records, params.n, tokenizer.pad_token_id, response_ids, response_mask)
+
+
+def neutral_generation_config(params: SamplingParams, tokenizer) -> GenerationConfig:
+    """The generation config of sampling from softmax(z / T) with ``params``' top_p / top_k alone.
+
+    Every field left unset falls back to transformers' neutral global defaults (no repetition
+    penalty, no n-gram blocking, no minimum length, no suppressed tokens, ...).
+    """
+    sampling = {}
+    if params.do_sample:  # top_k 0 switches top-k off (transformers' own default is 50)
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0)}
+    return GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=params.do_sample,
+                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                            use_cache=True, **sampling)
+
+
+@contextmanager
+def generating_with(model, config: GenerationConfig) -> Iterator[None]:
+    """``model.generation_config`` is ``config`` inside the block.
+
+    ``generate(generation_config=...)`` alone is not enough: transformers fills every field the
+    given config leaves unset from the model's own generation_config (``_prepare_generation_config``),
+    which is how the folder's processors come back.
+    """
+    own = model.generation_config
+    model.generation_config = config
+    try:
+        yield
+    finally:
+        model.generation_config = own

@@ -46,3 +46,49 @@ def test_hf_rollout_samples_n_per_prompt_and_masks_after_eos(tiny_model_dir, tas
     torch.manual_seed(0)
     again = hf_rollout(model, records, tokenizer, SamplingParams(n=3, max_new_tokens=8))
     assert torch.equal(again.response_ids, batch.response_ids)  # same seed, same samples
+
+
+def _model_with_generation_config(folder, **generation) -> AutoModelForCausalLM:
+    """The tiny model, with a generation_config that asks generate for processors of its own."""
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    for key, value in generation.items():
+        setattr(model.generation_config, key, value)
+    return model
+
+
+def test_hf_rollout_greedy_ignores_the_folders_generation_processors(tiny_model_dir, task_dir):
+    """Greedy decoding is the argmax of the model's own logits at every step, even when the
+    folder's generation_config blocks repeats (the tiny model's greedy responses repeat tokens)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = _model_with_generation_config(tiny_model_dir, no_repeat_ngram_size=1, repetition_penalty=3.0)
+    records = load_rl_dataset(str(task_dir / "train.parquet"), tokenizer, max_prompt_length=64, log=lambda *a: None)[:2]
+    batch = hf_rollout(model, records, tokenizer, SamplingParams(n=1, max_new_tokens=6, do_sample=False))
+    for row in range(len(batch)):
+        prompt = batch.prompt_ids[row][batch.prompt_mask[row]].tolist()
+        response = batch.response_ids[row][batch.response_mask[row]].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        assert logits.argmax(-1).tolist() == response
+    assert model.generation_config.no_repeat_ngram_size == 1  # the model's own config is left as it was
+
+
+def test_hf_rollout_samples_from_the_scored_softmax_despite_the_folders_processors(tiny_model_dir, task_dir):
+    """First-token frequencies of many samples match softmax(logits / T), although the folder's
+    generation_config suppresses the likeliest tokens and penalises the prompt's tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    record = load_rl_dataset(str(task_dir / "train.parquet"), tokenizer, max_prompt_length=64, log=lambda *a: None)[0]
+    temperature = 0.5
+    with torch.no_grad():
+        probs = (model(torch.tensor([record.prompt_ids])).logits[0, -1] / temperature).softmax(-1)
+    likeliest = probs.topk(20).indices.tolist()
+    model = _model_with_generation_config(tiny_model_dir, suppress_tokens=likeliest, repetition_penalty=5.0)
+    n = 4000
+    torch.manual_seed(0)
+    batch = hf_rollout(model, [record], tokenizer, SamplingParams(n=n, max_new_tokens=1, temperature=temperature))
+    first = batch.response_ids[:, 0]
+    for tokens in (likeliest, sorted(set(record.prompt_ids))):
+        expected = float(probs[tokens].sum())
+        observed = float(torch.isin(first, torch.tensor(tokens)).float().mean())
+        sd = (expected * (1 - expected) / n) ** 0.5
+        assert abs(observed - expected) < 5 * sd, (tokens, observed, expected)
