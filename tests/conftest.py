@@ -118,3 +118,31 @@ def answer_batch(tiny_model_dir):
         return batch
 
     return make
+
+
+# vLLM's CPU attention takes head sizes of 32 and more: the vLLM tests' tiny model has 2 heads of 32.
+VLLM_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory) -> Path:
+    """A random-init tiny Qwen2 (tied embeddings) that vLLM's CPU backend runs."""
+    return build_tiny_model_folder(tmp_path_factory.mktemp("vllm_model"), arithmetic_corpus(200, 0), seed=0, **VLLM_TINY)
+
+
+@pytest.fixture(scope="session")
+def vllm_untied_model_dir(vllm_model_dir, tmp_path_factory) -> Path:
+    """The same model with an LM head of its own (untied from the embeddings, its own random values)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    model.config.tie_word_embeddings = False
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.05)
+    model.lm_head = head
+    out = tmp_path_factory.mktemp("vllm_untied_model")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(vllm_model_dir).save_pretrained(out)
+    return out

@@ -46,6 +46,7 @@ from klppo.algo.rollout_correction import (
     compute_offpolicy_metrics,
     compute_rollout_correction_and_rejection_mask,
     compute_rollout_correction_weights,
+    rollout_probs_diff_metrics,
     compute_rollout_rejection_mask,
 )
 from klppo.algo.stats import masked_mean, masked_sum, masked_var, masked_whiten
@@ -72,6 +73,7 @@ __all__ = [
     "compute_rloo_outcome_advantage",
     "compute_rollout_correction_and_rejection_mask",
     "compute_rollout_correction_weights",
+    "rollout_probs_diff_metrics",
     "compute_rollout_rejection_mask",
     "compute_value_loss",
     "entropy_from_logits",

@@ -291,6 +291,27 @@ def compute_offpolicy_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torc
     }
 
 
+def rollout_probs_diff_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                               response_mask: torch.Tensor, low: float = 0.8, high: float = 1.25) -> Metrics:
+    """How far the sampler's token probabilities are from the trainer's; inputs (B, T).
+
+    verl's ``training/rollout_probs_diff_{mean,max,std}``: |pi_old(y_t) - mu(y_t)| over the
+    response tokens; and ``training/rollout_probs_ratio_outside``: the share of tokens whose
+    ratio pi_old / mu lies outside [``low``, ``high``] (the inference engine and the trainer
+    disagree there by more than a PPO clip range would forgive).
+    """
+    mask = response_mask.bool()
+    diff = (torch.exp(old_log_prob) - torch.exp(rollout_log_prob)).abs()
+    ratio = torch.exp((old_log_prob - rollout_log_prob).clamp(min=-SAFETY_BOUND, max=SAFETY_BOUND))
+    outside = ((ratio < low) | (ratio > high)).float()
+    return {
+        "training/rollout_probs_diff_mean": masked_mean(diff, mask),
+        "training/rollout_probs_diff_max": _masked_max(diff, mask),
+        "training/rollout_probs_diff_std": masked_var(diff, mask).clamp(min=0).sqrt(),
+        "training/rollout_probs_ratio_outside": masked_mean(outside, mask),
+    }
+
+
 def compute_rollout_correction_and_rejection_mask(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,

@@ -10,12 +10,12 @@ is wrong and how to fix it.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 from klppo.config.lora import lora_problems
+from klppo.config.rollout import engine_problems, resolve_rollout_engine, rollout_notes
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
 from klppo.config.schema import (
     ActorConfig,
@@ -55,16 +55,17 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
     arf = cfg.actor_rollout_ref
     actor, critic = arf.actor, cfg.critic
     notes = notes if notes is not None else []
-    _resolve_rollout_engine(arf.rollout, notes)
+    if arf.rollout.response_length is None:
+        arf.rollout.response_length = cfg.data.max_response_length
+    resolve_rollout_engine(arf.rollout, cfg.data.max_prompt_length, notes)
     _note_rollout_correction(cfg, notes)
+    notes += rollout_notes(cfg)
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:
         actor.clip_ratio_high = actor.clip_ratio
     if arf.rollout.n is None:  # ranking needs several responses per prompt
         arf.rollout.n = 4 if cfg.reward_model.rank_responses else 1
-    if arf.rollout.response_length is None:
-        arf.rollout.response_length = cfg.data.max_response_length
     if critic.ppo_mini_batch_size is None:
         critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
     if critic.ppo_epochs is None:
@@ -101,23 +102,6 @@ def resolve_sft(cfg: SFTConfig | RMConfig, notes: Optional[list[str]] = None) ->
     _resolve_output_dir(cfg.trainer)
 
 
-def _resolve_rollout_engine(rollout: RolloutConfig, notes: list[str]) -> None:
-    """vLLM / SGLang rollouts generate with Hugging Face generate, with the same sampling settings.
-
-    klppo has no vLLM (or SGLang) backend yet, so a verl script's ``rollout.name=vllm`` runs
-    with ``hf``: slower, same distribution (temperature, top_p, top_k, n, response_length apply).
-    """
-    if rollout.name not in ("vllm", "sglang"):
-        return
-    why = [f"klppo has no {rollout.name} backend yet"]
-    if importlib.util.find_spec(rollout.name) is None:
-        why.append(f"the {rollout.name} package is not installed")
-    notes.append(f"warning: {ROLLOUT}.name = '{rollout.name}': generating with 'hf' (Hugging Face generate) "
-                 f"instead, since {' and '.join(why)}; the same sampling settings apply (temperature, top_p, "
-                 f"top_k, n, response_length)")
-    rollout.name = "hf"
-
-
 def rollout_correction_active(cfg: PPOConfig) -> bool:
     """Whether algorithm.rollout_correction changes the update (weights, rejection or bypass)."""
     rc = cfg.algorithm.rollout_correction
@@ -127,10 +111,10 @@ def rollout_correction_active(cfg: PPOConfig) -> bool:
 def _note_rollout_correction(cfg: PPOConfig, notes: list[str]) -> None:
     """Settings that have no effect where they are, said once (verl ignores them there too)."""
     rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
-    if rollout_correction_active(cfg) and cfg.actor_rollout_ref.rollout.name != "offline":
-        notes.append(f"warning: {key} has no effect with {ROLLOUT}.name = '{cfg.actor_rollout_ref.rollout.name}': "
-                     "klppo generates with the actor itself, so the behaviour policy is pi_old and every weight "
-                     "pi_old / mu is 1; it corrects offline responses that carry rollout_log_probs")
+    if rollout_correction_active(cfg) and cfg.actor_rollout_ref.rollout.name == "hf":
+        notes.append(f"warning: {key} has no effect with {ROLLOUT}.name = 'hf': the actor itself samples, so the "
+                     "behaviour policy is pi_old and every weight pi_old / mu is 1; it corrects offline responses "
+                     "that carry rollout_log_probs, and vLLM rollouts (rollout.name=vllm)")
     elif rc.loss_type != "ppo_clip" and not rc.bypass_mode:
         notes.append(f"warning: {key}.loss_type = '{rc.loss_type}' applies in bypass mode only (as in verl); "
                      f"set {key}.bypass_mode=true, or leave loss_type at ppo_clip")
@@ -207,6 +191,7 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
         _check_optim(cfg.critic.optim, "critic.optim", out)
     _check_algorithm(cfg, out)
     _check_rollout_correction(cfg, out)
+    out += [Problem(keys, message) for keys, message in engine_problems(cfg)]
     _check_trainer(cfg.trainer, out)
     _check_guard(cfg.trainer.guard, out)
     _positive(out, "reward_model.ranking.scale", cfg.reward_model.ranking.scale)

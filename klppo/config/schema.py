@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
+from klppo.config.rollout import RolloutConfig, ValKwargsConfig  # noqa: F401 (part of the tree)
+
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+"]
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -163,52 +165,6 @@ class ActorConfig:
     entropy_checkpointing: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
-
-
-@dataclass
-class ValKwargsConfig:
-    # Sampling temperature for validation.
-    temperature: float = 0.0
-    # Nucleus sampling for validation.
-    top_p: float = 1.0
-    # Top-k sampling for validation; -1 disables it.
-    top_k: int = -1
-    # Responses per validation prompt.
-    n: int = 1
-    # Sample (True) or decode greedily (False).
-    do_sample: bool = False
-
-
-@dataclass
-class RolloutConfig:
-    # Where responses come from: recorded in the data, or generated with HF generate. verl's
-    # vllm and sglang are accepted and resolve to hf (klppo has no such backend yet).
-    name: Literal["offline", "hf", "vllm", "sglang"] = "offline"
-    # Responses per prompt (offline: the first n recorded responses of each row; a row with
-    # fewer is an error). None: 4 when reward_model.rank_responses ranks them, else 1.
-    n: Optional[int] = None
-    # Sampling temperature.
-    temperature: float = 1.0
-    # Nucleus sampling.
-    top_p: float = 1.0
-    # Top-k sampling; -1 disables it.
-    top_k: int = -1
-    # Sample (True) or decode greedily (False).
-    do_sample: bool = True
-    # Longest generated response; None = data.max_response_length.
-    response_length: Optional[int] = None
-    # Samples per no-grad forward when computing old log-probs; None = all at once.
-    log_prob_micro_batch_size_per_gpu: Optional[int] = None
-    # Size log-prob micro-batches by tokens; None = actor.use_dynamic_bsz (as verl).
-    log_prob_use_dynamic_bsz: Optional[bool] = None
-    # Token budget of one log-prob micro-batch; None = actor.ppo_max_token_len_per_gpu (as verl).
-    log_prob_max_token_len_per_gpu: Optional[int] = None
-    # How sharded ranks generate (hf): `gathered` all-gathers the actor once per step into a whole
-    # copy in its compute dtype and decodes with it (no collective per token); `sharded` decodes
-    # with the sharded actor (least memory); `auto`: gathered when the copy fits in half the free
-    # memory, on runs of several ranks.
-    generation_weights: Literal["auto", "gathered", "sharded"] = "auto"
-    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 
 @dataclass

@@ -15,7 +15,8 @@ from __future__ import annotations
 REFUSE = "refuse"
 FOLLOWS = ((), "follows")
 
-_ENGINE = "vLLM/SGLang engine setting; klppo generates with Hugging Face generate"
+_ENGINE = ("vLLM/SGLang engine setting klppo does not have; its vLLM engine runs in every training process, "
+           "one per tensor-parallel group, with the engine keys of actor_rollout_ref.rollout")
 _RM_SERVER = "engine setting of verl's reward-model server; klppo scores reward models in-process"
 _RAY = "Ray worker and resource-pool layout; klppo runs one SPMD process per device under torchrun"
 _PROFILER = "profiler setting (Nsight, NPU, torch profiler); klppo has phase timers and MFU only"
@@ -77,14 +78,10 @@ RULES: tuple[tuple, ...] = (
      "klppo's models share one process group, whose timeout is actor_rollout_ref.nccl_timeout"),
     # -- the rollout engine --
     (("actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node",
-      "actor_rollout_ref.rollout.dtype", "actor_rollout_ref.rollout.gpu_memory_utilization",
-      "actor_rollout_ref.rollout.ignore_eos", "actor_rollout_ref.rollout.enforce_eager",
-      "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.free_cache_engine",
-      "actor_rollout_ref.rollout.*_parallel_size", "actor_rollout_ref.rollout.max_num_batched_tokens",
-      "actor_rollout_ref.rollout.max_model_len", "actor_rollout_ref.rollout.max_num_seqs",
-      "actor_rollout_ref.rollout.enable_chunked_prefill", "actor_rollout_ref.rollout.enable_prefix_caching",
-      "actor_rollout_ref.rollout.logprobs_mode", "actor_rollout_ref.rollout.scheduling_policy",
-      "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.layered_summon",
+      "actor_rollout_ref.rollout.cudagraph_capture_sizes", "actor_rollout_ref.rollout.data_parallel_size",
+      "actor_rollout_ref.rollout.expert_parallel_size", "actor_rollout_ref.rollout.pipeline_model_parallel_size",
+      "actor_rollout_ref.rollout.*_parallel_size", "actor_rollout_ref.rollout.scheduling_policy",
+      "actor_rollout_ref.rollout.layered_summon",
       "actor_rollout_ref.rollout.disable_log_stats", "actor_rollout_ref.rollout.multi_stage_wake_up",
       "actor_rollout_ref.rollout.engine_kwargs*", "actor_rollout_ref.rollout.router_config_path",
       "actor_rollout_ref.rollout.skip_tokenizer_init", "actor_rollout_ref.rollout.checkpoint_engine.*",
@@ -92,11 +89,10 @@ RULES: tuple[tuple, ...] = (
       "actor_rollout_ref.rollout.disaggregation.*", "actor_rollout_ref.rollout.prometheus.*",
       "actor_rollout_ref.rollout.enable_rollout_routing_replay", "actor_rollout_ref.rollout.moe_load_balance_metrics_interval",
       "actor_rollout_ref.rollout.mtp", "actor_rollout_ref.rollout.qat", "actor_rollout_ref.rollout.full_determinism",
-      "actor_rollout_ref.rollout.over_sample_rate", "actor_rollout_ref.rollout.calculate_log_probs",
+      "actor_rollout_ref.rollout.over_sample_rate",
       "actor_rollout_ref.rollout.trace.*",
       "actor_rollout_ref.rollout.agent.*", "actor_rollout_ref.rollout.skip_rollout",
       "actor_rollout_ref.rollout.skip_dump_dir"), _ENGINE),
-    (("actor_rollout_ref.rollout.seed",), _SEED),
     (("actor_rollout_ref.rollout.use_fire_sampling",), "FIRE sampling is " + _NOT_IMPLEMENTED),
     (("actor_rollout_ref.rollout.multi_turn.*", "data.tool_config_path", "data.function_tool_path"),
      "multi-turn / tool setting, used only with multi_turn.enable (not implemented in klppo)"),

@@ -212,15 +212,28 @@ def all_gather_objects(obj) -> list:
     return out
 
 
-def shard_range(n_items: int, env: DistEnv) -> slice:
-    """This rank's contiguous, equal share of ``n_items`` (rank r gets block r)."""
-    if n_items % env.world_size:
+def shard_range(n_items: int, env: DistEnv, group_size: int = 1) -> slice:
+    """This rank's contiguous, equal share of ``n_items`` (rank r gets block r); with ``group_size``
+    consecutive ranks sharing one block (a tensor-parallel engine's group), block r // group_size."""
+    groups = env.world_size // group_size
+    if n_items % groups:
         raise ValueError(
-            f"{n_items} items do not split evenly over {env.world_size} ranks; make the batch size "
+            f"{n_items} items do not split evenly over {groups} {'ranks' if group_size == 1 else 'engines'}; make the batch size "
             f"(data.train_batch_size * rollout.n) a multiple of the number of ranks"
         )
-    size = n_items // env.world_size
-    return slice(env.rank * size, (env.rank + 1) * size)
+    size = n_items // groups
+    block = env.rank // group_size
+    return slice(block * size, (block + 1) * size)
+
+
+def all_gather_groups(t: torch.Tensor, pad_value: int | float, group_size: int) -> torch.Tensor:
+    """``all_gather_padded`` where each group of ``group_size`` consecutive ranks holds the same rows:
+    one copy per group, in group order."""
+    gathered = all_gather_padded(t, pad_value)
+    if not _active() or group_size == 1:
+        return gathered
+    per_rank = gathered.reshape(dist.get_world_size(), t.shape[0], *gathered.shape[1:])
+    return per_rank[::group_size].reshape(-1, *gathered.shape[1:])
 
 
 def barrier() -> None:

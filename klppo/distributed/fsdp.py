@@ -93,17 +93,26 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
     ``device`` -- each rank only its shards -- and keep its buffers' values (rotary frequencies and
     the like are computed at construction, not loaded) and its tied parameters tied."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    first_name, aliases = {}, []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first_name:
-            aliases.append((name, first_name[id(param)]))
-        first_name.setdefault(id(param), name)
+    aliases = tied_aliases(model)
     model.to_empty(device=device)
     for name, b in model.named_buffers():
         b.copy_(buffers[name])
-    for alias, name in aliases:  # a parameter FSDP2 left whole gets one new tensor per module: tie them again
-        owner, _, leaf = alias.rpartition(".")
-        model.get_submodule(owner)._parameters[leaf] = model.get_parameter(name)
+    for name, others in aliases.items():  # a parameter FSDP2 left whole gets one new tensor per module: tie them again
+        for alias in others:
+            owner, _, leaf = alias.rpartition(".")
+            model.get_submodule(owner)._parameters[leaf] = model.get_parameter(name)
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The first name of every parameter the model holds under several names (tied embeddings:
+    ``model.embed_tokens.weight``) -> its other names (``lm_head.weight``)."""
+    first_name: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            aliases.setdefault(first_name[id(param)], []).append(name)
+        first_name.setdefault(id(param), name)
+    return aliases
 
 
 @torch.no_grad()
@@ -189,18 +198,20 @@ def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: to
     return copy.eval().requires_grad_(False)
 
 
-def whole_tensor_groups(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """The model's parameters (then its persistent buffers) as whole CPU tensors on rank 0, a group
-    at a time: the parameters of one decoder block (``_no_split_modules``), or a run of the
-    root's own (embeddings, final norm, heads); tied parameters come once, by their first name.
-    Collective: every rank iterates to the end (each sharded parameter is one all-gather, and
-    no rank holds more than one whole tensor of it); other ranks get empty groups.
+def whole_tensor_groups(model: torch.nn.Module, *, on_every_rank: bool = False,
+                        device: torch.device = torch.device("cpu")) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's parameters (then its persistent buffers) as whole tensors on ``device`` on rank 0,
+    a group at a time: the parameters of one decoder block (``_no_split_modules``), or a run of
+    the root's own (embeddings, final norm, heads); tied parameters come once, by their first
+    name. Collective: every rank iterates to the end (each sharded parameter is one all-gather,
+    and no rank holds more than one group of whole tensors); other ranks get empty groups, or
+    with ``on_every_rank`` the same groups (an inference engine on every rank loads them).
 
     A model that is not sharded gives its own tensors (no copy on CPU).
     """
     for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
         unit.reshard()  # a root kept gathered after a forward (keep_root_gathered) holds plain tensors
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = on_every_rank or not dist.is_initialized() or dist.get_rank() == 0
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [f"{name}." for name, m in model.named_modules() if plain_class(m).__name__ in block_names]
     group, current = {}, None
@@ -212,12 +223,12 @@ def whole_tensor_groups(model: torch.nn.Module) -> Iterator[dict[str, torch.Tens
         current = owner
         whole = param.full_tensor() if isinstance(param, DTensor) else param
         if rank0:
-            group[name] = whole.detach().to("cpu")
+            group[name] = whole.detach().to(device)
         del whole
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {name: b for name, b in model.state_dict().items() if name not in params}  # persistent buffers
     if rank0 and buffers:
-        group.update({name: b.detach().to("cpu") for name, b in buffers.items()})
+        group.update({name: b.detach().to(device) for name, b in buffers.items()})
     if group:
         yield group
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from klppo.algo import explained_variance, masked_mean
+from klppo.algo import explained_variance, masked_mean, rollout_probs_diff_metrics
 from klppo.rollout.batch import RolloutBatch
 
 
@@ -33,6 +33,9 @@ def compute_data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[
     if batch.ref_log_prob is not None:
         # Mean per-token log-ratio of the sampling policy to the reference (k1 estimate of KL).
         metrics["actor/kl_to_ref"] = masked_mean(batch.old_log_prob - batch.ref_log_prob, mask)
+    if batch.rollout_log_probs is not None:  # the sampler's (vLLM's, or the offline data's) log-probs vs pi_old's
+        metrics.update(rollout_probs_diff_metrics(batch.old_log_prob, batch.rollout_log_probs,
+                                                  mask & batch.has_rollout_log_probs[:, None]))
     return metrics
 
 

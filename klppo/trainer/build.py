@@ -24,8 +24,10 @@ from klppo.data.sampler import PromptBatches
 from klppo.distributed import DistEnv
 from klppo.errors import UserError
 from klppo.models.load import check_same_tokenizer, load_tokenizer
+from klppo.monitoring.memory import available_bytes
 from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
+from klppo.rollout.vllm import VLLMEngine, require_vllm
 from klppo.trainer.offload import Offloader
 from klppo.trainer.settings import KLSettings, PPOSettings, compile_ppo, uses_critic, uses_reference
 from klppo.trainer.adapters import trained_values
@@ -58,6 +60,7 @@ class PPOParts:
     total_steps: int
     offloader: Offloader  # param_offload / optimizer_offload: models on CPU between their phases
     initial_adapters: Optional[dict[str, torch.Tensor]] = None  # LoRA actor: its adapters' starting values (rollback)
+    engine: Optional[VLLMEngine] = None  # rollout.name: vllm; fed the actor's weights before each generation
 
     @property
     def device(self) -> torch.device:
@@ -222,6 +225,8 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     """
     env = env or start_processes(cfg)
     settings = compile_ppo(cfg, env.world_size)
+    if settings.engine is not None:
+        require_vllm()  # before any model loads
     seed_everything(cfg.data.seed + env.rank)
     sharder, trainer = Sharder(env), cfg.trainer
     reward_fn = make_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
@@ -238,11 +243,15 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
         critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
     offloader = build_offloader(env.device, fsdp_sections(cfg), actor, actor_optimizer, ref, reward_models, critic,
                                 critic_optimizer)
+    engine = None
+    if settings.engine is not None:  # last: on a GPU it takes its share of the memory the models left
+        engine = VLLMEngine(cfg.actor_rollout_ref.model.path, actor.config, settings.engine, env.device,
+                            env.is_distributed, available_bytes(env.device))
     return PPOParts(
         settings=settings, env=env, tokenizer=tokenizer, actor=actor, actor_optimizer=actor_optimizer,
         actor_scheduler=actor_scheduler, ref=ref, reward_models=reward_models, critic=critic,
         critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         kl_ctrl=build_kl_controller(settings.kl), reward_fn=reward_fn, train_records=train, val_records=val,
         val_ranked=val_ranked, batches=batches, total_steps=total_steps, offloader=offloader,
-        initial_adapters=trained_values(actor) if settings.actor_lora else None,
+        initial_adapters=trained_values(actor) if settings.actor_lora else None, engine=engine,
     )

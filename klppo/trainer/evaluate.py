@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
 
 import torch
@@ -20,13 +21,39 @@ from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import SamplingParams, hf_rollout
 from klppo.trainer.forwards import compute_log_prob, decode_responses, reference_model, response_scores, token_scores
-from klppo.trainer.responses import generation_model
+from klppo.trainer.responses import VALIDATION, engine_seeds, generation_model, sync_engine_weights
 
 if TYPE_CHECKING:
     from klppo.trainer.build import PPOParts
 
 WHOLE = MicroBatching()  # validation forwards take each batch at once
 CPU = torch.device("cpu")
+
+# How a rank samples responses for its part of a validation batch (records, params) -> batch on CPU.
+Sample = Callable[[list[PromptRecord], SamplingParams], RolloutBatch]
+
+
+@contextmanager
+def validation_sampler(parts: PPOParts) -> Iterator[tuple[Sample, int]]:
+    """(how this rank samples, as training does: the vLLM engine fed the actor's current weights or
+    the actor (or its gathered copy) through HF generate; how many ranks sample each part together)."""
+    if parts.engine is not None:
+        sync_engine_weights(parts)
+
+        def with_engine(records: list[PromptRecord], params: SamplingParams) -> RolloutBatch:
+            seeds = engine_seeds(parts, records, params.n, VALIDATION)
+            return parts.engine.generate(records, params, seeds, parts.tokenizer)
+
+        yield with_engine, parts.settings.engine.tensor_parallel_size
+        return
+    with generation_model(parts) as (model, sharded):
+        yield hf_sampler(model, parts.tokenizer, parts.env, sharded), 1
+
+
+def hf_sampler(model, tokenizer, env: DistEnv, sharded: bool) -> Sample:
+    """Sampling with ``model.generate`` on the rank's device (``sharded``: every rank steps together)."""
+    return lambda records, params: hf_rollout(model, records, tokenizer, params, synced_gpus=sharded,
+                                              device=env.device)
 
 
 def validation_metrics(parts: PPOParts) -> dict[str, float]:
@@ -39,14 +66,14 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
         def scorer(batch: RolloutBatch) -> torch.Tensor:
             return token_scores(s.reward, batch, response_scores(parts, batch), validation=True)
 
-        with generation_model(parts) as (sampler, sharded):  # as training samples (responses.py)
-            metrics.update(validate(sampler, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
-                                    batch_size=s.val_batch_size, env=parts.env, sharded=sharded))
+        with validation_sampler(parts) as (sample, group_size):  # as training samples (responses.py)
+            metrics.update(validate(None, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
+                                    batch_size=s.val_batch_size, env=parts.env, sample=sample, group_size=group_size))
             if s.uses_reference:  # one sample per held-out prompt, k3: unbiased, never negative, low variance
                 metrics["val-aux/kl_to_ref"] = sampled_kl_to_ref(
                     parts.actor, lambda: reference_model(parts), parts.val_records, parts.tokenizer,
                     dataclasses.replace(s.sampling, n=1), batch_size=s.val_batch_size, env=parts.env,
-                    head=s.forwards.head, sampler=sampler, sharded=sharded, estimator="low_var_kl")
+                    head=s.forwards.head, sample=sample, group_size=group_size, estimator="low_var_kl")
     if parts.val_ranked:
         metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
                                             env=parts.env, head=s.forwards.head))
@@ -60,18 +87,22 @@ def reference_of(record: PromptRecord) -> Optional[str]:
     return value if isinstance(value, str) and value else None
 
 
-def rank_parts(records: list, batch_size: int, env: DistEnv) -> Iterator[tuple[list, int]]:
+def rank_parts(records: list, batch_size: int, env: DistEnv, group_size: int = 1) -> Iterator[tuple[list, int]]:
     """This rank's part of each validation batch of ``batch_size`` records (verl's global
     ``data.val_batch_size``), and how many of its records are real.
 
     Every rank gets parts of the same size, so sharded models run their forwards in step; a
     short share is filled up with stand-in records of the same batch whose results are dropped.
+    ``group_size`` consecutive ranks (a tensor-parallel engine's) share one part; only the
+    group's first rank counts it (the others' ``n_real`` is 0).
     """
+    groups, group = env.world_size // group_size, env.rank // group_size
+    counts = env.rank % group_size == 0
     for start in range(0, len(records), batch_size):
         chunk = records[start : start + batch_size]
-        size = -(-len(chunk) // env.world_size)
-        mine = chunk[env.rank * size : (env.rank + 1) * size]
-        yield mine + chunk[: size - len(mine)], len(mine)
+        size = -(-len(chunk) // groups)
+        mine = chunk[group * size : (group + 1) * size]
+        yield mine + chunk[: size - len(mine)], len(mine) if counts else 0
 
 
 def validate(
@@ -84,6 +115,8 @@ def validate(
     batch_size: int | None = None,
     env: DistEnv = SINGLE_PROCESS,
     sharded: bool | None = None,
+    sample: Sample | None = None,
+    group_size: int = 1,
 ) -> dict[str, float]:
     """Mean reward per data source over ``params.n`` responses per prompt, and text similarity.
 
@@ -94,12 +127,14 @@ def validate(
     device's). Each rank validates its share of the records; the results are gathered. The
     scorer gets its batch on ``env.device`` (where every phase's batch lives). ``sharded``:
     whether ``actor`` is sharded over the ranks (default: when there is a process group).
+    ``sample`` (instead of ``actor``): how this rank samples (``validation_sampler``), with
+    ``group_size`` ranks sampling each part together.
     """
-    synced = env.is_distributed if sharded is None else sharded
+    sample = sample or hf_sampler(actor, tokenizer, env, env.is_distributed if sharded is None else sharded)
     rows = []  # (data source, score, length, response text or None, reference or None) per response
     with seeded(env.rank, env.device):
-        for part, n_real in rank_parts(records, batch_size or len(records), env):
-            batch = hf_rollout(actor, part, tokenizer, params, synced_gpus=synced, device=env.device)
+        for part, n_real in rank_parts(records, batch_size or len(records), env, group_size):
+            batch = sample(part, params)
             lengths = batch.response_mask.sum(-1).tolist()  # read on the CPU batch hf_rollout returns
             refs = [reference_of(r) for r in part for _ in range(params.n)]
             texts = decode_responses(batch, tokenizer) if any(refs) else [None] * len(refs)
@@ -152,6 +187,7 @@ def sampled_kl_to_ref(
     actor, reference: Callable[[], ContextManager], records: list[PromptRecord], tokenizer, params: SamplingParams,
     *, batch_size: int | None = None, env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings(),
     sampler=None, sharded: bool | None = None, seed: int = 1, estimator: str = "kl", replicated: bool = False,
+    sample: Sample | None = None, group_size: int = 1,
 ) -> float:
     """KL(policy || reference) per token, estimated on responses *sampled from the policy* (k1 is
     unbiased only there; on recorded offline responses it is not a KL). ``reference()``: a context
@@ -164,16 +200,16 @@ def sampled_kl_to_ref(
     ``sharded`` whether it is sharded (default: when there is a process group). Sampling draws
     from a private stream seeded with ``seed`` (and the rank), so training's streams never move.
     ``replicated``: every rank samples all ``records`` from the same stream (a small probe whose
-    value must not depend on the number of ranks) instead of its share.
+    value must not depend on the number of ranks) instead of its share. ``sample`` (instead of
+    ``sampler``): how this rank samples (``validation_sampler``), ``group_size`` ranks together.
     """
-    sampler, synced = sampler or actor, env.is_distributed if sharded is None else sharded
+    sample = sample or hf_sampler(sampler or actor, tokenizer, env, env.is_distributed if sharded is None else sharded)
     total = torch.zeros((), dtype=torch.float64)
     tokens = torch.zeros((), dtype=torch.float64)
-    parts = [(records, len(records))] if replicated else rank_parts(records, batch_size or len(records), env)
+    parts = [(records, len(records))] if replicated else rank_parts(records, batch_size or len(records), env, group_size)
     with seeded(seed + (0 if replicated else env.rank), env.device):
         for part, n_real in parts:
-            batch = hf_rollout(sampler, part, tokenizer, params, synced_gpus=synced, device=env.device)
-            batch = batch.to(env.device)
+            batch = sample(part, params).to(env.device)
             log_prob = compute_log_prob(actor, batch, WHOLE, temperature=params.temperature, head=head)
             with reference() as ref:
                 kl = kl_penalty(log_prob, compute_log_prob(ref, batch, WHOLE, temperature=params.temperature,

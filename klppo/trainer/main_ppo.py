@@ -8,6 +8,7 @@ that fails leaves at once, and torchrun stops the others.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 from klppo.cli_support import parse_config_args, quiet_libraries, run_cli
 from klppo.config import format_config, load_ppo_config
@@ -37,13 +38,30 @@ def _train(cfg, env, print_fn) -> list[dict]:
     setup_memory = PeakMemory(env.device)
     setup_memory.reset()
     parts = build_ppo(cfg, log=print_fn, env=env)  # every user error surfaces here, before anything is written
-    resume_from = resume_target(parts)  # so does a checkpoint that cannot be resumed
-    if env.rank == 0:
-        run_dir = parts.settings.run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(format_config(cfg))
-    barrier()
-    return PPOTrainer(parts, print_fn=print_fn, setup_peak_gb=setup_memory.peak_gb()).fit(resume_from)
+    with engine_stopped_at_the_end(parts):
+        resume_from = resume_target(parts)  # so does a checkpoint that cannot be resumed
+        if env.rank == 0:
+            run_dir = parts.settings.run_dir
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(format_config(cfg))
+        barrier()
+        return PPOTrainer(parts, print_fn=print_fn, setup_peak_gb=setup_memory.peak_gb()).fit(resume_from)
+
+
+@contextmanager
+def engine_stopped_at_the_end(parts):
+    """The vLLM engine is stopped after the run: after every rank's last collective when the run
+    succeeds; at once after a failure (stopping it leaves the process group, as ``abandon`` would)."""
+    from klppo.distributed import barrier
+
+    if parts.engine is None:
+        yield
+        return
+    try:
+        yield
+        barrier()
+    finally:
+        parts.engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

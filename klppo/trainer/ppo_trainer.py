@@ -120,9 +120,8 @@ class PPOTrainer:
         with timer.phase("step"):
             # step 1. batch: the next prompts, in a resumable order
             records = [p.train_records[i] for i in p.batches.next_batch()]
-            # step 2. responses
-            with timer.phase("gen"):
-                batch = step_responses(p, records).to(p.device)
+            # step 2. responses (with vLLM: the actor's weights streamed into the engine first)
+            batch = step_responses(p, records, timer, self.step).to(p.device)
             # Every rank holds the whole batch; each scores and trains on its own rows.
             shards = self._shards(batch)
             # step 3. score: old and reference log-probs, values, rewards; the sampling policy's KL

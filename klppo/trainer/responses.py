@@ -1,8 +1,10 @@
 """Step 2 of a PPO iteration: the step's responses, the whole batch on every rank.
 
-Offline runs read the recorded responses. Online runs (``rollout.name: hf``) sample: each rank
-for its share of the prompts, then the responses are gathered. On sharded ranks the actor is
-either all-gathered once into a whole inference copy that decodes without any collective
+Offline runs read the recorded responses. Online runs sample: with vLLM (``rollout.name:
+vllm``) each tensor-parallel group of ranks for its share of the prompts, after the actor's
+weights were streamed into its engine; with Hugging Face generate (``hf``) each rank for its
+share. Then the responses are gathered. With hf on sharded ranks the actor is either
+all-gathered once into a whole inference copy that decodes without any collective
 (``rollout.generation_weights: gathered``), or used sharded, which all-gathers every layer for
 every generated token but needs no second copy (``sharded``); ``auto`` picks the copy where it
 fits in half the memory free on this rank.
@@ -15,36 +17,100 @@ included (``benchmarks/README.md``, "LoRA"). With ``sharded`` the adapters decod
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from klppo.data.rl_dataset import PromptRecord
-from klppo.distributed import all_gather_padded, inference_copy, max_over_ranks, shard_range
+from klppo.distributed import (
+    all_gather_groups, all_gather_padded, inference_copy, max_over_ranks, shard_range, tied_aliases,
+    whole_tensor_groups,
+)
 from klppo.models.lora import merging
 from klppo.monitoring.memory import available_bytes
+from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, assemble_batch
-from klppo.rollout.hf import hf_rollout
+from klppo.rollout.hf import SamplingParams, hf_rollout
 from klppo.rollout.offline import offline_rollout
+from klppo.rollout.vllm import request_seed
 
 if TYPE_CHECKING:
     from klppo.trainer.build import PPOParts
 
 
-def step_responses(parts: PPOParts, records: list[PromptRecord]) -> RolloutBatch:
+def step_responses(parts: PPOParts, records: list[PromptRecord], timer: PhaseTimer, step: int) -> RolloutBatch:
     """The step's whole batch on every rank: recorded responses, or sampled by the ranks and gathered."""
     s, tokenizer, env = parts.settings, parts.tokenizer, parts.env
-    if s.rollout == "offline":
-        return offline_rollout(records, n=s.n, tokenizer=tokenizer, max_response_length=s.response_length)
-    mine = records[shard_range(len(records), env)]
-    with parts.offloader.resident("actor"), generation_model(parts) as (model, sharded):
-        local = hf_rollout(model, mine, tokenizer, s.sampling, synced_gpus=sharded, device=env.device)
+    if parts.engine is not None:
+        sync_engine_weights(parts, timer)
+        with timer.phase("gen"):
+            return engine_responses(parts, records, s.sampling, step)
+    with timer.phase("gen"):
+        if s.rollout == "offline":
+            return offline_rollout(records, n=s.n, tokenizer=tokenizer, max_response_length=s.response_length)
+        mine = records[shard_range(len(records), env)]
+        with parts.offloader.resident("actor"), generation_model(parts) as (model, sharded):
+            local = hf_rollout(model, mine, tokenizer, s.sampling, synced_gpus=sharded, device=env.device)
+        if not env.is_distributed:
+            return local
+        return assemble_batch(records, s.n, tokenizer.pad_token_id,
+                              all_gather_padded(local.response_ids, tokenizer.pad_token_id),
+                              all_gather_padded(local.response_mask, 0))
+
+
+# ---- vLLM ----
+
+VALIDATION = -1  # the "step" of validation's request seeds: every validation samples the same way
+
+
+def engine_seeds(parts: PPOParts, records: list[PromptRecord], n: int, step: int) -> list[int]:
+    """One seed per request (record, sample) of ``step``: the same on any number of ranks and after a resume."""
+    seed = parts.settings.engine.seed
+    return [request_seed(seed, step, record.index, k) for record in records for k in range(n)]
+
+
+def engine_responses(parts: PPOParts, records: list[PromptRecord], params: SamplingParams, step: int) -> RolloutBatch:
+    """``records``' responses from the engines, the whole batch on every rank: each tensor-parallel
+    group samples its share (every member the same), and one copy per group is gathered."""
+    env, tokenizer, tp = parts.env, parts.tokenizer, parts.settings.engine.tensor_parallel_size
+    mine = records[shard_range(len(records), env, tp)]
+    local = parts.engine.generate(mine, params, engine_seeds(parts, mine, params.n, step), tokenizer)
     if not env.is_distributed:
         return local
-    return assemble_batch(records, s.n, tokenizer.pad_token_id,
-                          all_gather_padded(local.response_ids, tokenizer.pad_token_id),
-                          all_gather_padded(local.response_mask, 0))
+    pad = tokenizer.pad_token_id
+    log_probs = None
+    if local.rollout_log_probs is not None:
+        log_probs = (all_gather_groups(local.rollout_log_probs, 0.0, tp), torch.ones(len(records) * params.n, dtype=torch.bool))
+    return assemble_batch(records, params.n, pad, all_gather_groups(local.response_ids, pad, tp),
+                          all_gather_groups(local.response_mask, 0, tp), rollout_log_probs=log_probs)
+
+
+def sync_engine_weights(parts: PPOParts, timer: PhaseTimer | None = None) -> None:
+    """Stream the actor's current weights into the engine (``timing_s/weight_sync``): whole tensors a
+    decoder block at a time on every rank, a LoRA actor's adapters merged on the way. Before every
+    generation, so updates, rollbacks and resumes all reach it."""
+    phase = timer.phase("weight_sync") if timer is not None else nullcontext()
+    with phase, parts.offloader.resident("actor"):
+        parts.engine.load_weights(engine_weights(parts.actor, parts.env.device))
+
+
+def engine_weights(actor: torch.nn.Module, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, whole tensor on ``device``) of every weight the engine needs; collective.
+
+    A tied parameter comes under each of its names: vLLM's CPU backend repacks the LM head's
+    weight for its own matmul, so loading the embeddings alone left a model whose head kept the
+    engine's start-up weights (log-probs off by up to 1.1 nats on the tiny model).
+    """
+    merge, aliases = merging(actor), tied_aliases(actor)
+    for group in whole_tensor_groups(actor, on_every_rank=True, device=device):
+        for name, tensor in (merge(group) if merge is not None else group).items():
+            yield name, tensor
+            for alias in aliases.get(name, ()):
+                yield alias, tensor
+
+
+# ---- Hugging Face generate ----
 
 
 def uses_gathered_copy(parts: PPOParts) -> bool:

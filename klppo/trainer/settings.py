@@ -25,9 +25,11 @@ from klppo.data.batching import MicroBatching
 from klppo.errors import UserError
 from klppo.models.forward import HeadSettings
 from klppo.rollout.hf import SamplingParams
+from klppo.rollout.vllm import EngineSettings
 from klppo.trainer.guards import GuardSettings
 from klppo.trainer.setup import PARAM_DTYPES
 
+ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 ACTOR_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
@@ -150,11 +152,12 @@ class LoggerSettings:
 class PPOSettings:
     run_dir: Path
     world_size: int
-    rollout: str  # offline | hf
+    rollout: str  # offline | hf | vllm
     n: int  # responses per prompt
     response_length: int
     sampling: SamplingParams
     generation_weights: str  # auto | gathered | sharded (rollout.generation_weights)
+    engine: Optional[EngineSettings]  # the vLLM engine (rollout.name: vllm); None otherwise
     val_sampling: SamplingParams
     val_batch_size: Optional[int]  # prompts per validation batch over all ranks; None = all at once
     actor: ActorUpdateSettings
@@ -199,7 +202,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
     return PPOSettings(
         run_dir=Path(trainer.default_local_dir), world_size=world_size, rollout=arf.rollout.name, n=arf.rollout.n,
         response_length=arf.rollout.response_length, sampling=sampling_params(cfg),
-        generation_weights=arf.rollout.generation_weights,
+        generation_weights=arf.rollout.generation_weights, engine=engine_settings(cfg, world_size),
         val_sampling=sampling_params(cfg, validation=True), val_batch_size=cfg.data.val_batch_size,
         actor=actor, critic=critic, forwards=_forwards(cfg),
         advantage=AdvantageSettings(algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo),
@@ -244,6 +247,36 @@ def sampling_params(cfg: PPOConfig, *, validation: bool = False) -> SamplingPara
                           top_p=source.top_p, top_k=source.top_k, do_sample=source.do_sample)
 
 
+def engine_settings(cfg: PPOConfig, world_size: int) -> Optional[EngineSettings]:
+    """The vLLM engine of a ``rollout.name: vllm`` run on ``world_size`` ranks (None for other runs)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name != "vllm":
+        return None
+    tp = rollout.tensor_model_parallel_size
+    if world_size % tp:
+        raise UserError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {world_size} "
+                        f"ranks of this run; use a divisor of {world_size} (1 gives every rank an engine)")
+    dtype = compute_dtype(cfg.actor_rollout_ref.actor.fsdp_config) if rollout.dtype == "auto" else ROLLOUT_DTYPES[rollout.dtype]
+    return EngineSettings(
+        tensor_parallel_size=tp, dtype=dtype, gpu_memory_utilization=rollout.gpu_memory_utilization,
+        kv_cache_memory_bytes=rollout.kv_cache_memory_bytes, max_num_batched_tokens=rollout.max_num_batched_tokens,
+        max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len, enforce_eager=rollout.enforce_eager,
+        enable_chunked_prefill=rollout.enable_chunked_prefill, enable_prefix_caching=rollout.enable_prefix_caching,
+        load_format=engine_load_format(rollout.load_format), sleep_between_generations=rollout.free_cache_engine,
+        calculate_log_probs=rollout.calculate_log_probs, logprobs_mode=rollout.logprobs_mode,
+        ignore_eos=rollout.ignore_eos, seed=rollout.seed,
+        rows_per_generation=cfg.data.train_batch_size * rollout.n * tp // world_size,
+    )
+
+
+def engine_load_format(value: str) -> str:
+    """vLLM's name for verl's ``rollout.load_format``: verl's dummy_* formats start the engine with
+    random weights (``dummy``), its hf / dtensor formats read the folder (``auto``)."""
+    if value.startswith("dummy"):
+        return "dummy"
+    return "auto" if value in ("hf", "dtensor") else value
+
+
 def _budget(use_dynamic_bsz: bool, max_tokens: int) -> Optional[int]:
     return max_tokens if use_dynamic_bsz else None
 
@@ -265,9 +298,9 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int) -> ActorUpdateSettings:
 
 
 def rollout_correction_settings(cfg: PPOConfig) -> RolloutCorrectionSettings:
-    """The parsed correction of an offline run; off online, where the actor samples (mu = pi_old)."""
+    """The parsed correction of an offline or vLLM run; off with hf, where the actor samples (mu = pi_old)."""
     rc = cfg.algorithm.rollout_correction
-    if cfg.actor_rollout_ref.rollout.name != "offline" or not rollout_correction_active(cfg):
+    if cfg.actor_rollout_ref.rollout.name == "hf" or not rollout_correction_active(cfg):
         return RolloutCorrectionSettings()
     # Thresholds of switched-off parts are not checked (as verl), so not parsed either.
     upper, lower = parse_is_threshold(rc.rollout_is_threshold) if rc.rollout_is is not None else (2.0, None)

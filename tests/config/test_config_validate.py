@@ -232,16 +232,6 @@ def test_fsdp_options_and_multi_process_worlds_are_accepted():
          "trainer.n_gpus_per_node=8", "trainer.nnodes=2")
 
 
-def test_vllm_generates_with_hf_and_one_warning_says_why():
-    notes: list[str] = []
-    cfg = load_ppo_config(None, REQUIRED + ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.temperature=0.7"], notes=notes)
-    assert cfg.actor_rollout_ref.rollout.name == "hf"
-    assert cfg.actor_rollout_ref.rollout.temperature == 0.7
-    assert len(notes) == 1
-    assert notes[0].startswith("warning: actor_rollout_ref.rollout.name = 'vllm': generating with 'hf'")
-    assert "klppo has no vllm backend yet" in notes[0] and "same sampling settings apply" in notes[0]
-
-
 def test_a_reward_model_needs_its_path_and_ranking_needs_groups():
     problems = problems_of("reward_model.enable=true")
     assert len(problems) == 1 and "reward_model.model.path" in problems[0]

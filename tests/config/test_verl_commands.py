@@ -1,6 +1,6 @@
 """verl's own command lines validate in klppo (data/verl_commands.txt, written from verl's example
-scripts and docs): each passes `klppo validate-config`, vLLM/SGLang rollouts resolve to hf with
-one warning, and one summary warning lists exactly the keys that have no effect."""
+scripts and docs): each passes `klppo validate-config`, vLLM rollouts stay vLLM (SGLang ones
+resolve to hf with one warning), and one summary warning lists exactly the keys that have no effect."""
 
 from __future__ import annotations
 
@@ -105,9 +105,10 @@ def test_verl_command_line_validates_with_one_warning_naming_its_keys_without_ef
     assert len(summaries) == (1 if command.no_effect else 0)
     asked = [a.split("=", 1)[1] for a in command.args if a.startswith("actor_rollout_ref.rollout.name=")]
     fallbacks = [line for line in err.splitlines() if "generating with 'hf'" in line]
-    assert len(fallbacks) == (1 if asked and asked[-1] in ("vllm", "sglang") else 0), err
+    assert len(fallbacks) == (1 if asked and asked[-1] == "sglang" else 0), err
     resolved = yaml.safe_load(out)
-    assert resolved["actor_rollout_ref"]["rollout"]["name"] in ("hf", "offline")
+    expected = {"vllm": "vllm", "sglang": "hf", "hf": "hf"}.get(asked[-1] if asked else "", "offline")
+    assert resolved["actor_rollout_ref"]["rollout"]["name"] == expected
 
 
 def test_verl_command_line_through_the_real_executable_keeps_yaml_on_stdout(tmp_path):
@@ -117,9 +118,9 @@ def test_verl_command_line_through_the_real_executable_keeps_yaml_on_stdout(tmp_
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)  # warnings went to stderr
     rollout = resolved["actor_rollout_ref"]["rollout"]
-    assert (rollout["name"], rollout["log_prob_micro_batch_size_per_gpu"]) == ("hf", 8)
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 2 and "Traceback" not in result.stderr
+    assert (rollout["name"], rollout["log_prob_micro_batch_size_per_gpu"]) == ("vllm", 8)
+    assert (rollout["tensor_model_parallel_size"], rollout["gpu_memory_utilization"]) == (1, 0.4)  # they act
+    assert "Traceback" not in result.stderr and "warning:" not in result.stderr  # every key it sets acts
 
 
 def test_what_the_corpus_sets_reaches_the_typed_config(tmp_path, capsys, any_logger_installed):

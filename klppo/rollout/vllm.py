@@ -1,0 +1,256 @@
+"""Responses sampled with vLLM, colocated in every training process (verl's hybrid engine).
+
+Each process builds one engine (``VLLMEngine``) beside its sharded models. Under torchrun the
+engines join the run's process group through vLLM's ``external_launcher`` executor:
+``tensor_parallel_size`` consecutive ranks hold one engine's shards and sample the same
+prompts together; the groups share the step's prompts (data parallel). The engine starts
+without weights of its own (``load_format: dummy``): before every generation the trainer
+streams the actor's whole tensors into it (``load_weights``), one decoder block at a time, and
+its prefix cache is reset, since cached prompt KV computed with the old weights would be reused.
+
+Sampling is seeded per request (``request_seed``): each (step, prompt, sample) draws from a
+stream of its own, so any number of ranks samples what one process samples and a resumed run
+samples what the uninterrupted one did; nothing here draws from klppo's random streams.
+Building and running the engine would change the process around it (global RNG seeds,
+``torch.set_num_threads`` replaced by a no-op, ``LOCAL_WORLD_SIZE``, a frozen garbage
+collector); ``process_state_kept`` puts each back.
+
+vLLM is imported only here, lazily, so klppo runs without it.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib.util
+import os
+import random
+import struct
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from klppo.data.rl_dataset import PromptRecord
+from klppo.errors import UserError
+from klppo.rollout.batch import RolloutBatch, assemble_batch, mask_after_eos, right_pad
+
+if TYPE_CHECKING:
+    from klppo.rollout.hf import SamplingParams
+
+INSTALL = "bash scripts/setup.sh --vllm (or: pip install 'klppo[vllm]')"
+MIN_CPU_KV_BYTES = 64 << 20
+CPU_BLOCK_TOKENS = 128  # the KV cache block of vLLM's CPU backend
+VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine is built with (``actor_rollout_ref.rollout``'s engine keys, resolved)."""
+
+    tensor_parallel_size: int
+    dtype: torch.dtype  # of the engine's weights (rollout.dtype; auto = the actor's compute dtype)
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: Optional[int]  # None: gpu_memory_utilization (GPU) or cpu_kv_cache_bytes (CPU)
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enforce_eager: Optional[bool]  # None: true on CPU, false on GPU
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    load_format: str  # what the engine reads at start (dummy: nothing)
+    sleep_between_generations: bool  # free_cache_engine; GPU only
+    calculate_log_probs: bool
+    logprobs_mode: str
+    ignore_eos: bool
+    seed: int
+    rows_per_generation: int  # the most sequences one engine samples in one call (sizes the CPU KV cache)
+
+
+def require_vllm() -> None:
+    """A ``UserError`` naming the install command where vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(f"actor_rollout_ref.rollout.name=vllm needs the vllm package, which is not installed; "
+                        f"install it with {INSTALL}, or set actor_rollout_ref.rollout.name=hf")
+
+
+def request_seed(*parts: int) -> int:
+    """A 62-bit seed from integers (seed, step, prompt index, sample index): the same on every rank
+    and in every run, and unrelated for any two different tuples."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(parts)}q", *parts), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype, tensor_parallel_size: int) -> int:
+    """Bytes of one token's keys and values over every layer, on one tensor-parallel rank."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    heads_per_rank = max(1, heads // tensor_parallel_size)
+    return 2 * text.num_hidden_layers * heads_per_rank * head_dim * torch.finfo(dtype).bits // 8
+
+
+def cpu_kv_cache_bytes(config, s: EngineSettings, free_bytes: int) -> int:
+    """The CPU KV cache's default: every sequence one generation call decodes at once
+    (``rows_per_generation``, at most ``max_num_seqs``) at ``max_model_len``, plus a block of
+    slack each (vLLM's CPU blocks hold 128 tokens); within a quarter of the free memory and at
+    least 64 MiB."""
+    tokens = min(s.rows_per_generation, s.max_num_seqs) * (s.max_model_len + CPU_BLOCK_TOKENS)
+    wanted = tokens * kv_bytes_per_token(config, s.dtype, s.tensor_parallel_size)
+    return max(MIN_CPU_KV_BYTES, min(wanted, free_bytes // 4))
+
+
+@contextmanager
+def process_state_kept(device: torch.device) -> Iterator[None]:
+    """Whatever the block does to the process's random streams, thread count, environment and
+    garbage collector is undone when it ends.
+
+    vLLM reseeds Python's, numpy's and torch's generators as it builds the engine, replaces
+    ``torch.set_num_threads`` with a no-op on CPU (after lowering the thread count to 1),
+    overwrites ``LOCAL_WORLD_SIZE`` (which klppo reads for each rank's share of host memory) and
+    freezes the garbage collector. Only the rank's own CUDA device is saved (the one klppo draws
+    from), so a CPU run creates no CUDA context.
+    """
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    environ, frozen, default_dtype = dict(os.environ), gc.get_freeze_count(), torch.get_default_dtype()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+        for key, value in environ.items():  # variables vLLM adds concern it (and its children) alone
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+        if frozen == 0:
+            gc.unfreeze()
+        torch.set_default_dtype(default_dtype)
+
+
+class VLLMEngine:
+    """One vLLM engine in this process: built once, fed the actor's weights, asked for responses."""
+
+    def __init__(self, model_path: str, model_config, s: EngineSettings, device: torch.device, distributed: bool,
+                 free_bytes: int) -> None:
+        require_vllm()
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # klppo reports progress itself
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process, deterministic scheduling
+        self.settings, self.device = s, device
+        self.on_gpu = device.type == "cuda"
+        kwargs = dict(
+            model=model_path, tokenizer=model_path, skip_tokenizer_init=True, dtype=VLLM_DTYPES[s.dtype],
+            tensor_parallel_size=s.tensor_parallel_size, max_model_len=s.max_model_len,
+            max_num_batched_tokens=max(s.max_num_batched_tokens, s.max_model_len), max_num_seqs=s.max_num_seqs,
+            enforce_eager=(not self.on_gpu) if s.enforce_eager is None else s.enforce_eager,
+            enable_chunked_prefill=s.enable_chunked_prefill, enable_prefix_caching=s.enable_prefix_caching,
+            load_format=s.load_format, seed=s.seed, logprobs_mode=s.logprobs_mode,
+            generation_config="vllm",  # the folder's generation_config would add processors of its own
+            trust_remote_code=False,
+        )
+        if distributed:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.on_gpu:
+            kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization,
+                          enable_sleep_mode=s.sleep_between_generations)
+        kwargs["kv_cache_memory_bytes"] = (s.kv_cache_memory_bytes if s.kv_cache_memory_bytes is not None or self.on_gpu
+                                           else cpu_kv_cache_bytes(model_config, s, free_bytes))
+        if kwargs["kv_cache_memory_bytes"] is None:
+            del kwargs["kv_cache_memory_bytes"]
+        self.kv_cache_bytes = kwargs.get("kv_cache_memory_bytes")
+        with process_state_kept(device):
+            from vllm import LLM
+
+            self.llm = LLM(**kwargs)
+        self.asleep = False
+        if self.on_gpu and s.sleep_between_generations:
+            self.sleep()
+
+    # ---- weights ----
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Put the actor's whole tensors (Hugging Face names) into the engine, in its dtype, and
+        forget the KV it cached for prompt prefixes under the old weights."""
+        dtype = self.settings.dtype
+
+        def cast() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in tensors:
+                yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor)
+
+        with process_state_kept(self.device):
+            if self.asleep:
+                self.llm.wake_up(tags=["weights"])
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast(), "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()
+
+    # ---- generation ----
+
+    @contextmanager
+    def awake(self) -> Iterator[None]:
+        """GPU with free_cache_engine: the KV cache is allocated for the block and freed after it."""
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        try:
+            yield
+        finally:
+            if self.on_gpu and self.settings.sleep_between_generations:
+                self.sleep()
+
+    def sleep(self) -> None:
+        """Release the KV cache and the weights (level 2: every generation loads the actor's anyway)."""
+        self.llm.sleep(level=2)
+        self.asleep = True
+
+    def generate(self, records: list[PromptRecord], params: SamplingParams, seeds: list[int], tokenizer
+                 ) -> RolloutBatch:
+        """``params.n`` responses per record (rows grouped by prompt, as ``hf_rollout``), request i
+        drawing from ``seeds[i]``; the engine's log-probs of the sampled tokens become the batch's
+        ``rollout_log_probs`` (with ``calculate_log_probs``). The batch is on CPU."""
+        from vllm import SamplingParams as RequestParams
+
+        n, s = params.n, self.settings
+        assert len(seeds) == len(records) * n, "one seed per request"
+        requests = [{"prompt_token_ids": list(record.prompt_ids)} for record in records for _ in range(n)]
+        sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0)) \
+            if params.do_sample else dict(temperature=0.0)
+        per_request = [RequestParams(n=1, max_tokens=params.max_new_tokens, seed=seed, detokenize=False,
+                                     stop_token_ids=[tokenizer.eos_token_id], ignore_eos=s.ignore_eos,
+                                     logprobs=0 if s.calculate_log_probs else None, **sampling) for seed in seeds]
+        with process_state_kept(self.device), self.awake():
+            outputs = self.llm.generate(requests, per_request, use_tqdm=False)
+        return self._batch(records, n, [o.outputs[0] for o in outputs], tokenizer)
+
+    def _batch(self, records: list[PromptRecord], n: int, completions: list, tokenizer) -> RolloutBatch:
+        tokens = [list(c.token_ids) for c in completions]
+        response_ids, real = right_pad(tokens, tokenizer.pad_token_id)
+        response_mask = mask_after_eos(response_ids, tokenizer.eos_token_id) & real
+        response_ids = response_ids.masked_fill(~response_mask, tokenizer.pad_token_id)
+        log_probs = None
+        if self.settings.calculate_log_probs:
+            rows = [[position[token].logprob for token, position in zip(ids, c.logprobs)]
+                    for ids, c in zip(tokens, completions)]
+            values = torch.zeros(response_ids.shape, dtype=torch.float32)
+            for row, lp in enumerate(rows):
+                values[row, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+            log_probs = (values * response_mask, torch.ones(len(tokens), dtype=torch.bool))
+        return assemble_batch(records, n, tokenizer.pad_token_id, response_ids, response_mask,
+                              rollout_log_probs=log_probs)
+
+    def shutdown(self) -> None:
+        """Stop the engine. vLLM then tears down the process group it joined (torch.distributed's
+        default group among them), so this comes after the run's last collective."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            with process_state_kept(self.device):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
