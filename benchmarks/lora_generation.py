@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from klppo.models.lora import LoraSpec, add_adapters, initial_adapter_values, lora_scalings, merged_state
+from klppo.models.lora import LoraSpec, add_adapters, initial_adapter_values, lora_merges, merged_state
 
 # name -> (hidden, layers, heads, kv heads, MLP width, vocabulary), rows, prompt tokens, new tokens
 SHAPES = {
@@ -40,7 +40,7 @@ def adapted_model(hidden: int, layers: int, heads: int, kv: int, mlp: int, vocab
 
 
 def merged_copy(model: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
-    state = merged_state({k: v.detach().clone() for k, v in model.state_dict().items()}, lora_scalings(model))
+    state = merged_state({k: v.detach().clone() for k, v in model.state_dict().items()}, lora_merges(model))
     with torch.device("meta"):
         copy = Qwen2ForCausalLM(model.config)
     copy.load_state_dict(state, strict=False, assign=True)

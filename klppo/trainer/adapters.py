@@ -18,7 +18,7 @@ import torch
 
 from klppo.checkpoint.export import export_hf
 from klppo.distributed import DistEnv, barrier
-from klppo.models.lora import has_adapters, is_adapter, lora_scalings, merged_state, save_adapter, trained_heads
+from klppo.models.lora import has_adapters, is_adapter, lora_merges, merged_state, save_adapter, trained_heads
 
 
 def export_model(model: torch.nn.Module, tokenizer, hf_dir: Path, adapter_dir: Path, env: DistEnv) -> list[Path]:
@@ -30,11 +30,11 @@ def export_model(model: torch.nn.Module, tokenizer, hf_dir: Path, adapter_dir: P
     """
     if not has_adapters(model):
         return [export_hf(model, tokenizer, hf_dir, env)]
-    scalings, heads, kept = lora_scalings(model), set(trained_heads(model)), {}
+    merges, heads, kept = lora_merges(model), set(trained_heads(model)), {}
 
     def keep_adapters_then_merge(group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kept.update({name: t for name, t in group.items() if is_adapter(name) or name in heads})
-        return merged_state(group, scalings)
+        return merged_state(group, merges)
 
     export_hf(model, tokenizer, hf_dir, env, transform=keep_adapters_then_merge)
     if env.rank == 0:
