@@ -327,6 +327,16 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             param.requires_grad_(flag)
 
 
+def add_adapters_like(copy: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Give ``copy`` (a plain model of ``model``'s class, on the meta device) the adapters of
+    ``model``: the same layers, rank and alpha, so that it takes ``model``'s parameters by name."""
+    layers = lora_layers(model)
+    first = next(iter(layers.values()))
+    spec = LoraSpec(f"a copy of {type(model).__name__}", rank=first.r[ADAPTER], alpha=first.lora_alpha[ADAPTER],
+                    target_modules=tuple(layers))
+    add_adapters(copy, spec, train_head=False)
+
+
 @dataclass(frozen=True)
 class AdapterMerge:
     """How one adapted layer's update joins its weight: W + scaling * B @ A."""
@@ -357,14 +367,6 @@ def merged_state(state: dict[str, torch.Tensor], merges: dict[str, AdapterMerge]
         if f"{module}.base_layer.bias" in state:
             state[f"{module}.bias"] = state.pop(f"{module}.base_layer.bias")
     return state
-
-
-def merging(model: torch.nn.Module) -> Optional[Callable[[dict], dict]]:
-    """``state -> merged_state(state, ...)`` for ``model``'s adapters; None for a model without any."""
-    if not has_adapters(model):
-        return None
-    merges = lora_merges(model)
-    return lambda state: merged_state(state, merges)
 
 
 def trained_heads(model: torch.nn.Module) -> list[str]:

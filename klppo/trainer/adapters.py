@@ -1,5 +1,5 @@
 """What a run does with a model's LoRA adapters (``klppo.models.lora``) beyond training them:
-export, and going back to their starting values.
+export, the merged weights an inference engine takes, and going back to their starting values.
 
 A model with adapters is exported twice by rank 0 from one streaming of its whole tensors:
 ``<name>_adapter/`` (or ``adapter/``), the adapter alone in peft's layout, loadable with
@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from klppo.checkpoint.export import export_hf
-from klppo.distributed import DistEnv, barrier
+from klppo.distributed import DistEnv, barrier, whole_tensor_groups
 from klppo.models.lora import has_adapters, is_adapter, lora_merges, merged_state, save_adapter, trained_heads
 
 
@@ -46,6 +47,26 @@ def export_model(model: torch.nn.Module, tokenizer, hf_dir: Path, adapter_dir: P
         os.replace(tmp, adapter_dir)
     barrier()
     return [hf_dir, adapter_dir]
+
+
+@torch.no_grad()
+def merged_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of every parameter and persistent buffer of the plain model that
+    ``model`` computes, for an inference engine that takes weights by name (the fp32 generation
+    copy, ``trainer.responses``): each adapted weight merged, W + alpha / r * B @ A, in fp32 from
+    the fp32 masters and only then cast to ``dtype`` (merging in bf16 would round most of a small
+    update away); every other parameter cast to ``dtype``, buffers in their own dtype. A model
+    without adapters gives its own weights, cast.
+
+    On every rank, on ``device``, each a tensor of its own; collective (every rank iterates to the
+    end); one decoder block's whole tensors at a time besides those already yielded.
+    """
+    merges = lora_merges(model) if has_adapters(model) else {}
+    buffers = set(model.state_dict()) - {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for group in whole_tensor_groups(model, device):  # collective
+        for name, tensor in merged_state(group, merges).items():
+            yield name, tensor if name in buffers else tensor.to(dtype)  # buffers keep their own dtype
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """What a run does with LoRA adapters beyond training them (``klppo.trainer.adapters``): the merged
-export, for nn.Linear and GPT-2's Conv1D."""
+export and the merged weights an inference engine takes, for nn.Linear and GPT-2's Conv1D."""
 
 import pytest
 import torch
@@ -7,8 +7,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from klppo.distributed import SINGLE_PROCESS
-from klppo.models.lora import LoraSpec, attach_adapters
-from klppo.trainer.adapters import export_model
+from klppo.models.lora import ADAPTER, LoraSpec, attach_adapters, lora_layers
+from klppo.trainer.adapters import export_model, merged_weights
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
 
@@ -53,3 +53,19 @@ def test_a_gpt2_conv1d_adapter_exports_merged_weights_and_an_adapter_that_comput
         torch.testing.assert_close(merged(IDS).logits, adapted, rtol=1e-5, atol=1e-5)
         with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(gpt2_dir), tmp_path / "adapter")
         torch.testing.assert_close(with_adapter(IDS).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_weights_merge_in_fp32_then_cast_and_name_the_plain_models_tensors(tiny_model_dir):
+    model = trained_like(AutoModelForCausalLM.from_pretrained(tiny_model_dir), "all-linear")
+    weights = dict(merged_weights(model, torch.bfloat16, torch.device("cpu")))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert set(weights) == set(plain.state_dict()) - {"lm_head.weight"}  # tied to the embedding: once
+    layer = lora_layers(model)["model.layers.0.self_attn.q_proj"]
+    a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+    w = layer.base_layer.weight
+    fp32_merge = (w + 2.0 * b @ a).to(torch.bfloat16)  # alpha / r = 8 / 4
+    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], fp32_merge)
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(weights["model.norm.weight"], plain.model.norm.weight.to(torch.bfloat16))
+    # each tensor is its own: an engine may keep them while the actor trains on
+    assert weights["model.norm.weight"].data_ptr() != model.model.norm.weight.data_ptr()

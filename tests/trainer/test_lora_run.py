@@ -10,14 +10,18 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from klppo.config import load_ppo_config
-from klppo.distributed import read_sharded_contents
+from klppo.data.batching import MicroBatching
+from klppo.distributed import close, read_sharded_contents
 from klppo.errors import UserError
 from klppo.models.lora import adapters_disabled, is_adapter
 from klppo.monitoring.logger import read_metrics
+from klppo.rollout.hf import hf_rollout
 from klppo.trainer import run_state
-from klppo.trainer.build import build_ppo
+from klppo.trainer.build import PPOParts, build_ppo
+from klppo.trainer.forwards import compute_log_prob, reference_model
 from klppo.trainer.main_ppo import run_ppo
 from klppo.trainer.ppo_trainer import PPOTrainer
+from klppo.trainer.responses import generation_model, uses_gathered_copy
 
 STEPS = 4
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
@@ -185,3 +189,47 @@ def test_online_lora_run_generates_with_a_merged_copy_and_validates(lora_overrid
     assert records[-1]["response_length/mean"] > 0 and "val-aux/kl_to_ref" in records[-1]
     assert (tmp_path / "run" / "actor_adapter" / "adapter_config.json").is_file()
     assert read_metrics(tmp_path / "run")[-1]["step"] == 1
+
+
+@pytest.fixture
+def bf16_parts(lora_overrides, tmp_path, monkeypatch):
+    """build(**changes) -> the parts of an offline LoRA run whose actor computes in bf16: FSDP2's mixed
+    precision over a process group of one (gloo), left when the test ends."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    built = []
+
+    def build(**changes) -> PPOParts:
+        overrides = lora_overrides(tmp_path / f"run{len(built)}", **{
+            "actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16", "trainer.save_freq": -1, **changes})
+        built.append(build_ppo(load_ppo_config(None, overrides), log=quiet))
+        return built[-1]
+
+    yield build
+    for parts in built:
+        close(parts.env)
+
+
+def train_steps(parts: PPOParts, steps: int) -> None:
+    trainer = PPOTrainer(parts, print_fn=quiet)
+    for step in range(1, steps + 1):
+        trainer.step = step
+        trainer.train_step()
+
+
+def test_a_bf16_lora_actors_sampler_computes_the_actors_log_probs_after_updates(bf16_parts):
+    parts = bf16_parts(**{"actor_rollout_ref.actor.optim.lr": 1e-4})
+    assert parts.env.is_distributed and uses_gathered_copy(parts)
+    train_steps(parts, 3)
+    s = parts.settings
+    with generation_model(parts) as (sampler, _):
+        batch = hf_rollout(sampler, parts.train_records[:4], parts.tokenizer, s.sampling)
+        sampled = compute_log_prob(sampler, batch, MicroBatching(), temperature=s.forwards.temperature)
+    actor = compute_log_prob(parts.actor, batch, MicroBatching(), temperature=s.forwards.temperature)
+    with reference_model(parts) as ref:
+        base = compute_log_prob(ref, batch, MicroBatching(), temperature=s.forwards.temperature)
+    mask = batch.response_mask
+    assert (actor - base)[mask].abs().max() > 2e-3  # three small updates moved the policy
+    # The same bf16 forward recomputed on other batch shapes moves log-probs by about 1e-5 here; the
+    # merged bf16 copy (W + dW rounded to bf16) was 1e-3 off the actor, as far as the base model.
+    torch.testing.assert_close(sampled[mask], actor[mask], rtol=0, atol=1e-4)
