@@ -92,8 +92,8 @@ class LoraKeys:
 
 @dataclass
 class ModelConfig(LoraKeys):
-    # (LoRA: with lora_rank > 0 the reference policy is the actor with its adapters switched off,
-    # so no second model is loaded.)
+    # (LoRA: with lora_rank > 0 the reference policy is the actor with its adapters at their
+    # starting values, ref.lora_reference, so no second model is loaded.)
     # Local Hugging Face folder of the model (no hub downloads).
     path: str = ""
     # Recompute activations in the backward pass to save memory.
@@ -225,6 +225,11 @@ class RefConfig:
     log_prob_use_dynamic_bsz: Optional[bool] = None
     # Token budget of one reference micro-batch; None = actor.ppo_max_token_len_per_gpu (as verl).
     log_prob_max_token_len_per_gpu: Optional[int] = None
+    # A LoRA actor's reference (a klppo key): starting_adapter, the actor as it started (the
+    # adapters of model.lora_adapter_path; new adapters add nothing, so the base model), so the
+    # KL to the reference is 0 before the first update; base, the base model without adapters
+    # (verl's reference, also with lora_adapter_path). Either costs no second model.
+    lora_reference: Literal["starting_adapter", "base"] = "starting_adapter"
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 

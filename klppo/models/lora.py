@@ -29,10 +29,9 @@ import json
 import math
 import re
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -307,24 +306,6 @@ def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     from peft.tuners.lora import LoraLayer
 
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-
-
-@contextmanager
-def adapters_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """Inside the block ``model`` computes with its base weights only (peft's ``disable_adapter``):
-    the reference policy of a LoRA actor, at no cost in memory. Every parameter's
-    ``requires_grad`` is as before afterwards."""
-    layers = lora_layers(model).values()
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield model
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-        for param, flag in flags:
-            param.requires_grad_(flag)
 
 
 def add_adapters_like(copy: torch.nn.Module, model: torch.nn.Module) -> None:

@@ -1,24 +1,31 @@
 """What a run does with a model's LoRA adapters (``klppo.models.lora``) beyond training them:
-export, the merged weights an inference engine takes, and going back to their starting values.
+export, the merged weights an inference engine takes, the reference policy, and going back to
+their starting values.
 
 A model with adapters is exported twice by rank 0 from one streaming of its whole tensors:
 ``<name>_adapter/`` (or ``adapter/``), the adapter alone in peft's layout, loadable with
 ``PeftModel.from_pretrained`` on the base model; and the usual Hugging Face folder with the
 adapters merged into the weights (W + alpha / r * B @ A), a plain model that
 ``AutoModelForCausalLM`` (or the reward model's or critic's class) loads without peft.
+
+A LoRA actor's reference policy is the actor with its adapters at their starting values (those
+of ``lora_adapter_path``, or for new adapters the base model, lora_B being zero), or with
+``actor_rollout_ref.ref.lora_reference: base`` the base model: the reference forward swaps
+those values into the adapters and back, at the memory of one copy of the adapters.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from klppo.checkpoint.export import export_hf
-from klppo.distributed import DistEnv, barrier, whole_tensor_groups
+from klppo.distributed import DistEnv, barrier, reshard, whole_tensor_groups
 from klppo.models.lora import has_adapters, is_adapter, lora_merges, merged_state, save_adapter, trained_heads
 
 
@@ -77,7 +84,32 @@ def trained_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def restore_values(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> None:
-    """Put ``trained_values`` back into ``model`` (each rank its own shards)."""
+    """Put ``trained_values`` back into ``model`` (each rank its own shards). Whole parameters FSDP2
+    kept from a forward are freed first, so the next forward gathers the values put back."""
+    reshard(model)
     for name, param in model.named_parameters():
         if name in values:
             param.copy_(values[name])
+
+
+def base_values(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter ``values`` with every lora_B zero: the adapters add nothing, the model is its base."""
+    return {name: torch.zeros_like(v) if ".lora_B." in name else v for name, v in values.items()}
+
+
+@contextmanager
+def adapters_at(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> Iterator[torch.nn.Module]:
+    """Inside the block ``model``'s adapters hold ``values`` (this rank's shards, as ``trained_values``
+    gives them), for forwards without gradients; afterwards their own values again, bit for bit.
+
+    No ``requires_grad`` flag changes: FSDP2 fixes each parameter group's mixed-precision dtypes
+    from those flags at the model's first forward, which may be this one (a reference forward
+    first, as in rollout correction's bypass mode); switching adapters off with peft's
+    ``enable_adapters(False)`` clears them, and a bf16 run then failed at its first backward.
+    """
+    own = {name: p.detach().clone() for name, p in model.named_parameters() if name in values}
+    restore_values(model, values)
+    try:
+        yield model
+    finally:
+        restore_values(model, own)

@@ -28,7 +28,7 @@ from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.trainer.offload import Offloader
 from klppo.trainer.settings import KLSettings, PPOSettings, compile_ppo, uses_critic, uses_reference
-from klppo.trainer.adapters import trained_values
+from klppo.trainer.adapters import base_values, trained_values
 from klppo.trainer.setup import (
     Sharder, build_optimizer_and_scheduler, join_world, load_model, lora_spec, seed_everything,
 )
@@ -58,6 +58,7 @@ class PPOParts:
     total_steps: int
     offloader: Offloader  # param_offload / optimizer_offload: models on CPU between their phases
     initial_adapters: Optional[dict[str, torch.Tensor]] = None  # LoRA actor: its adapters' starting values (rollback)
+    reference_adapters: Optional[dict[str, torch.Tensor]] = None  # LoRA actor: its adapters' values in the reference
 
     @property
     def device(self) -> torch.device:
@@ -174,8 +175,8 @@ def build_offloader(device, fsdp: dict[str, FSDPConfig], actor, actor_optimizer,
 def _load_actor_and_ref(cfg: PPOConfig, env: DistEnv, sharder: Sharder):
     """The actor and, when a KL term needs it, the frozen reference (both from model.path).
 
-    A LoRA actor needs no reference model: its base weights, with the adapters switched off,
-    are the reference (``forwards.reference_model``).
+    A LoRA actor needs no reference model: the actor with its adapters at their starting values
+    (or with ``ref.lora_reference: base``, without them) is the reference (``forwards.reference_model``).
     """
     model_cfg, arf = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref
     common = dict(key="actor_rollout_ref.model.path", env=env, sharder=sharder, packed=model_cfg.use_remove_padding)
@@ -238,11 +239,20 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
         critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
     offloader = build_offloader(env.device, fsdp_sections(cfg), actor, actor_optimizer, ref, reward_models, critic,
                                 critic_optimizer)
+    initial = trained_values(actor) if settings.actor_lora else None
     return PPOParts(
         settings=settings, env=env, tokenizer=tokenizer, actor=actor, actor_optimizer=actor_optimizer,
         actor_scheduler=actor_scheduler, ref=ref, reward_models=reward_models, critic=critic,
         critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         kl_ctrl=build_kl_controller(settings.kl), reward_fn=reward_fn, train_records=train, val_records=val,
         val_ranked=val_ranked, batches=batches, total_steps=total_steps, offloader=offloader,
-        initial_adapters=trained_values(actor) if settings.actor_lora else None,
+        initial_adapters=initial, reference_adapters=_reference_adapters(cfg, initial),
     )
+
+
+def _reference_adapters(cfg: PPOConfig, initial: Optional[dict[str, torch.Tensor]]):
+    """A LoRA actor's adapter values in its reference (``actor_rollout_ref.ref.lora_reference``):
+    their starting values, or values that add nothing (the base model)."""
+    if initial is None:
+        return None
+    return initial if cfg.actor_rollout_ref.ref.lora_reference == "starting_adapter" else base_values(initial)
