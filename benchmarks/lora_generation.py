@@ -17,7 +17,8 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from klppo.models.lora import LoraSpec, add_adapters, initial_adapter_values, lora_scalings, merged_state
+from klppo.models.lora import LoraSpec, add_adapters, initial_adapter_values
+from klppo.trainer.responses import generation_copy
 
 # name -> (hidden, layers, heads, kv heads, MLP width, vocabulary), rows, prompt tokens, new tokens
 SHAPES = {
@@ -40,15 +41,7 @@ def adapted_model(hidden: int, layers: int, heads: int, kv: int, mlp: int, vocab
 
 
 def merged_copy(model: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
-    state = merged_state({k: v.detach().clone() for k, v in model.state_dict().items()}, lora_scalings(model))
-    with torch.device("meta"):
-        copy = Qwen2ForCausalLM(model.config)
-    copy.load_state_dict(state, strict=False, assign=True)
-    for name, buffer in model.named_buffers():
-        owner, _, leaf = name.rpartition(".")
-        copy.get_submodule(owner)._buffers[leaf] = buffer.clone()
-    copy.tie_weights()
-    return copy.eval()
+    return generation_copy(model, torch.float32, torch.device("cpu"))  # klppo's fp32 generation copy
 
 
 @torch.no_grad()

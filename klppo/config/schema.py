@@ -78,20 +78,24 @@ class LoraKeys:
     lora_rank: int = 0
     # LoRA scaling alpha (the update is scaled by lora_alpha / lora_rank).
     lora_alpha: int = 16
-    # Modules that get adapters: "all-linear" (every linear layer of the backbone) or a list of
-    # module names such as [q_proj, v_proj].
+    # Modules that get adapters: "all-linear" (every linear layer of the backbone: nn.Linear and
+    # GPT-2's Conv1D), a list of module names such as [q_proj, v_proj], or a regex that peft
+    # matches in full against module names (model.layers.0.self_attn.q_proj, or without the
+    # backbone's prefix). Only linear layers can be adapted; others are refused by name.
     target_modules: Union[str, list[str]] = "all-linear"
-    # Modules never given adapters (names or a regex); None excludes none.
+    # Modules never given adapters (names or a regex, matched as target_modules); None excludes none.
     exclude_modules: Optional[Union[str, list[str]]] = None
     # Folder of a saved LoRA adapter (peft's layout) to start from; it turns LoRA on, and its
-    # adapter_config.json decides rank, alpha and target modules. None starts new adapters.
+    # adapter_config.json decides rank, alpha and target modules. An adapter with options klppo
+    # does not model (biases, modules_to_save outside a new head, trainable tokens, DoRA, ...) or
+    # with tensors it would not load is refused. None starts new adapters.
     lora_adapter_path: Optional[str] = None
 
 
 @dataclass
 class ModelConfig(LoraKeys):
-    # (LoRA: with lora_rank > 0 the reference policy is the actor with its adapters switched off,
-    # so no second model is loaded.)
+    # (LoRA: with lora_rank > 0 the reference policy is the actor with its adapters at their
+    # starting values, ref.lora_reference, so no second model is loaded.)
     # Local Hugging Face folder of the model (no hub downloads).
     path: str = ""
     # Recompute activations in the backward pass to save memory.
@@ -177,6 +181,11 @@ class RefConfig:
     log_prob_use_dynamic_bsz: Optional[bool] = None
     # Token budget of one reference micro-batch; None = actor.ppo_max_token_len_per_gpu (as verl).
     log_prob_max_token_len_per_gpu: Optional[int] = None
+    # A LoRA actor's reference (a klppo key): starting_adapter, the actor as it started (the
+    # adapters of model.lora_adapter_path; new adapters add nothing, so the base model), so the
+    # KL to the reference is 0 before the first update; base, the base model without adapters
+    # (verl's reference, also with lora_adapter_path). Either costs no second model.
+    lora_reference: Literal["starting_adapter", "base"] = "starting_adapter"
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 

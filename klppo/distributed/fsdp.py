@@ -157,20 +157,13 @@ def plain_class(model: torch.nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
-StateTransform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-
-
 @torch.no_grad()
 def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device,
-                   transform: StateTransform | None = None) -> torch.nn.Module:
+                   prepare: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
     """A plain, whole copy of a sharded Hugging Face model on every rank, in ``dtype`` (its
     compute dtype), for generation: each FSDP unit is all-gathered once here (as a forward would),
     so decoding with the copy runs no collective (verl's hybrid engine, without an inference
-    server). Collective.
-
-    ``transform``: turns the gathered tensors into the plain class's state (a LoRA model's
-    adapters merged into its weights). The copy shares no memory with the sharded model; drop
-    it after use to free it.
+    server). Collective. ``prepare``: as in ``plain_copy`` (a LoRA copy's adapters).
     """
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for handle in [unit.unshard(async_op=True) for unit in units]:  # one all-gather per block, as a forward
@@ -182,10 +175,21 @@ def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: to
     finally:
         for unit in units:
             unit.reshard()
-    if transform is not None:
-        params = transform(params)
+    return plain_copy(model, params, prepare)
+
+
+def plain_copy(model: torch.nn.Module, params: dict[str, torch.Tensor],
+               prepare: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """A plain model of ``model``'s own class and config (built on the meta device) that takes
+    ``params`` (whole tensors by name) as its parameters and ``model``'s buffers, for inference
+    (eval mode, nothing trains). ``prepare(copy)`` runs on the empty copy first, so that it fits
+    ``params`` (gives it a LoRA model's adapters). The copy shares no memory with ``model`` as
+    long as ``params`` do not; drop it after use to free it.
+    """
     with torch.device("meta"):
         copy = plain_class(model)(model.config)
+    if prepare is not None:
+        prepare(copy)
     copy.load_state_dict(params, strict=False, assign=True)
     for name, buffer in model.named_buffers():  # buffers are not sharded (rotary frequencies and the like)
         owner, _, leaf = name.rpartition(".")
@@ -198,20 +202,27 @@ def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: to
     return copy.eval().requires_grad_(False)
 
 
-def whole_tensor_groups(model: torch.nn.Module, *, on_every_rank: bool = False,
-                        device: torch.device = torch.device("cpu")) -> Iterator[dict[str, torch.Tensor]]:
-    """The model's parameters (then its persistent buffers) as whole tensors on ``device`` on rank 0,
-    a group at a time: the parameters of one decoder block (``_no_split_modules``), or a run of
-    the root's own (embeddings, final norm, heads); tied parameters come once, by their first
-    name. Collective: every rank iterates to the end (each sharded parameter is one all-gather,
-    and no rank holds more than one group of whole tensors); other ranks get empty groups, or
-    with ``on_every_rank`` the same groups (an inference engine on every rank loads them).
-
-    A model that is not sharded gives its own tensors (no copy on CPU).
-    """
+def reshard(model: torch.nn.Module) -> None:
+    """Free the whole parameters FSDP2 still holds from a forward (``reshard_after_forward=False``,
+    a root kept gathered): afterwards every module computes from its shards again, so values
+    written into the shards are the ones the next forward gathers. No-op for a plain model."""
     for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-        unit.reshard()  # a root kept gathered after a forward (keep_root_gathered) holds plain tensors
-    rank0 = on_every_rank or not dist.is_initialized() or dist.get_rank() == 0
+        unit.reshard()
+
+
+def whole_tensor_groups(model: torch.nn.Module, device: torch.device | None = None
+                        ) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's parameters (then its persistent buffers) as whole CPU tensors on rank 0, a group
+    at a time: the parameters of one decoder block (``_no_split_modules``), or a run of the
+    root's own (embeddings, final norm, heads); tied parameters come once, by their first name.
+    Collective: every rank iterates to the end (each sharded parameter is one all-gather, and
+    no rank holds more than one whole tensor of it); other ranks get empty groups.
+
+    A model that is not sharded gives its own tensors (no copy on CPU). ``device``: every rank
+    gets the groups, on ``device``, and as copies (an inference engine's weights).
+    """
+    reshard(model)  # a root kept gathered after a forward (keep_root_gathered) holds plain tensors
+    keep = device is not None or not dist.is_initialized() or dist.get_rank() == 0
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [f"{name}." for name, m in model.named_modules() if plain_class(m).__name__ in block_names]
     group, current = {}, None
@@ -222,15 +233,28 @@ def whole_tensor_groups(model: torch.nn.Module, *, on_every_rank: bool = False,
             group = {}
         current = owner
         whole = param.full_tensor() if isinstance(param, DTensor) else param
-        if rank0:
-            group[name] = whole.detach().to(device)
+        if keep:
+            group[name] = _kept(whole, device, shared=whole.data_ptr() == _local(param).data_ptr())
         del whole
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {name: b for name, b in model.state_dict().items() if name not in params}  # persistent buffers
-    if rank0 and buffers:
-        group.update({name: b.detach().to(device) for name, b in buffers.items()})
+    if keep and buffers:
+        group.update({name: _kept(b, device, shared=True) for name, b in buffers.items()})
     if group:
         yield group
+
+
+def _kept(tensor: torch.Tensor, device: torch.device | None, *, shared: bool) -> torch.Tensor:
+    """A whole tensor as a group holds it: on rank 0's CPU, or on ``device`` as a tensor of its own
+    (``shared``: it is the model's own memory; a gathered one is new, and copying it again would
+    hold a large embedding twice)."""
+    if device is None:
+        return tensor.detach().to("cpu")
+    return tensor.detach().to(device, copy=shared)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def gather_full_model(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -9,6 +9,11 @@ weight) and ``<module>.lora_A.default.weight`` / ``<module>.lora_B.default.weigh
 outside the backbone (a causal LM's output layer, a critic's or reward model's one-output
 head) never get adapters: a new head trains whole instead (peft's ``modules_to_save``).
 
+Linear layers are ``nn.Linear`` and GPT-2's ``Conv1D``, which stores its weight as (in, out)
+(peft's ``fan_in_fan_out``): its update ``B @ A`` is transposed when merged. Any other target
+(an ``nn.Embedding``, a convolution) is refused by name when the adapters are added: peft
+gives it adapters of another layout, which klppo does not initialise, train or merge.
+
 Adapters are created on the meta device and given their values afterwards, the same way on
 one process and on sharded ranks: peft's default initialisation (lora_A kaiming-uniform as
 ``nn.Linear``, lora_B zero, so the adapted model starts as the base model) drawn from a
@@ -22,11 +27,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -51,6 +56,7 @@ class LoraSpec:
     target_modules: Modules  # "all-linear" or module names (peft's matching: exact or dotted suffix)
     exclude_modules: Modules = None  # names (or a regex) never adapted
     adapter_path: Optional[str] = None  # a saved adapter to start from (its config decides rank, alpha, targets)
+    modules_to_save: tuple[str, ...] = ()  # the saved adapter's trained heads (peft's modules_to_save)
 
 
 # ---- saved adapters ----
@@ -66,10 +72,10 @@ def read_adapter_config(spec: LoraSpec) -> LoraSpec:
     path = Path(spec.adapter_path) / CONFIG_FILE
     with reading(path, f"{spec.key}.lora_adapter_path: the adapter config", "save the adapter again"):
         raw = json.loads(path.read_text(encoding="utf-8"))
-    targets = raw.get("target_modules")
     return replace(spec, rank=int(raw["r"]), alpha=float(raw.get("lora_alpha", 8)),
-                   target_modules=tuple(targets) if isinstance(targets, list) else targets,
-                   exclude_modules=_as_modules(raw.get("exclude_modules")))
+                   target_modules=_as_modules(raw.get("target_modules")),
+                   exclude_modules=_as_modules(raw.get("exclude_modules")),
+                   modules_to_save=tuple(raw.get("modules_to_save") or ()))
 
 
 def _as_modules(value) -> Modules:
@@ -78,8 +84,7 @@ def _as_modules(value) -> Modules:
 
 def read_adapter_weights(spec: LoraSpec) -> dict[str, torch.Tensor]:
     """The tensors of the saved adapter, under this model's parameter names (adapter name put back)."""
-    folder = Path(spec.adapter_path)
-    path = next(folder / name for name in WEIGHT_FILES if (folder / name).is_file())
+    path = _weight_file(spec)
     with reading(path, f"{spec.key}.lora_adapter_path: the adapter weights", "save the adapter again"):
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -88,6 +93,11 @@ def read_adapter_weights(spec: LoraSpec) -> dict[str, torch.Tensor]:
         else:
             saved = torch.load(path, map_location="cpu", weights_only=True)
     return {_model_name(name): tensor for name, tensor in saved.items()}
+
+
+def _weight_file(spec: LoraSpec) -> Path:
+    folder = Path(spec.adapter_path)
+    return next(folder / name for name in WEIGHT_FILES if (folder / name).is_file())
 
 
 def _model_name(saved: str) -> str:
@@ -118,32 +128,86 @@ def base_name(name: str) -> str:
 def add_adapters(model: torch.nn.Module, spec: LoraSpec, *, train_head: bool) -> None:
     """Inject LoRA layers (parameters on the meta device) into ``model``'s backbone and freeze the
     rest: only the adapters train, and with ``train_head`` the parameters outside the backbone too
-    (a critic's or reward model's new head). ``spec`` must be resolved (``read_adapter_config``)."""
+    (a critic's or reward model's new head). ``spec`` must be resolved (``read_adapter_config``).
+    A target that is not a linear layer is refused, naming it."""
+    import warnings
+
     from peft import LoraConfig, inject_adapter_in_model
 
     backbone = model.get_submodule(model.base_model_prefix)
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, bias="none",
-                        target_modules=_in_backbone(spec.target_modules, model),
-                        exclude_modules=_in_backbone(spec.exclude_modules, model))
+                        target_modules=_in_backbone(spec.target_modules, model, _targets_key(spec)),
+                        exclude_modules=_in_backbone(spec.exclude_modules, model, _targets_key(spec, "exclude")))
     try:
-        inject_adapter_in_model(config, backbone, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+        with warnings.catch_warnings():  # peft sets fan_in_fan_out per layer by its type, and says so each time
+            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
+            inject_adapter_in_model(config, backbone, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     except ValueError as exc:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in backbone.named_modules()
-                         if isinstance(m, torch.nn.Linear)})
-        raise UserError(f"{spec.key}.target_modules = {spec.target_modules!r} (exclude_modules = "
-                        f"{spec.exclude_modules!r}) adapts no layer of this model ({str(exc).splitlines()[0]}); its "
-                        f"linear layers are {linear}: list some of them, or use all-linear") from None
+        raise UserError(f"{_targets_key(spec)} = {spec.target_modules!r} (exclude_modules = "
+                        f"{spec.exclude_modules!r}) adapts no layer of this model, or a module that is not a layer "
+                        f"({str(exc).splitlines()[0]}); its "
+                        f"linear layers are {_linear_names(backbone)}: list some of them, or use all-linear") from None
+    _refuse_non_linear(model, spec)
     backbone_prefix = f"{model.base_model_prefix}."
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name) or (train_head and not name.startswith(backbone_prefix)))
 
 
-def _in_backbone(modules: Modules, model: torch.nn.Module):
-    """Module names as peft matches them inside the backbone: a saved adapter lists full names
-    (``model.layers.0.self_attn.q_proj``), the backbone knows them without its prefix."""
-    if not isinstance(modules, tuple):
+def _targets_key(spec: LoraSpec, which: str = "target") -> str:
+    """Where the target (or exclude) modules were set: the config key, or the saved adapter's config."""
+    if spec.adapter_path is None:
+        return f"{spec.key}.{which}_modules"
+    return f"{which}_modules of {spec.key}.lora_adapter_path ('{Path(spec.adapter_path) / CONFIG_FILE}')"
+
+
+def _linear_names(backbone: torch.nn.Module) -> list[str]:
+    """The short names of the layers LoRA can adapt here (``nn.Linear``, and GPT-2's ``Conv1D``), also
+    once adapters are in (an adapted layer's own is its ``base_layer``; the adapters' are left out)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return sorted({name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name, m in backbone.named_modules()
+                   if isinstance(m, (torch.nn.Linear, Conv1D)) and ".lora_" not in f".{name}"})
+
+
+def _refuse_non_linear(model: torch.nn.Module, spec: LoraSpec) -> None:
+    """peft also adapts embeddings and convolutions, with parameters of another layout (an
+    embedding's ``lora_embedding_A``) that klppo would leave uninitialised and frozen, and merge
+    wrongly: refuse them by name before anything trains."""
+    from peft.tuners.lora import Linear
+
+    other = {name: type(layer.get_base_layer()).__name__ for name, layer in lora_layers(model).items()
+             if not isinstance(layer, Linear)}
+    if other:
+        listed = ", ".join(f"{name} ({kind})" for name, kind in other.items())
+        raise UserError(f"{_targets_key(spec)} = {spec.target_modules!r} adapts {listed}: klppo trains LoRA "
+                        "adapters of linear layers only (nn.Linear, GPT-2's Conv1D); list only linear layers (its "
+                        f"linear layers are {_linear_names(model.get_submodule(model.base_model_prefix))}), or add "
+                        "these to exclude_modules")
+
+
+def _in_backbone(modules: Modules, model: torch.nn.Module, key: str):
+    """Module names as peft matches them inside the backbone.
+
+    A list may name modules by their full names (a saved adapter lists
+    ``model.layers.0.self_attn.q_proj``): the backbone knows them without its prefix. A string
+    other than ``all-linear`` is a regular expression, which peft matches in full against each
+    module's name; an adapter saved by peft wrote it against the whole model's names, so it is
+    matched here against both the whole model's name and the backbone's, and turned into the list
+    of the backbone's modules it selects.
+    """
+    prefix = f"{model.base_model_prefix}."
+    if isinstance(modules, tuple):
+        return [name.removeprefix(prefix) for name in modules]
+    if modules is None or modules == "all-linear":
         return modules
-    return [name.removeprefix(f"{model.base_model_prefix}.") for name in modules]
+    try:
+        pattern = re.compile(modules)
+    except re.error as exc:
+        raise UserError(f"{key} = {modules!r} is not a regular expression ({exc}); write a valid one, or a list "
+                        "of module names") from None
+    backbone = model.get_submodule(model.base_model_prefix)
+    return [name for name, _ in backbone.named_modules()
+            if name and (pattern.fullmatch(name) or pattern.fullmatch(prefix + name))]
 
 
 def initial_adapter_values(model: torch.nn.Module, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
@@ -167,6 +231,9 @@ def initial_adapter_values(model: torch.nn.Module, spec: LoraSpec, seed: int) ->
 
 
 def _saved_values(model: torch.nn.Module, spec: LoraSpec, names: list) -> dict[str, torch.Tensor]:
+    """The saved adapter's values of ``names`` (and of the trained heads it holds); a file that lacks
+    one, or holds a tensor this model would not use, is refused: a tensor left out would be a part
+    of the saved adapter silently dropped (a bias, a trained embedding, a head)."""
     saved = read_adapter_weights(spec)
     where = f"{spec.key}.lora_adapter_path: the adapter in '{spec.adapter_path}'"
     for name, shape in names:
@@ -177,10 +244,32 @@ def _saved_values(model: torch.nn.Module, spec: LoraSpec, names: list) -> dict[s
             raise UserError(f"{where} holds '{_file_name(name)}' of shape {tuple(saved[name].shape)}, but this model "
                             f"needs {tuple(shape)}: point lora_adapter_path at an adapter of this base model")
     heads = {name: p.shape for name, p in model.named_parameters() if p.requires_grad and not is_adapter(name)}
+    _check_modules_to_save(spec, heads)
     out = {name: saved[name].float() for name, _ in names}
     out.update({name: saved[name].float() for name, shape in heads.items()
                 if name in saved and tuple(saved[name].shape) == tuple(shape)})
+    unused = [_file_name(name) for name in saved if name not in out]
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise UserError(f"{spec.key}.lora_adapter_path: '{_weight_file(spec)}' holds tensors this model would not use "
+                        f"({', '.join(unused[:3])}{more}): the adapter carries more than LoRA adapters of this model's "
+                        "linear layers (a bias, a trained embedding or head, another model's layers); merge it into "
+                        "the model folder and train new adapters, or point lora_adapter_path at an adapter of this "
+                        "base model")
     return out
+
+
+def _check_modules_to_save(spec: LoraSpec, heads: dict) -> None:
+    """peft's ``modules_to_save`` are modules trained whole beside the adapters: klppo trains only a
+    critic's or reward model's new head that way (``heads``, the trainable non-adapter parameters)."""
+    trained = {name.rsplit(".", 1)[0] for name in heads}
+    other = [m for m in spec.modules_to_save if not any(t == m or t.endswith(f".{m}") for t in trained)]
+    if other:
+        what = f"trains only its new head ({sorted(trained)})" if trained else "trains adapters only"
+        raise UserError(f"{spec.key}.lora_adapter_path: '{Path(spec.adapter_path) / CONFIG_FILE}' sets "
+                        f"modules_to_save = {list(spec.modules_to_save)!r}, but this model {what}, so {other} would "
+                        "be dropped: merge the adapter into the model folder and train new adapters, or point "
+                        "lora_adapter_path at an adapter without modules_to_save")
 
 
 def with_adapters(model: torch.nn.Module, spec: LoraSpec, tensor_of: Callable[[str], torch.Tensor], *, seed: int,
@@ -219,53 +308,46 @@ def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
-@contextmanager
-def adapters_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """Inside the block ``model`` computes with its base weights only (peft's ``disable_adapter``):
-    the reference policy of a LoRA actor, at no cost in memory. Every parameter's
-    ``requires_grad`` is as before afterwards."""
-    layers = lora_layers(model).values()
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield model
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-        for param, flag in flags:
-            param.requires_grad_(flag)
+def add_adapters_like(copy: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Give ``copy`` (a plain model of ``model``'s class, on the meta device) the adapters of
+    ``model``: the same layers, rank and alpha, so that it takes ``model``'s parameters by name."""
+    layers = lora_layers(model)
+    first = next(iter(layers.values()))
+    spec = LoraSpec(f"a copy of {type(model).__name__}", rank=first.r[ADAPTER], alpha=first.lora_alpha[ADAPTER],
+                    target_modules=tuple(layers))
+    add_adapters(copy, spec, train_head=False)
 
 
-def merged_state(state: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class AdapterMerge:
+    """How one adapted layer's update joins its weight: W + scaling * B @ A."""
+
+    scaling: float  # lora_alpha / r
+    fan_in_fan_out: bool  # W is stored as (in, out) (GPT-2's Conv1D), so the (out, in) update B @ A is transposed
+
+
+def lora_merges(model: torch.nn.Module) -> dict[str, AdapterMerge]:
+    """module name -> how its adapter merges (peft's ``scaling`` and ``fan_in_fan_out`` of the layer)."""
+    return {name: AdapterMerge(layer.scaling[ADAPTER], bool(layer.fan_in_fan_out))
+            for name, layer in lora_layers(model).items()}
+
+
+def merged_state(state: dict[str, torch.Tensor], merges: dict[str, AdapterMerge]) -> dict[str, torch.Tensor]:
     """``state`` (an adapted model's whole tensors, or a group of whole modules of them) as the plain
     model's state: every adapted weight merged, W + scaling * B @ A (in fp32, then W's dtype),
     under its plain name; the adapter tensors dropped. Entries are taken out of ``state`` as they
-    are merged (a gathered copy is freed as it goes); ``scalings``: module name -> lora_alpha / r
-    (``lora_scalings``)."""
-    for module, scaling in scalings.items():
+    are merged (a gathered copy is freed as it goes); ``merges``: ``lora_merges`` of the model."""
+    for module, merge in merges.items():
         if f"{module}.base_layer.weight" not in state:  # another group's module
             continue
-        a = state.pop(f"{module}.lora_A.{ADAPTER}.weight")
-        b = state.pop(f"{module}.lora_B.{ADAPTER}.weight")
-        weight = state.pop(f"{module}.base_layer.weight")
-        state[f"{module}.weight"] = (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+        a = state.pop(f"{module}.lora_A.{ADAPTER}.weight")  # (r, in)
+        b = state.pop(f"{module}.lora_B.{ADAPTER}.weight")  # (out, r)
+        weight = state.pop(f"{module}.base_layer.weight")  # (out, in), or (in, out) with fan_in_fan_out
+        update = merge.scaling * (b.float() @ a.float())
+        state[f"{module}.weight"] = (weight.float() + (update.T if merge.fan_in_fan_out else update)).to(weight.dtype)
         if f"{module}.base_layer.bias" in state:
             state[f"{module}.bias"] = state.pop(f"{module}.base_layer.bias")
     return state
-
-
-def merging(model: torch.nn.Module) -> Optional[Callable[[dict], dict]]:
-    """``state -> merged_state(state, ...)`` for ``model``'s adapters; None for a model without any."""
-    if not has_adapters(model):
-        return None
-    scalings = lora_scalings(model)
-    return lambda state: merged_state(state, scalings)
-
-
-def lora_scalings(model: torch.nn.Module) -> dict[str, float]:
-    """module name -> the scale of its adapter's update (lora_alpha / r)."""
-    return {name: layer.scaling[ADAPTER] for name, layer in lora_layers(model).items()}
 
 
 def trained_heads(model: torch.nn.Module) -> list[str]:
@@ -284,6 +366,7 @@ def save_adapter(out: Path, model: torch.nn.Module, state: dict[str, torch.Tenso
     task = next((task for suffix, task in TASK_TYPES.items() if type(model).__name__.endswith(suffix)), None)
     config = LoraConfig(r=first.r[ADAPTER], lora_alpha=first.lora_alpha[ADAPTER], lora_dropout=0.0, bias="none",
                         target_modules=sorted(layers), task_type=task, base_model_name_or_path=base_path,
+                        fan_in_fan_out=all(layer.fan_in_fan_out for layer in layers.values()),  # as peft saves GPT-2's
                         modules_to_save=sorted({name.rsplit(".", 1)[0] for name in heads}) or None)
     names = [name for name in state if is_adapter(name)] + heads
     out.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.vllm import VLLMEngine, require_vllm
 from klppo.trainer.offload import Offloader
 from klppo.trainer.settings import KLSettings, PPOSettings, compile_ppo, uses_critic, uses_reference
-from klppo.trainer.adapters import trained_values
+from klppo.trainer.adapters import base_values, trained_values
 from klppo.trainer.setup import (
     Sharder, build_optimizer_and_scheduler, join_world, load_model, lora_spec, seed_everything,
 )
@@ -60,6 +60,7 @@ class PPOParts:
     total_steps: int
     offloader: Offloader  # param_offload / optimizer_offload: models on CPU between their phases
     initial_adapters: Optional[dict[str, torch.Tensor]] = None  # LoRA actor: its adapters' starting values (rollback)
+    reference_adapters: Optional[dict[str, torch.Tensor]] = None  # LoRA actor: its adapters' values in the reference
     engine: Optional[VLLMEngine] = None  # rollout.name: vllm; fed the actor's weights before each generation
 
     @property
@@ -177,8 +178,8 @@ def build_offloader(device, fsdp: dict[str, FSDPConfig], actor, actor_optimizer,
 def _load_actor_and_ref(cfg: PPOConfig, env: DistEnv, sharder: Sharder):
     """The actor and, when a KL term needs it, the frozen reference (both from model.path).
 
-    A LoRA actor needs no reference model: its base weights, with the adapters switched off,
-    are the reference (``forwards.reference_model``).
+    A LoRA actor needs no reference model: the actor with its adapters at their starting values
+    (or with ``ref.lora_reference: base``, without them) is the reference (``forwards.reference_model``).
     """
     model_cfg, arf = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref
     common = dict(key="actor_rollout_ref.model.path", env=env, sharder=sharder, packed=model_cfg.use_remove_padding)
@@ -243,6 +244,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
         critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
     offloader = build_offloader(env.device, fsdp_sections(cfg), actor, actor_optimizer, ref, reward_models, critic,
                                 critic_optimizer)
+    initial = trained_values(actor) if settings.actor_lora else None
     engine = None
     if settings.engine is not None:  # last: on a GPU it takes its share of the memory the models left
         engine = VLLMEngine(cfg.actor_rollout_ref.model.path, actor.config, settings.engine, env.device,
@@ -253,5 +255,13 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
         critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler,
         kl_ctrl=build_kl_controller(settings.kl), reward_fn=reward_fn, train_records=train, val_records=val,
         val_ranked=val_ranked, batches=batches, total_steps=total_steps, offloader=offloader,
-        initial_adapters=trained_values(actor) if settings.actor_lora else None, engine=engine,
+        initial_adapters=initial, reference_adapters=_reference_adapters(cfg, initial), engine=engine,
     )
+
+
+def _reference_adapters(cfg: PPOConfig, initial: Optional[dict[str, torch.Tensor]]):
+    """A LoRA actor's adapter values in its reference (``actor_rollout_ref.ref.lora_reference``):
+    their starting values, or values that add nothing (the base model)."""
+    if initial is None:
+        return None
+    return initial if cfg.actor_rollout_ref.ref.lora_reference == "starting_adapter" else base_values(initial)

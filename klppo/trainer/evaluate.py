@@ -192,9 +192,9 @@ def sampled_kl_to_ref(
     """KL(policy || reference) per token, estimated on responses *sampled from the policy* (k1 is
     unbiased only there; on recorded offline responses it is not a KL). ``reference()``: a context
     giving the reference model (``forwards.reference_model``: the frozen reference, or a LoRA
-    actor with its adapters off). ``estimator``: a ``kl_penalty`` name; "kl" (k1), or "low_var_kl"
-    (k3, also unbiased on the policy's samples, never negative, lower variance) as validation
-    and the offline probe use.
+    actor holding its reference adapter values, ``ref.lora_reference``). ``estimator``: a
+    ``kl_penalty`` name; "kl" (k1), or "low_var_kl" (k3, also unbiased on the policy's samples,
+    never negative, lower variance) as validation and the offline probe use.
 
     ``sampler``: the model that samples (the actor's gathered copy; default the actor itself),
     ``sharded`` whether it is sharded (default: when there is a process group). Sampling draws

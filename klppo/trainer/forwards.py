@@ -18,12 +18,12 @@ import torch
 from klppo.data.batching import MicroBatching, micro_batch_plan, restore_order, row_chunks
 from klppo.distributed import all_gather_rows, all_reduce_max_int
 from klppo.models.forward import HeadSettings, response_logprobs, response_values, sequence_scores
-from klppo.models.lora import adapters_disabled
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rewards.distill import group_ranking_rewards
 from klppo.rewards.score import score_responses
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
+from klppo.trainer.adapters import adapters_at
 from klppo.trainer.settings import RewardModelForward, RewardSettings
 
 if TYPE_CHECKING:
@@ -126,10 +126,11 @@ def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable) -> torch
 @contextmanager
 def reference_model(parts: PPOParts) -> Iterator[torch.nn.Module]:
     """The reference policy for the ``with`` block: the frozen reference model, or for a LoRA actor
-    (``ref_in_actor``) the actor itself with its adapters switched off, which computes with the
-    base weights it started from: the reference costs no memory."""
+    (``ref_in_actor``) the actor itself with its adapters at their reference values (their
+    starting values, or the base model's: ``actor_rollout_ref.ref.lora_reference``): the
+    reference costs no second model."""
     if parts.settings.ref_in_actor:
-        with adapters_disabled(parts.actor):
+        with adapters_at(parts.actor, parts.reference_adapters):
             yield parts.actor
     else:
         yield parts.ref

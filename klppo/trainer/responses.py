@@ -9,10 +9,15 @@ all-gathered once into a whole inference copy that decodes without any collectiv
 every generated token but needs no second copy (``sharded``); ``auto`` picks the copy where it
 fits in half the memory free on this rank.
 
-A LoRA actor's copy has its adapters merged into the weights (once per step, in fp32, then the
-compute dtype), also in one process: decoding through peft's adapter layers ran 1.15x (a
-512-wide, 8-layer model) to 1.9x (the tiny model) slower on CPU than a merged copy, merging
-included (``benchmarks/README.md``, "LoRA"). With ``sharded`` the adapters decode in place.
+A LoRA actor's copy is made also in one process. In fp32 it has its adapters merged into the
+weights (once per step): decoding through peft's adapter layers ran 1.15x (a 512-wide, 8-layer
+model) to 1.9x (the tiny model) slower on CPU than a merged copy, merging included
+(``benchmarks/README.md``, "LoRA"). Under a half-precision ``fsdp_config.dtype`` the copy keeps
+its adapters and computes exactly as the actor does (its log-probs are the actor's, bit for
+bit): the merged weight W + dW, rounded to bf16, loses most of an early update (after 3 steps at
+lr 1e-5 the tiny model's merged copy was as far from the actor, 1e-3 in log-prob, as the base
+model was), so the sampler would not be the pi_old whose log-probs PPO uses. With ``sharded``
+the adapters decode in place.
 """
 
 from __future__ import annotations
@@ -24,16 +29,16 @@ import torch
 
 from klppo.data.rl_dataset import PromptRecord
 from klppo.distributed import (
-    all_gather_groups, all_gather_padded, inference_copy, max_over_ranks, shard_range, tied_aliases,
-    whole_tensor_groups,
+    all_gather_groups, all_gather_padded, inference_copy, max_over_ranks, plain_copy, shard_range, tied_aliases,
 )
-from klppo.models.lora import merging
+from klppo.models.lora import add_adapters_like, has_adapters
 from klppo.monitoring.memory import available_bytes
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, assemble_batch
 from klppo.rollout.hf import SamplingParams, hf_rollout
 from klppo.rollout.offline import offline_rollout
 from klppo.rollout.vllm import request_seed
+from klppo.trainer.adapters import merged_weights
 
 if TYPE_CHECKING:
     from klppo.trainer.build import PPOParts
@@ -88,26 +93,27 @@ def engine_responses(parts: PPOParts, records: list[PromptRecord], params: Sampl
 
 def sync_engine_weights(parts: PPOParts, timer: PhaseTimer | None = None) -> None:
     """Stream the actor's current weights into the engine (``timing_s/weight_sync``): whole tensors a
-    decoder block at a time on every rank, a LoRA actor's adapters merged on the way. Before every
-    generation, so updates, rollbacks and resumes all reach it."""
+    decoder block at a time on every rank, a LoRA actor's adapters merged on the way in fp32. Before
+    every generation, so updates, rollbacks and resumes all reach it."""
     phase = timer.phase("weight_sync") if timer is not None else nullcontext()
     with phase, parts.offloader.resident("actor"):
-        parts.engine.load_weights(engine_weights(parts.actor, parts.env.device))
+        parts.engine.load_weights(engine_weights(parts.actor, parts.settings.engine.dtype, parts.env.device))
 
 
-def engine_weights(actor: torch.nn.Module, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, whole tensor on ``device``) of every weight the engine needs; collective.
+def engine_weights(actor: torch.nn.Module, dtype: torch.dtype, device: torch.device
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, whole tensor in ``dtype`` on ``device``) of every weight the engine needs
+    (``adapters.merged_weights``); collective.
 
     A tied parameter comes under each of its names: vLLM's CPU backend repacks the LM head's
     weight for its own matmul, so loading the embeddings alone left a model whose head kept the
     engine's start-up weights (log-probs off by up to 1.1 nats on the tiny model).
     """
-    merge, aliases = merging(actor), tied_aliases(actor)
-    for group in whole_tensor_groups(actor, on_every_rank=True, device=device):
-        for name, tensor in (merge(group) if merge is not None else group).items():
-            yield name, tensor
-            for alias in aliases.get(name, ()):
-                yield alias, tensor
+    aliases = tied_aliases(actor)
+    for name, tensor in merged_weights(actor, dtype, device):
+        yield name, tensor
+        for alias in aliases.get(name, ()):
+            yield alias, tensor
 
 
 # ---- Hugging Face generate ----
@@ -134,10 +140,21 @@ def generation_model(parts: PPOParts) -> Iterator[tuple[torch.nn.Module, bool]]:
     if not uses_gathered_copy(parts):
         yield parts.actor, parts.env.is_distributed
         return
-    copy = inference_copy(parts.actor, parts.settings.actor.compute_dtype, parts.env.device, merging(parts.actor))
+    copy = generation_copy(parts.actor, parts.settings.actor.compute_dtype, parts.env.device)
     try:
         yield copy, False
     finally:
         del copy
         if parts.env.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def generation_copy(actor: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A whole copy of the (sharded or LoRA) actor on every rank, in ``dtype``; collective. A LoRA
+    actor's adapters are merged into the copy's weights in fp32, or kept under a half-precision
+    ``dtype`` (see the module's docstring)."""
+    if not has_adapters(actor):
+        return inference_copy(actor, dtype, device)
+    if dtype == torch.float32:
+        return plain_copy(actor, dict(merged_weights(actor, dtype, device)))
+    return inference_copy(actor, dtype, device, prepare=lambda copy: add_adapters_like(copy, actor))

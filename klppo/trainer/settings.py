@@ -167,7 +167,7 @@ class PPOSettings:
     kl: KLSettings
     uses_reference: bool
     actor_lora: bool  # the actor trains LoRA adapters only (actor_rollout_ref.model.lora_rank / lora_adapter_path)
-    ref_in_actor: bool  # verl's name: the reference is the LoRA actor with its adapters off; no model of its own
+    ref_in_actor: bool  # verl's name: the reference is the LoRA actor (ref.lora_reference); no model of its own
     reward: RewardSettings
     guard: GuardSettings  # KL guards off without a reference
     critic_warmup: int  # steps that update the critic only; the actor's updates start after them

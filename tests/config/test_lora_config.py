@@ -68,8 +68,8 @@ def test_an_adapter_folder_that_peft_did_not_write_is_refused_naming_the_key(tmp
     prefix = saved_adapter(tmp_path / "prefix", peft_type="PREFIX_TUNING")
     assert "holds a PREFIX_TUNING adapter, not LoRA" in error_of(load_ppo_config, PPO, f"{key}={prefix}")
     dora = saved_adapter(tmp_path / "dora", use_dora=True)
-    assert "uses DoRA, which klppo does not support" in error_of(load_sft_config, SUPERVISED,
-                                                                   f"model.lora_adapter_path={dora}")
+    assert "sets use_dora = True (DoRA), which klppo does not support" in error_of(
+        load_sft_config, SUPERVISED, f"model.lora_adapter_path={dora}")
 
 
 def test_a_rank_that_differs_from_the_saved_adapters_is_refused_and_zero_takes_the_adapters(tmp_path):
@@ -79,3 +79,33 @@ def test_a_rank_that_differs_from_the_saved_adapters_is_refused_and_zero_takes_t
     assert f"set {MODEL}.lora_rank=8" in message
     for rank in (0, 8):
         load_ppo_config(None, PPO + [f"{MODEL}.lora_rank={rank}", f"{MODEL}.lora_adapter_path={adapter}"])
+
+
+def test_a_saved_adapter_whose_options_klppo_would_ignore_is_refused_naming_the_file_and_each_option(tmp_path):
+    key = f"{MODEL}.lora_adapter_path"
+    options = {"bias": "lora_only", "lora_bias": True, "trainable_token_indices": [3, 4],
+               "init_lora_weights": "pissa", "use_frobnication": 2}
+    for option, value in options.items():
+        adapter = saved_adapter(tmp_path / option, **{option: value})
+        message = error_of(load_ppo_config, PPO, f"{key}={adapter}")
+        assert f"{key}: '{adapter / 'adapter_config.json'}' sets {option} = {value!r} (" in message, option
+        assert "which klppo does not support; train a plain LoRA adapter" in message
+    both = saved_adapter(tmp_path / "both", bias="all", layers_pattern="layers", layers_to_transform=[0])
+    message = error_of(load_ppo_config, PPO, f"{key}={both}")
+    assert "sets bias = 'all' (trained biases); layers_pattern = 'layers' (a subset of layers); " \
+           "layers_to_transform = [0] (a subset of layers), which" in message
+
+
+def test_every_option_peft_writes_with_its_default_value_is_accepted(tmp_path):
+    from peft import LoraConfig
+
+    adapter = tmp_path / "peft"
+    LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj"], fan_in_fan_out=True,
+               init_lora_weights="gaussian", task_type="CAUSAL_LM").save_pretrained(str(adapter))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    load_ppo_config(None, PPO + [f"{MODEL}.lora_adapter_path={adapter}"])
+
+
+def test_a_regex_of_modules_that_does_not_compile_is_refused_naming_the_key():
+    message = error_of(load_ppo_config, PPO, f"{MODEL}.lora_rank=8", f"{MODEL}.exclude_modules=layers\\.(0")
+    assert f"{MODEL}.exclude_modules = 'layers\\\\.(0' is not a regular expression" in message

@@ -124,7 +124,7 @@ def klppo_weights(model):
     """What the trainer streams: ``responses.engine_weights`` of the (unsharded) actor."""
     from klppo.trainer.responses import engine_weights
 
-    return engine_weights(model, torch.device("cpu"))
+    return engine_weights(model, torch.float32, torch.device("cpu"))
 
 
 if __name__ == "__main__":

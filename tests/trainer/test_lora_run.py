@@ -1,6 +1,7 @@
 """LoRA PPO runs of the tiny model in one process: only the adapters (and the critic's head) train,
-the reference is the actor without its adapters, checkpoints hold the adapters, exports load in
-transformers and peft, and a resumed or rolled-back run is exact."""
+the reference is the actor with its starting adapters, checkpoints hold the adapters, exports load
+in transformers and peft, a resumed or rolled-back run is exact, and under bf16 the sampler
+computes the actor's log-probs and a reference forward may come first."""
 
 from pathlib import Path
 
@@ -10,14 +11,19 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from klppo.config import load_ppo_config
-from klppo.distributed import read_sharded_contents
+from klppo.data.batching import MicroBatching
+from klppo.distributed import close, read_sharded_contents
 from klppo.errors import UserError
-from klppo.models.lora import adapters_disabled, is_adapter
+from klppo.models.lora import is_adapter
 from klppo.monitoring.logger import read_metrics
+from klppo.rollout.hf import hf_rollout
+from klppo.rollout.offline import offline_rollout
 from klppo.trainer import run_state
-from klppo.trainer.build import build_ppo
+from klppo.trainer.build import PPOParts, build_ppo
+from klppo.trainer.forwards import compute_log_prob, reference_model
 from klppo.trainer.main_ppo import run_ppo
 from klppo.trainer.ppo_trainer import PPOTrainer
+from klppo.trainer.responses import generation_model, uses_gathered_copy
 
 STEPS = 4
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
@@ -91,9 +97,11 @@ def test_the_base_weights_stay_as_loaded_and_the_reference_is_the_base_model(tra
     for name, value in base.state_dict().items():
         adapted = name.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
         assert torch.equal(weights.get(adapted, weights.get(name)), value), name
-    with torch.no_grad(), adapters_disabled(parts.actor):
-        torch.testing.assert_close(parts.actor(IDS).logits, base(IDS).logits, rtol=0, atol=0)
-    assert all(p.requires_grad == is_adapter(n) for n, p in parts.actor.named_parameters())  # flags restored
+    adapters = {n: p.detach().clone() for n, p in parts.actor.named_parameters() if is_adapter(n)}
+    with torch.no_grad(), reference_model(parts) as ref:  # new adapters start at lora_B = 0: the base model
+        torch.testing.assert_close(ref(IDS).logits, base(IDS).logits, rtol=0, atol=0)
+    assert all(p.requires_grad == is_adapter(n) for n, p in parts.actor.named_parameters())  # flags untouched
+    assert all(torch.equal(p, adapters[n]) for n, p in parts.actor.named_parameters() if n in adapters)
 
 
 def test_the_merged_export_and_the_adapter_give_the_adapted_models_logits(trained, tiny_model_dir):
@@ -151,7 +159,7 @@ def test_rolling_back_to_the_initial_weights_restores_the_adapters_starting_valu
         torch.testing.assert_close(parts.actor(IDS).logits, base(IDS).logits, rtol=0, atol=0)
 
 
-def test_a_run_starts_from_a_saved_adapter(trained, lora_overrides, tmp_path):
+def test_a_run_starts_from_a_saved_adapter_which_is_its_reference(trained, lora_overrides, tmp_path):
     _, run_dir, _ = trained
     overrides = lora_overrides(tmp_path / "run", **{"actor_rollout_ref.model.lora_rank": 0,
                                                     "actor_rollout_ref.model.lora_adapter_path": run_dir / "actor_adapter",
@@ -164,7 +172,22 @@ def test_a_run_starts_from_a_saved_adapter(trained, lora_overrides, tmp_path):
         name = key.removeprefix("base_model.model.").replace(".weight", ".default.weight")
         assert torch.equal(weights[name], value), name
     records = PPOTrainer(parts, print_fn=quiet).fit()
-    assert records[0]["actor/kl_to_ref"] != 0.0  # the saved adapter is not the base model
+    # The reference is the actor as it started, the saved adapter included: no KL before an update.
+    assert records[0]["actor/kl_to_ref"] == 0.0 and records[0]["actor/reward_kl_penalty"] == 0.0
+    assert records[0]["actor/kl_to_ref_sampled"] == 0.0
+
+
+def test_with_lora_reference_base_the_reference_of_a_saved_adapter_is_the_base_model(trained, lora_overrides,
+                                                                                      tiny_model_dir, tmp_path):
+    _, run_dir, _ = trained
+    overrides = lora_overrides(tmp_path / "run", **{"actor_rollout_ref.model.lora_adapter_path": run_dir / "actor_adapter",
+                                                    "actor_rollout_ref.ref.lora_reference": "base",
+                                                    "trainer.total_training_steps": 1})
+    parts = build_ppo(load_ppo_config(None, overrides), log=quiet)
+    with torch.no_grad(), reference_model(parts) as ref:
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        torch.testing.assert_close(ref(IDS).logits, base(IDS).logits, rtol=0, atol=0)
+    assert PPOTrainer(parts, print_fn=quiet).fit()[0]["actor/kl_to_ref"] > 0.0  # the saved adapter is not the base
 
 
 def test_target_modules_that_match_no_layer_are_refused_naming_the_layers(lora_overrides, tmp_path):
@@ -185,3 +208,66 @@ def test_online_lora_run_generates_with_a_merged_copy_and_validates(lora_overrid
     assert records[-1]["response_length/mean"] > 0 and "val-aux/kl_to_ref" in records[-1]
     assert (tmp_path / "run" / "actor_adapter" / "adapter_config.json").is_file()
     assert read_metrics(tmp_path / "run")[-1]["step"] == 1
+
+
+@pytest.fixture
+def bf16_parts(lora_overrides, tmp_path, monkeypatch):
+    """build(**changes) -> the parts of an offline LoRA run whose actor computes in bf16: FSDP2's mixed
+    precision over a process group of one (gloo), left when the test ends."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    built = []
+
+    def build(**changes) -> PPOParts:
+        overrides = lora_overrides(tmp_path / f"run{len(built)}", **{
+            "actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16", "trainer.save_freq": -1, **changes})
+        built.append(build_ppo(load_ppo_config(None, overrides), log=quiet))
+        return built[-1]
+
+    yield build
+    for parts in built:
+        close(parts.env)
+
+
+def train_steps(parts: PPOParts, steps: int) -> None:
+    trainer = PPOTrainer(parts, print_fn=quiet)
+    for step in range(1, steps + 1):
+        trainer.step = step
+        trainer.train_step()
+
+
+def test_a_bf16_lora_actors_sampler_computes_the_actors_log_probs_after_updates(bf16_parts):
+    parts = bf16_parts(**{"actor_rollout_ref.actor.optim.lr": 1e-4})
+    assert parts.env.is_distributed and uses_gathered_copy(parts)
+    train_steps(parts, 3)
+    s = parts.settings
+    with generation_model(parts) as (sampler, _):
+        batch = hf_rollout(sampler, parts.train_records[:4], parts.tokenizer, s.sampling)
+        sampled = compute_log_prob(sampler, batch, MicroBatching(), temperature=s.forwards.temperature)
+    actor = compute_log_prob(parts.actor, batch, MicroBatching(), temperature=s.forwards.temperature)
+    with reference_model(parts) as ref:
+        base = compute_log_prob(ref, batch, MicroBatching(), temperature=s.forwards.temperature)
+    mask = batch.response_mask
+    assert (actor - base)[mask].abs().max() > 2e-3  # three small updates moved the policy
+    # The same bf16 forward recomputed on other batch shapes moves log-probs by about 1e-5 here; the
+    # merged bf16 copy (W + dW rounded to bf16) was 1e-3 off the actor, as far as the base model.
+    torch.testing.assert_close(sampled[mask], actor[mask], rtol=0, atol=1e-4)
+
+
+def test_a_bf16_lora_run_whose_first_forward_is_the_reference_trains_as_one_that_starts_with_the_actor(bf16_parts):
+    # A reference forward first (as in rollout correction's bypass mode, where pi_old is recorded)
+    # once fixed FSDP2's mixed-precision dtypes while the adapters were frozen: bf16 gradients then
+    # failed to reach the fp32 adapters at the first backward. The probe's gathered copy re-reads
+    # the flags when it gathers (FSDPModule.unshard); generating through the sharded actor does not.
+    changes = {"trainer.total_training_steps": 2, "actor_rollout_ref.rollout.generation_weights": "sharded"}
+    reference_first, actor_first = bf16_parts(**changes), bf16_parts(**changes)
+    batch = offline_rollout(reference_first.train_records[:2], n=2, tokenizer=reference_first.tokenizer,
+                            max_response_length=16)
+    with reference_model(reference_first) as ref:
+        compute_log_prob(ref, batch, MicroBatching(), temperature=1.0)
+    compute_log_prob(actor_first.actor, batch, MicroBatching(), temperature=1.0)
+    got = PPOTrainer(reference_first, print_fn=quiet).fit()
+    expected = PPOTrainer(actor_first, print_fn=quiet).fit()
+    timeless = [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in got]
+    assert timeless == [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in expected]
+    assert got[0]["actor/kl_to_ref"] == 0.0 and got[-1]["actor/kl_to_ref"] > 0.0
