@@ -1,0 +1,90 @@
+"""vLLM rollouts on several ranks, launched as users launch them (torchrun, one engine per rank
+or one per tensor-parallel pair): two ranks train as one process does, and after the run's
+updates each engine still generates exactly what HF generate does with the actor's weights."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from launch import ROOT, _env, assert_same_metrics, assert_same_weights, run_ok
+
+from klppo.monitoring.logger import read_metrics
+
+pytestmark = pytest.mark.vllm
+
+STEPS = 3
+WORKER = Path(__file__).with_name("vllm_sync_worker.py")
+
+
+# A reward that varies with the response (the random tiny model never answers right), so returns,
+# advantages and the critic's explained variance are not degenerate.
+REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return (len(solution_str) % 7) / 7\n"
+
+
+def vllm_overrides(model: Path, task: Path, run_dir: Path, world: int, **changes) -> list[str]:
+    """An online GAE run with vLLM rollouts: a critic, adaptive KL in the reward, two mini-batches,
+    validation through the engine, a checkpoint every 2 steps."""
+    reward = task / "length_reward.py"
+    if not reward.exists():
+        reward.write_text(REWARD)
+    settings = {
+        "custom_reward_function.path": reward, "custom_reward_function.name": "compute_score",
+        "data.train_files": task / "train.parquet", "data.val_files": task / "val.parquet",
+        "data.max_prompt_length": 64, "data.max_response_length": 12, "data.train_batch_size": 8,
+        "actor_rollout_ref.model.path": model, "actor_rollout_ref.rollout.name": "vllm",
+        "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "actor_rollout_ref.actor.optim.lr": 1e-3, "critic.optim.lr": 1e-3,
+        "algorithm.use_kl_in_reward": "true", "algorithm.kl_ctrl.type": "adaptive",
+        "trainer.total_training_steps": STEPS, "trainer.save_freq": 2, "trainer.test_freq": 2,
+        "trainer.logger": "[]", "trainer.device": "cpu", "trainer.n_gpus_per_node": world,
+        "trainer.default_local_dir": run_dir,
+    }
+    settings.update(changes)
+    return [f"{k}={v}" for k, v in settings.items()]
+
+
+@pytest.fixture(scope="module")
+def runs(vllm_model_dir, task_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm_ranks")
+    run_ok(vllm_overrides(vllm_model_dir, task_dir, out / "one", 1), None)
+    run_ok(vllm_overrides(vllm_model_dir, task_dir, out / "two", 2), 2)
+    run_ok(vllm_overrides(vllm_model_dir, task_dir, out / "two_tp2", 2,
+                          **{"actor_rollout_ref.rollout.tensor_model_parallel_size": 2}), 2)
+    return out
+
+
+def test_two_ranks_with_an_engine_each_train_as_one_process(runs):
+    one, two = read_metrics(runs / "one"), read_metrics(runs / "two")
+    assert [r["step"] for r in one] == [0, 1, 2, 3]  # validation before training, then 3 steps
+    assert all("val-core/openai/gsm8k/reward/mean@1" in one[i] for i in (0, 2, 3))  # through the engine
+    assert all(r["timing_s/weight_sync"] > 0 for r in two[1:])
+    assert_same_metrics(one, two)
+    assert_same_weights(runs / "one" / "actor_hf", runs / "two" / "actor_hf")
+
+
+def test_a_tensor_parallel_pair_of_ranks_trains_as_one_process(runs):
+    assert_same_metrics(read_metrics(runs / "one"), read_metrics(runs / "two_tp2"))
+    assert_same_weights(runs / "one" / "actor_hf", runs / "two_tp2" / "actor_hf")
+
+
+def test_the_engines_log_probs_match_the_trainers_at_every_step(runs):
+    for name in ("one", "two", "two_tp2"):
+        assert all(r["training/rollout_probs_diff_max"] < 1e-4 for r in read_metrics(runs / name)[1:]), name
+
+
+@pytest.mark.parametrize("world, tp", [(None, 1), (2, 2)], ids=["one_process", "two_ranks_tp2"])
+def test_after_the_runs_updates_greedy_engine_responses_equal_hf_generate(world, tp, vllm_model_dir, task_dir, tmp_path):
+    import subprocess
+
+    overrides = vllm_overrides(vllm_model_dir, task_dir, tmp_path / "run", world or 1,
+                               **{"actor_rollout_ref.rollout.tensor_model_parallel_size": tp, "trainer.save_freq": -1,
+                                  "trainer.test_freq": -1})
+    runner = [] if world is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    done = subprocess.run([sys.executable, *runner, str(WORKER), str(tmp_path), *overrides], env=_env(),
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+    for rank in range(world or 1):
+        result = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert result["steps"] == STEPS and result["ids"] and result["masks"], result
+        assert all(d < 1e-4 for d in result["probs_diff_max"]), result
