@@ -108,6 +108,7 @@ def ppo_run(args: list[str]) -> tuple[list[dict], dict]:
     try:
         parts = build_ppo(cfg, log=quiet, env=env)
         seen = {"device": env.device, "actor_params_on": {p.device.type for p in parts.actor.parameters()},
+                "actor_fused": any(group.get("fused") for group in parts.actor_optimizer.param_groups),
                 "attention": parts.actor.config._attn_implementation,
                 "params": sum(p.numel() for p in parts.actor.parameters())}
         target = resume_target(parts)
@@ -135,9 +136,10 @@ def check_run(records: list[dict], seen: dict, seconds: float, steps: int) -> No
     val = [(r["step"], v) for r in records for k, v in r.items() if k.startswith("val-core/")]
     check("validation scored by the reward model on the device", [s for s, _ in val] == [0, 2, steps],
           "reward model score " + ", ".join(f"step {s}: {v:.3f}" for s, v in val) if val else "no val-core metric")
-    offloaded = seen["actor_params_on"] == {"cpu"}
-    check("offload_policy keeps the actor's parameters on CPU", offloaded,
-          f"parameters on {sorted(seen['actor_params_on'])}, computing on {seen['device']}")
+    offloaded = seen["actor_params_on"] == {"cpu"} and not seen["actor_fused"]  # fused AdamW needs CUDA parameters
+    check("offload_policy keeps the actor's parameters on CPU, stepped by a non-fused AdamW", offloaded,
+          f"parameters on {sorted(seen['actor_params_on'])}, computing on {seen['device']}, AdamW "
+          f"{'fused' if seen['actor_fused'] else 'not fused'}")
     grads = [(r.get("actor/grad_norm", math.nan), r.get("critic/grad_norm", math.nan)) for r in trained]
     check("actor and critic updated", all(a > 0 and c > 0 for a, c in grads),
           "grad norms " + ", ".join(f"{a:.3g}/{c:.3g}" for a, c in grads))
