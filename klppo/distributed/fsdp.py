@@ -70,7 +70,8 @@ def apply_fsdp2(
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        # Pinned host memory speeds the copies to a GPU; pinning needs a CUDA context, which a CPU run must not make.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     if not blocks:
         raise ValueError(f"no module of {type(model).__name__} is one of its _no_split_modules {sorted(block_names)}")
