@@ -15,7 +15,8 @@ the first run's last steps exactly (on CUDA with deterministic algorithms, see g
 
 Checks, each printed as ``PASS|FAIL|SKIP  <check>: <figure>``: the run, finite metrics,
 validation with the reward model, offload_policy, the save, the exact resume, the export,
-peak memory, MFU (known GPUs only) and the host syncs of a packed forward and backward.
+peak memory, MFU (known GPUs only), the host syncs of a packed forward and backward, and an
+offline step whose KL probe runs with the actor and reference under param_offload.
 Exit status 1 when a check fails.
 """
 
@@ -37,7 +38,7 @@ import torch
 
 from klppo.cli_support import quiet_libraries
 from klppo.config import load_ppo_config
-from klppo.data.arithmetic import arithmetic_corpus, write_arithmetic_parquet
+from klppo.data.arithmetic import arithmetic_corpus, write_arithmetic_offline_parquet, write_arithmetic_parquet
 from klppo.distributed import close
 from klppo.models.forward import response_logprobs, use_packed_attention
 from klppo.models.tiny import build_tiny_model_folder
@@ -166,6 +167,26 @@ def check_save_resume_export(run_a: Path, full: list[dict], resume_args: list[st
         check("export loads with transformers", False, f"{type(exc).__name__}: {exc}")
 
 
+def check_offline_probe_offloaded(model: Path, root: Path, device: str, prompts: int, response: int) -> None:
+    """An offline step whose actor and reference live on CPU between phases (param_offload): the KL
+    probe samples with the actor and scores with both, so both must come to the device for it."""
+    arf = "actor_rollout_ref"
+    data = write_arithmetic_offline_parquet(root / "offline.parquet", 2 * prompts, seed=2, n_responses=2)
+    args = [f"data.train_files={data}", "data.max_prompt_length=64", f"data.max_response_length={response}",
+            f"data.train_batch_size={prompts}", f"{arf}.model.path={model}", f"{arf}.rollout.name=offline",
+            f"{arf}.rollout.n=2", f"{arf}.actor.ppo_mini_batch_size={prompts}", f"{arf}.actor.optim.lr=1e-5",
+            f"{arf}.actor.fsdp_config.param_offload=true", f"{arf}.ref.fsdp_config.param_offload=true",
+            "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.probe_prompts=2",
+            "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.logger=[]", f"trainer.device={device}",
+            f"trainer.default_local_dir={root / 'run_offline'}"]
+    try:
+        records, _ = ppo_run(args)
+        kl = records[-1].get("actor/kl_to_ref_sampled", math.nan)
+        check("offline KL probe with actor and reference offloaded", math.isfinite(kl), f"sampled KL {kl:.4g}")
+    except Exception as exc:  # noqa: BLE001 - reported as a failed check
+        check("offline KL probe with actor and reference offloaded", False, f"{type(exc).__name__}: {exc}")
+
+
 def check_memory_and_mfu(records: list[dict], device: torch.device) -> None:
     peak = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in records)
     if device.type == "cuda":
@@ -266,6 +287,7 @@ def main(argv=None) -> int:
         check_save_resume_export(run_a, read_metrics(run_a), resume, steps)
         check_memory_and_mfu(records, device)
         check_host_syncs(model, device)
+        check_offline_probe_offloaded(model, root, device.type, prompts, response)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -203,7 +203,8 @@ def offline_policy_kl(parts: PPOParts, batch: RolloutBatch, records: list[Prompt
                                          batch.response_mask)
         return float(kl), {"actor/kl_to_ref_importance_weighted": kl, "actor/kl_is_effective_sample_size": ess}
     probe = records[: s.kl.probe_prompts]
-    with generation_model(parts) as (sampler, sharded):
+    # The probe samples with the actor and scores with it and the reference, all offloaded since scoring.
+    with parts.offloader.resident("actor", "ref"), generation_model(parts) as (sampler, sharded):
         kl = sampled_kl_to_ref(parts.actor, lambda: reference_model(parts), probe, parts.tokenizer, s.sampling,
                                env=parts.env, head=s.forwards.head, sampler=sampler, sharded=sharded, seed=1000 * step,
                                estimator="low_var_kl", replicated=True)
