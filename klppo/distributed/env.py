@@ -170,6 +170,21 @@ def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value's mean over all ranks, the same on every rank (one all-reduce, keys sorted; every rank
+    has the same keys). For the numbers a rank decides by (guards, the KL controller): a value
+    each rank computes for itself need not be bitwise the same everywhere (sampling on each GPU,
+    kernels of other GPU models), and ranks that decide differently wait in different
+    collectives. A NaN or inf on any rank makes the mean non-finite; equal values stay equal
+    (exactly, for a power-of-two world)."""
+    keys = sorted(values)
+    if not keys or not _active():
+        return dict(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return dict(zip(keys, (t / dist.get_world_size()).tolist()))
+
+
 def reduce_counts(tokens: torch.Tensor, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Global token and sequence counts of a mini-batch from each rank's own (one all-reduce)."""
     both = all_reduce_sum(torch.stack([tokens, seqs]).to(torch.int64))
