@@ -120,24 +120,13 @@ def answer_batch(tiny_model_dir):
     return make
 
 
-# What would create a CUDA context (hundreds of MiB of GPU memory) if a process called it
-# (torch.cuda.manual_seed_all is not among them: it waits until CUDA starts).
-CUDA_CONTEXT_CALLS = ("init", "synchronize", "set_device", "current_device", "set_rng_state", "get_rng_state",
-                      "empty_cache", "reset_peak_memory_stats", "max_memory_allocated", "mem_get_info")
-
 
 @pytest.fixture
 def gpu_host(monkeypatch):
     """This process looks like one on a GPU host (``torch.cuda.is_available()`` is True), and any
-    call that would create a CUDA context there, pinning host memory included, fails the test."""
-    import torch
+    call that would create a CUDA context there, pinning host memory included, fails the test
+    (``tests/gpu_host.py``). Torch caches some of what it sees then, so whole runs under it go in
+    a process of their own (``tests/trainer/gpu_host_worker.py``)."""
+    from tests.gpu_host import pretend_gpu_host
 
-    def refused(name: str):
-        def call(*args, **kwargs):
-            raise AssertionError(f"a CPU run called {name}, which creates a CUDA context on a GPU host")
-        return call
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name in CUDA_CONTEXT_CALLS:
-        monkeypatch.setattr(torch.cuda, name, refused(f"torch.cuda.{name}"))
-    monkeypatch.setattr(torch.Tensor, "pin_memory", refused("Tensor.pin_memory"))
+    pretend_gpu_host(monkeypatch.setattr)

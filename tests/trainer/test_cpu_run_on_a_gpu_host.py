@@ -1,28 +1,44 @@
 """A CPU run on a machine with GPUs leaves CUDA alone: no call that would create a CUDA context
 (hundreds of MiB of a GPU another job may be using) from the run's own code or what it calls
-(``gpu_host`` in conftest makes this machine look like such a host and refuses those calls)."""
+(``tests/gpu_host.py`` makes this machine look like such a host and refuses those calls)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
 from klppo.checkpoint import state as ckpt
+from klppo.monitoring.logger import read_metrics
 from klppo.monitoring.memory import PeakMemory
 from klppo.monitoring.timer import PhaseTimer
-from klppo.trainer.main_ppo import run_ppo
 
 
-def quiet(*args, **kwargs) -> None:
-    """A print_fn that prints nothing."""
+WORKER = Path(__file__).parent / "gpu_host_worker.py"
+ROOT = Path(__file__).parents[2]
+
+
+def _run_on_a_gpu_host(overrides: list[str]) -> subprocess.CompletedProcess:
+    # A process of its own: torch caches what it saw while CUDA looked available (device meshes
+    # among them), which would leak into later tests of this process.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(WORKER), *overrides], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
 
 
 def test_a_cpu_ppo_run_on_a_gpu_host_trains_validates_saves_and_resumes_without_touching_cuda(
-        gpu_host, ppo_overrides, task_dir):
+        ppo_overrides, task_dir, tmp_path):
     # FSDP2 over a group of one with offload_policy (pinned memory would need CUDA), validation
     # (seeded sampling), checkpoints (DCP's writer) and a resume (RNG states).
     changes = {"actor_rollout_ref.actor.fsdp_config.offload_policy": "true", "data.val_files": task_dir / "val.parquet",
                "trainer.test_freq": 1, "trainer.save_freq": 1, "trainer.total_training_steps": 1}
-    assert [r["step"] for r in run_ppo(None, ppo_overrides(**changes), print_fn=quiet)] == [0, 1]
-    resumed = run_ppo(None, ppo_overrides(**{**changes, "trainer.total_training_steps": 2}), print_fn=quiet)
-    assert [r["step"] for r in resumed] == [2]
+    for steps in (1, 2):  # the second run resumes from the first's checkpoint
+        done = _run_on_a_gpu_host(ppo_overrides(**{**changes, "trainer.total_training_steps": steps}))
+        assert done.returncode == 0, done.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
+    assert "resumed from" in done.stdout + done.stderr
 
 
 def test_phases_of_a_cpu_run_wait_for_no_cuda_kernels(gpu_host):
