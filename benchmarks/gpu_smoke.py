@@ -15,7 +15,8 @@ the first run's last steps exactly (on CUDA with deterministic algorithms, see g
 
 Checks, each printed as ``PASS|FAIL|SKIP  <check>: <figure>``: the run, finite metrics,
 validation with the reward model, offload_policy, the save, the exact resume, the export,
-peak memory, MFU (known GPUs only) and the host syncs of a packed forward and backward.
+peak memory, MFU (known GPUs only), the host syncs of a packed forward and backward, and an
+offline step whose KL probe runs with the actor and reference under param_offload.
 Exit status 1 when a check fails.
 """
 
@@ -37,7 +38,7 @@ import torch
 
 from klppo.cli_support import quiet_libraries
 from klppo.config import load_ppo_config
-from klppo.data.arithmetic import arithmetic_corpus, write_arithmetic_parquet
+from klppo.data.arithmetic import arithmetic_corpus, write_arithmetic_offline_parquet, write_arithmetic_parquet
 from klppo.distributed import close
 from klppo.models.forward import response_logprobs, use_packed_attention
 from klppo.models.tiny import build_tiny_model_folder
@@ -108,6 +109,7 @@ def ppo_run(args: list[str]) -> tuple[list[dict], dict]:
     try:
         parts = build_ppo(cfg, log=quiet, env=env)
         seen = {"device": env.device, "actor_params_on": {p.device.type for p in parts.actor.parameters()},
+                "actor_fused": any(group.get("fused") for group in parts.actor_optimizer.param_groups),
                 "attention": parts.actor.config._attn_implementation,
                 "params": sum(p.numel() for p in parts.actor.parameters())}
         target = resume_target(parts)
@@ -135,9 +137,10 @@ def check_run(records: list[dict], seen: dict, seconds: float, steps: int) -> No
     val = [(r["step"], v) for r in records for k, v in r.items() if k.startswith("val-core/")]
     check("validation scored by the reward model on the device", [s for s, _ in val] == [0, 2, steps],
           "reward model score " + ", ".join(f"step {s}: {v:.3f}" for s, v in val) if val else "no val-core metric")
-    offloaded = seen["actor_params_on"] == {"cpu"}
-    check("offload_policy keeps the actor's parameters on CPU", offloaded,
-          f"parameters on {sorted(seen['actor_params_on'])}, computing on {seen['device']}")
+    offloaded = seen["actor_params_on"] == {"cpu"} and not seen["actor_fused"]  # fused AdamW needs CUDA parameters
+    check("offload_policy keeps the actor's parameters on CPU, stepped by a non-fused AdamW", offloaded,
+          f"parameters on {sorted(seen['actor_params_on'])}, computing on {seen['device']}, AdamW "
+          f"{'fused' if seen['actor_fused'] else 'not fused'}")
     grads = [(r.get("actor/grad_norm", math.nan), r.get("critic/grad_norm", math.nan)) for r in trained]
     check("actor and critic updated", all(a > 0 and c > 0 for a, c in grads),
           "grad norms " + ", ".join(f"{a:.3g}/{c:.3g}" for a, c in grads))
@@ -162,6 +165,26 @@ def check_save_resume_export(run_a: Path, full: list[dict], resume_args: list[st
         check("export loads with transformers", n > 0, f"{n} tensors in {exported.name}")
     except Exception as exc:  # noqa: BLE001 - reported as a failed check
         check("export loads with transformers", False, f"{type(exc).__name__}: {exc}")
+
+
+def check_offline_probe_offloaded(model: Path, root: Path, device: str, prompts: int, response: int) -> None:
+    """An offline step whose actor and reference live on CPU between phases (param_offload): the KL
+    probe samples with the actor and scores with both, so both must come to the device for it."""
+    arf = "actor_rollout_ref"
+    data = write_arithmetic_offline_parquet(root / "offline.parquet", 2 * prompts, seed=2, n_responses=2)
+    args = [f"data.train_files={data}", "data.max_prompt_length=64", f"data.max_response_length={response}",
+            f"data.train_batch_size={prompts}", f"{arf}.model.path={model}", f"{arf}.rollout.name=offline",
+            f"{arf}.rollout.n=2", f"{arf}.actor.ppo_mini_batch_size={prompts}", f"{arf}.actor.optim.lr=1e-5",
+            f"{arf}.actor.fsdp_config.param_offload=true", f"{arf}.ref.fsdp_config.param_offload=true",
+            "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.probe_prompts=2",
+            "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.logger=[]", f"trainer.device={device}",
+            f"trainer.default_local_dir={root / 'run_offline'}"]
+    try:
+        records, _ = ppo_run(args)
+        kl = records[-1].get("actor/kl_to_ref_sampled", math.nan)
+        check("offline KL probe with actor and reference offloaded", math.isfinite(kl), f"sampled KL {kl:.4g}")
+    except Exception as exc:  # noqa: BLE001 - reported as a failed check
+        check("offline KL probe with actor and reference offloaded", False, f"{type(exc).__name__}: {exc}")
 
 
 def check_memory_and_mfu(records: list[dict], device: torch.device) -> None:
@@ -264,6 +287,7 @@ def main(argv=None) -> int:
         check_save_resume_export(run_a, read_metrics(run_a), resume, steps)
         check_memory_and_mfu(records, device)
         check_host_syncs(model, device)
+        check_offline_probe_offloaded(model, root, device.type, prompts, response)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

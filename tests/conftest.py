@@ -146,3 +146,14 @@ def vllm_untied_model_dir(vllm_model_dir, tmp_path_factory) -> Path:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(vllm_model_dir).save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def gpu_host(monkeypatch):
+    """This process looks like one on a GPU host (``torch.cuda.is_available()`` is True), and any
+    call that would create a CUDA context there, pinning host memory included, fails the test
+    (``tests/gpu_host.py``). Torch caches some of what it sees then, so whole runs under it go in
+    a process of their own (``tests/trainer/gpu_host_worker.py``)."""
+    from tests.gpu_host import pretend_gpu_host
+
+    pretend_gpu_host(monkeypatch.setattr)

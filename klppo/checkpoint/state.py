@@ -81,7 +81,9 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
     random.setstate((py["version"], tuple(py["keys"].tolist()), py["gauss"]))
     np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
                          npy["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
+    # A CPU run never touches CUDA (a context would take GPU memory), even resuming a GPU run's state.
+    on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    if "cuda" in state and on_cuda:
         torch.cuda.set_rng_state(state["cuda"], device if device is not None else "cuda")
 
 

@@ -170,7 +170,7 @@ def load_ranked_dataset(
     max_prompt_length: int,
     truncation: str = "error",
     filter_overlong_prompts: bool = False,
-    require_rollout_log_probs: bool = False,
+    require_rollout_log_probs: behaviour.LogProbsNeed | None = None,
     log: Callable[[str], None] = print,
 ) -> list[RankedRecord]:
     """Read, validate and tokenise ranked-response rows; returns one ``RankedRecord`` per kept row.
@@ -179,7 +179,7 @@ def load_ranked_dataset(
     ``UserError`` naming the file, row and column. Over-long prompts are handled as in
     ``load_rl_dataset``: dropped when ``filter_overlong_prompts``, else cut per ``truncation``
     ("left" keeps the end, "right" keeps the start) or rejected ("error").
-    ``require_rollout_log_probs``: every row must carry its responses' behaviour log-probs.
+    ``require_rollout_log_probs``: every row must carry its responses' behaviour log-probs, for this need.
     """
     check_truncation(truncation)
     if max_prompt_length <= 0:

@@ -223,7 +223,7 @@ def load_rl_dataset(
     truncation: str = "error",
     filter_overlong_prompts: bool = False,
     require_responses: bool = False,
-    require_rollout_log_probs: bool = False,
+    require_rollout_log_probs: behaviour.LogProbsNeed | None = None,
     log: Callable[[str], None] = print,
 ) -> list[PromptRecord]:
     """Read, validate and tokenise RL prompts; returns one ``PromptRecord`` per kept row.
@@ -234,7 +234,7 @@ def load_rl_dataset(
     Over-long prompts (more than ``max_prompt_length`` tokens after the chat template) are
     dropped when ``filter_overlong_prompts`` (as verl does), else cut per ``truncation``
     ("left" keeps the end, "right" keeps the start) or rejected ("error").
-    ``require_rollout_log_probs``: every row must carry its responses' behaviour log-probs.
+    ``require_rollout_log_probs``: every row must carry its responses' behaviour log-probs, for this need.
     """
     check_truncation(truncation)
     if max_prompt_length <= 0:

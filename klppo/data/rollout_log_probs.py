@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from klppo.data.parquet import row_error, short_repr
 from klppo.errors import UserError
@@ -31,17 +32,26 @@ def encode_responses(texts: Sequence[str], tokenizer) -> list[list[int]]:
     return [list(ids) + [tokenizer.eos_token_id] for ids in encoded]
 
 
-def check_rollout_log_probs(row: dict, responses: list[str] | None, required: bool) -> list[list[float]] | None:
-    """The row's log-prob lists (one per response, values checked), or None where it has none.
+@dataclass(frozen=True)
+class LogProbsNeed:
+    """What makes every row's behaviour log-probs required, as the error for a row without them says it."""
+
+    setting: str  # the config setting that reads them, e.g. "algorithm.rollout_correction"
+    without: str  # how to run without them, e.g. "switch the correction off"
+
+
+def check_rollout_log_probs(row: dict, responses: list[str] | None, required: LogProbsNeed | None
+                            ) -> list[list[float]] | None:
+    """The row's log-prob lists (one per response, values checked), or None where it has none
+    (refused when ``required``: a row without them would be weighed as if mu were 1).
 
     Lengths against the tokenised responses are checked by ``check_lengths``, in one batch.
     """
     value = row.get(COLUMN)
     if value is None:
-        if required:
-            raise row_error(row, COLUMN, "no behaviour log-probs for this row's responses, which "
-                            "algorithm.rollout_correction needs for every row", FILL_FIX + ", or switch the "
-                            "correction off")
+        if required is not None:
+            raise row_error(row, COLUMN, f"no behaviour log-probs for this row's responses, which {required.setting} "
+                            "needs for every row", f"{FILL_FIX}, or {required.without}")
         return None
     if responses is None:
         raise row_error(row, COLUMN, "log-probs given without responses", "add a 'responses' column or drop this one")

@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from klppo.distributed.dcp_reader import METADATA_FILE, SafeFileSystemReader, WeightsOnlyLoadPlanner
 from klppo.errors import reading
@@ -55,11 +57,22 @@ def _single_process() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+def _writer(state: dict, folder: str | Path) -> dcp.FileSystemWriter:
+    """DCP's writer for ``state``: copying ahead through a CUDA stream when a tensor is on CUDA, serially
+    otherwise. DCP's default copies ahead whenever CUDA is available, and asking for the stream creates
+    a CUDA context: a CPU run on a GPU host would take GPU memory to save CPU tensors."""
+    flat, _ = flatten_state_dict(state)
+    locals_ = (v.to_local() if isinstance(v, DTensor) else v for v in flat.values())
+    if any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in locals_):
+        return dcp.FileSystemWriter(str(folder))
+    return dcp.FileSystemWriter(str(folder), per_thread_copy_ahead=0)  # 0: DCP's serial loader
+
+
 def save_sharded(state: dict, folder: str | Path) -> None:
     """Write ``state`` (nested dicts of tensors / DTensors) as a DCP checkpoint; collective."""
     with warnings.catch_warnings():  # one process without a group is intended, not an accident
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(folder), no_dist=_single_process())
+        dcp.save(state, storage_writer=_writer(state, folder), no_dist=_single_process())
 
 
 def load_sharded(state: dict, folder: str | Path) -> None:

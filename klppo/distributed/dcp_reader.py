@@ -64,12 +64,24 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata_file(path: str | Path) -> Metadata:
-    """The DCP ``Metadata`` in ``path``; raises (OSError, pickle.UnpicklingError, ...) if it is not one."""
+    """The DCP ``Metadata`` in ``path``; raises (OSError, pickle.UnpicklingError, ...) if it is not one,
+    and ValueError if it names a shard file outside its folder (``_check_shard_name``)."""
     with open(path, "rb") as f:
         metadata = _MetadataUnpickler(f).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
+    # FileSystemReader opens each item's relative_path joined to the folder, and pathlib lets an
+    # absolute path or '..' escape it: every read of a checkpoint (resume, rollback) comes here.
+    for info in (metadata.storage_data or {}).values():
+        _check_shard_name(getattr(info, "relative_path", None))
     return metadata
+
+
+def _check_shard_name(name: Any) -> None:
+    """A ValueError unless ``name`` is a plain file name inside the checkpoint folder (DCP writes flat
+    names such as ``__0_0.distcp``; a path, '..' or an absolute name points elsewhere)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+        raise ValueError(f"it names the shard {name!r}, which is not a file in its folder")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -114,10 +126,8 @@ def read_sharded_contents(folder: str | Path) -> ShardedContents:
             raise pickle.UnpicklingError(f"key {key} has no storage description")
         keys[key] = tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
     files: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        name = str(info.relative_path)
-        if Path(name).name != name:  # DCP writes flat names; anything else points outside the folder
-            raise pickle.UnpicklingError(f"shard name '{name}' is not a file in the checkpoint")
+    for info in metadata.storage_data.values():  # names checked by read_metadata_file
+        name = info.relative_path
         files[name] = max(files.get(name, 0), int(info.offset) + int(info.length))
     return ShardedContents(keys, files)
 

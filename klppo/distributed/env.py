@@ -43,26 +43,36 @@ CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 DEFAULT_TIMEOUT_S = 600  # verl's actor_rollout_ref.nccl_timeout default
 
 
-def local_device_index(local_rank: int, visible: int) -> int:
+def local_device_index(local_rank: int, visible: int, local_world_size: int | None = None) -> int:
     """The CUDA device this rank uses among the ``visible`` ones.
 
-    torchrun's LOCAL_RANK indexes the node's GPUs only when every process sees all of them;
-    a launcher that gives each process one GPU (CUDA_VISIBLE_DEVICES per process, SLURM's
-    --gpus-per-task) leaves LOCAL_RANK at 0..k-1 with one visible device, index 0. The
-    remainder is right in both cases.
+    torchrun's LOCAL_RANK indexes the node's GPUs when every process sees all of them; a
+    launcher that gives each process one GPU (CUDA_VISIBLE_DEVICES per process, SLURM's
+    --gpus-per-task) leaves LOCAL_RANK at 0..k-1 with one visible device, index 0. More
+    processes on the node (LOCAL_RANK, or torchrun's LOCAL_WORLD_SIZE) than the GPUs each sees
+    would put two ranks on one GPU, to run out of its memory or stall in NCCL: refused.
     """
     if visible < 1:
         raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-    return local_rank % visible
+    if visible == 1:
+        return 0
+    processes = max(local_rank + 1, local_world_size or 0)
+    if processes > visible:
+        raise UserError(
+            f"LOCAL_RANK={local_rank} with {processes} processes on this node, but this process sees {visible} CUDA "
+            f"devices, so two ranks would share a GPU; launch at most {visible} processes per node (torchrun "
+            f"--nproc_per_node {visible} and trainer.n_gpus_per_node={visible}), or give each process its own GPU "
+            "(CUDA_VISIBLE_DEVICES)")
+    return local_rank
 
 
-def _device(device: str, local_rank: int) -> torch.device:
+def _device(device: str, local_rank: int, local_world_size: int | None = None) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
             raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-        return torch.device("cuda", local_device_index(local_rank, torch.cuda.device_count()))
+        return torch.device("cuda", local_device_index(local_rank, torch.cuda.device_count(), local_world_size))
     if device != "cpu":
         raise UserError(f"trainer.device must be auto, cpu or cuda, not '{device}'")
     return torch.device("cpu")
@@ -81,7 +91,8 @@ def init_distributed(device: str = "auto", *, group_of_one: bool = False,
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = _device(device, local_rank)
+    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None  # torchrun's
+    dev = _device(device, local_rank, local_world_size)
     if world_size == 1 and not group_of_one:
         return DistEnv(rank=0, world_size=1, local_rank=0, device=dev, is_distributed=False)
     if dev.type == "cuda":
@@ -157,6 +168,21 @@ def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(keys, t.tolist()))
+
+
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value's mean over all ranks, the same on every rank (one all-reduce, keys sorted; every rank
+    has the same keys). For the numbers a rank decides by (guards, the KL controller): a value
+    each rank computes for itself need not be bitwise the same everywhere (sampling on each GPU,
+    kernels of other GPU models), and ranks that decide differently wait in different
+    collectives. A NaN or inf on any rank makes the mean non-finite; equal values stay equal
+    (exactly, for a power-of-two world)."""
+    keys = sorted(values)
+    if not keys or not _active():
+        return dict(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return dict(zip(keys, (t / dist.get_world_size()).tolist()))
 
 
 def reduce_counts(tokens: torch.Tensor, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,14 +70,17 @@ def apply_fsdp2(
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        # Pinned host memory speeds the copies to a GPU; pinning needs a CUDA context, which a CPU run must not make.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     if not blocks:
         raise ValueError(f"no module of {type(model).__name__} is one of its _no_split_modules {sorted(block_names)}")
     for block in blocks:
         fully_shard(block, **kwargs)
     root_kwargs = {**kwargs, "reshard_after_forward": reshard_after_forward and not keep_root_gathered}
-    if replicate_frozen_root and param_dtype is None:
+    # Under offload_policy FSDP2 brings to the device only the parameters it manages: ignored ones
+    # would stay on CPU, where materialize puts every parameter, and the forward would fail.
+    if replicate_frozen_root and param_dtype is None and not cpu_offload:
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         root_kwargs["ignored_params"] = {p for p in model.parameters() if not p.requires_grad and id(p) not in in_blocks}
     fully_shard(model, **root_kwargs)
@@ -88,15 +91,25 @@ def apply_fsdp2(
     return model
 
 
+def parameter_device(device: torch.device, cpu_offload: bool) -> torch.device:
+    """Where a sharded model's parameters live: on CPU under FSDP2's offload policy (``apply_fsdp2``'s
+    ``cpu_offload``), which copies each unit to ``device`` for its computation and refuses
+    parameters found elsewhere at the first forward; on ``device`` otherwise."""
+    return torch.device("cpu") if cpu_offload else device
+
+
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
     """Give a model built with its parameters on the meta device (and sharded) empty parameters on
-    ``device`` -- each rank only its shards -- and keep its buffers' values (rotary frequencies and
-    the like are computed at construction, not loaded) and its tied parameters tied."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    ``device`` (``parameter_device``) -- each rank only its shards -- and keep its buffers' values
+    and places (rotary frequencies and the like are computed at construction, not loaded, and
+    ``fully_shard`` moved them to the mesh's device, which computes with them even when the
+    parameters live on CPU) and its tied parameters tied."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)}
     aliases = tied_aliases(model)
     model.to_empty(device=device)
-    for name, b in model.named_buffers():
-        b.copy_(buffers[name])
+    for name, saved in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = saved
     for name, others in aliases.items():  # a parameter FSDP2 left whole gets one new tensor per module: tie them again
         for alias in others:
             owner, _, leaf = alias.rpartition(".")

@@ -1,20 +1,25 @@
 """``perf/overlap_ratio``: how much of a phase's compute time its communication would need.
 
-Measured from the PyTorch profiler around the update phases of distributed runs: the self
-times of collective operations (NCCL kernels on CUDA; gloo collectives and FSDP2's all-gather
-and reduce-scatter on CPU) over the self times of everything else, capped at 1. Below 1,
-FSDP2's prefetching can hide the communication behind compute; at 1 it cannot.
+Measured from the PyTorch profiler on the first micro-batch of the update phases of
+distributed runs: the self times of collective operations (NCCL kernels on CUDA; gloo
+collectives and FSDP2's all-gather and reduce-scatter on CPU) over the self times of
+everything else, capped at 1. Below 1, FSDP2's prefetching can hide the communication behind
+compute; at 1 it cannot. One micro-batch holds every block's all-gather (forward) and
+reduce-scatter (backward), so it shows the ratio at a fraction of the cost of profiling the
+whole update: the profiler records every operation (on CPU it tripled an update's time) and
+on CUDA every kernel, and reading the events back grows with their number.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, schedule
 
 COMM_MARKERS = ("nccl", "c10d::", "gloo", "FSDP::all_gather", "FSDP::post_backward_reduce", "reduce_scatter",
                 "all_reduce", "allreduce")
@@ -50,18 +55,30 @@ class OverlapMeasure:
                 "perf/comm_time_s": self.comm_s, "perf/compute_time_s": self.compute_s}
 
 
+def _no_profile() -> None:
+    pass
+
+
 @contextmanager
-def profiled(device: torch.device, measure: OverlapMeasure, enabled: bool = True) -> Iterator[None]:
-    """Add the ``with`` block's communication and compute time to ``measure`` (device time on CUDA)."""
+def profiled(device: torch.device, measure: OverlapMeasure, enabled: bool = True) -> Iterator[Callable[[], None]]:
+    """Add the communication and compute time of the ``with`` block's first micro-batch to ``measure``
+    (device time on CUDA). The block calls the function it is given after each micro-batch
+    (``update``'s ``after_micro_batch``); the profiler stops recording at the first call.
+    """
     if not enabled:
-        yield
+        yield _no_profile
         return
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else Kineto prints two lines per profile to stderr
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
-        yield
+    with warnings.catch_warnings():  # no warm-up step: an update may have a single micro-batch
+        warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+        recording = profile(activities=activities, schedule=schedule(wait=0, warmup=0, active=1, repeat=1))
+    with recording as prof:
+        yield prof.step
     attr = "self_device_time_total" if on_cuda else "self_cpu_time_total"
-    comm, compute = comm_and_compute_seconds((e.key, getattr(e, attr)) for e in prof.key_averages())
+    # ProfilerStep#N is the schedule's own marker around the recorded micro-batch, not an operation.
+    times = ((e.key, getattr(e, attr)) for e in prof.key_averages() if not e.key.startswith("ProfilerStep"))
+    comm, compute = comm_and_compute_seconds(times)
     measure.comm_s += comm
     measure.compute_s += compute

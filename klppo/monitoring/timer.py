@@ -21,13 +21,18 @@ class PhaseTimer:
     (``PeakMemory``), the high-water mark is reset as each phase starts, so each phase gets
     its own peak (``perf/peak_memory_gb/<name>``); a phase that encloses others (the "step")
     gets the largest of theirs and its own.
+
+    ``device``: where the phases compute (default: ``memory``'s device). Only on CUDA does a phase
+    wait for its kernels at its end; a CPU run never calls into CUDA, which on a GPU host would
+    create a CUDA context (hundreds of MiB of a GPU that another job may be using).
     """
 
-    def __init__(self, progress=None, memory: PeakMemory | None = None) -> None:
+    def __init__(self, progress=None, memory: PeakMemory | None = None, device: torch.device | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self.peak_gb: dict[str, float] = {}
         self.progress = progress
         self.memory = memory
+        self.device = device if device is not None else getattr(memory, "device", None)
         self._open: list[str] = []  # phases entered and not left, outermost first
 
     @contextmanager
@@ -39,8 +44,8 @@ class PhaseTimer:
             with shown:
                 yield
         finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # host-device sync: time the kernels, not their launch
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # host-device sync: time the kernels, not their launch
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
             self._track(leave=name)
 

@@ -19,6 +19,7 @@ from klppo.config.checks import rollout_correction_active
 from klppo.config.schema import FSDPConfig
 from klppo.data.parquet import parquet_columns
 from klppo.data.ranked import RankedRecord, load_ranked_dataset
+from klppo.data.rollout_log_probs import LogProbsNeed
 from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
 from klppo.data.sampler import PromptBatches
 from klppo.distributed import DistEnv
@@ -36,6 +37,10 @@ from klppo.trainer.setup import (
 )
 
 RANKING_COLUMNS = {"ranking", "rankings", "chosen"}  # offline files with these are ranked data
+# The two settings that weigh every recorded response by pi / mu: a row without mu cannot be weighed.
+ROLLOUT_CORRECTION_NEED = LogProbsNeed("algorithm.rollout_correction", "switch the correction off")
+IMPORTANCE_WEIGHTED_KL_NEED = LogProbsNeed("algorithm.kl_ctrl.offline_kl=importance_weighted",
+                                           "set algorithm.kl_ctrl.offline_kl=sampled (or auto)")
 
 
 @dataclass
@@ -91,6 +96,21 @@ def build_kl_controller(kl: KLSettings) -> FixedKLController | AdaptiveKLControl
     return FixedKLController(kl_coef=kl.coef)
 
 
+def behaviour_log_probs_need(cfg: PPOConfig) -> LogProbsNeed | None:
+    """Why every offline training row must carry ``rollout_log_probs``, or None where they are optional.
+
+    The importance-weighted KL (``evaluate.offline_policy_kl``) runs only where a KL term has a
+    reference; ``auto`` falls back to the sampled probe where any row lacks them.
+    """
+    if cfg.actor_rollout_ref.rollout.name != "offline":
+        return None
+    if rollout_correction_active(cfg):
+        return ROLLOUT_CORRECTION_NEED
+    if uses_reference(cfg) and cfg.algorithm.kl_ctrl.offline_kl == "importance_weighted":
+        return IMPORTANCE_WEIGHTED_KL_NEED
+    return None
+
+
 def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable):
     """(train prompts, validation prompts or None, held-out ranked records or None)."""
     data, offline = cfg.data, cfg.actor_rollout_ref.rollout.name == "offline"
@@ -101,8 +121,7 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable)
         filter_overlong_prompts=data.filter_overlong_prompts,
         log=log,
     )
-    # Offline correction weighs every recorded response by its behaviour log-probs: all must have them.
-    needs_log_probs = offline and rollout_correction_active(cfg)
+    needs_log_probs = behaviour_log_probs_need(cfg)  # checked here, before any model loads
     if offline and RANKING_COLUMNS & parquet_columns(data.train_files):
         ranking = cfg.reward_model.ranking
         ranked = load_ranked_dataset(data.train_files, tokenizer, require_rollout_log_probs=needs_log_probs, **common)

@@ -234,11 +234,13 @@ def offline_policy_kl(parts: PPOParts, batch: RolloutBatch, records: list[Prompt
     s = parts.settings
     recorded = batch.rollout_log_probs is not None and bool(batch.has_rollout_log_probs.all())  # host sync
     if s.kl.offline_kl == "importance_weighted" or (s.kl.offline_kl == "auto" and recorded):
+        assert recorded, "build.behaviour_log_probs_need makes every row carry rollout_log_probs here"
         kl, ess = importance_weighted_kl(batch.old_log_prob, batch.ref_log_prob, batch.rollout_log_probs,
                                          batch.response_mask)
         return float(kl), {"actor/kl_to_ref_importance_weighted": kl, "actor/kl_is_effective_sample_size": ess}
     probe = records[: s.kl.probe_prompts]
-    with generation_model(parts) as (sampler, sharded):
+    # The probe samples with the actor and scores with it and the reference, all offloaded since scoring.
+    with parts.offloader.resident("actor", "ref"), generation_model(parts) as (sampler, sharded):
         kl = sampled_kl_to_ref(parts.actor, lambda: reference_model(parts), probe, parts.tokenizer, s.sampling,
                                env=parts.env, head=s.forwards.head, sampler=sampler, sharded=sharded, seed=1000 * step,
                                estimator="low_var_kl", replicated=True)

@@ -10,6 +10,7 @@ guards' decisions in ``guards``.
 from __future__ import annotations
 
 import gc
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +19,7 @@ import torch
 from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.checkpoint.state import checkpoint_steps, step_dir
 from klppo.data.batching import rank_shards, seqlen_balance_metrics
-from klppo.distributed import barrier, max_over_ranks, on_rank_zero
+from klppo.distributed import barrier, max_over_ranks, mean_over_ranks, on_rank_zero
 from klppo.monitoring.flops import UpdateWork, update_efficiency_metrics
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
@@ -38,8 +39,8 @@ from klppo.trainer.responses import step_responses
 from klppo.trainer.update import update_actor, update_critic
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
-# Distributed runs profile the updates of step 1 and every this many steps for perf/overlap_ratio:
-# the profiler records every operation, which on CPU triples the update's time.
+# Distributed runs profile the first micro-batch of the updates of step 1 and every this many steps
+# for perf/overlap_ratio (monitoring/overlap.py: profiling whole updates cost more than they showed).
 OVERLAP_EVERY = 10
 
 
@@ -167,15 +168,16 @@ class PPOTrainer:
 
         Online, the batch's own responses were sampled by pi_old: the mean log-ratio (k1) on them.
         Offline, they were not: importance-weighted or measured on sampled responses
-        (``evaluate.offline_policy_kl``, ``algorithm.kl_ctrl.offline_kl``)."""
-        if batch.ref_log_prob is None:
+        (``evaluate.offline_policy_kl``, ``algorithm.kl_ctrl.offline_kl``). The mean over ranks: the
+        guard and the controller decide by it, and each rank measures it for itself."""
+        if batch.ref_log_prob is None or (self.s.rollout == "offline" and (self.step - 1) % self.s.kl.probe_every):
             return None, {}
         if self.s.rollout != "offline":
-            return float(masked_mean(batch.old_log_prob - batch.ref_log_prob, batch.response_mask)), {}  # host sync
-        if (self.step - 1) % self.s.kl.probe_every:
-            return None, {}
-        with timer.phase("kl_probe"):
-            return offline_policy_kl(self.p, batch, records, self.step)
+            kl, metrics = float(masked_mean(batch.old_log_prob - batch.ref_log_prob, batch.response_mask)), {}  # sync
+        else:
+            with timer.phase("kl_probe"):
+                kl, metrics = offline_policy_kl(self.p, batch, records, self.step)
+        return mean_over_ranks({"kl": kl})["kl"], metrics
 
     def _shape_rewards(self, batch: RolloutBatch, kl_estimate: float | None) -> dict[str, torch.Tensor]:
         kl = self.s.kl
@@ -187,7 +189,9 @@ class PPOTrainer:
             kl_coef=self.p.kl_ctrl.value, kl_penalty=kl.penalty)
         # Ziegler et al.: the controller moves beta by the step's KL, n_steps = responses seen: the
         # batch's penalty online (verl), the offline estimate on the steps that measure it.
-        current = float(stats["actor/reward_kl_penalty"]) if self.s.rollout != "offline" else kl_estimate
+        current = kl_estimate  # the same on every rank, as the controller's value must stay
+        if self.s.rollout != "offline":
+            current = mean_over_ranks({"kl": float(stats["actor/reward_kl_penalty"])})["kl"]
         if current is not None:
             self.p.kl_ctrl.update(current_kl=current, n_steps=len(batch))
         return stats
@@ -199,13 +203,15 @@ class PPOTrainer:
         overlap = OverlapMeasure()
         measured = self.env.is_distributed and (self.step == 1 or self.step % OVERLAP_EVERY == 0)
         if p.critic is not None:
-            with timer.phase("update_critic"), p.offloader.resident("critic"), profiled(p.device, overlap, measured):
-                metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.s.critic))
+            with (timer.phase("update_critic"), p.offloader.resident("critic"),
+                  profiled(p.device, overlap, measured) as micro_done):
+                metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.s.critic, micro_done))
             metrics["critic/lr"] = p.critic_scheduler.get_last_lr()[0]
             p.critic_scheduler.step()
         if self.step > self.s.critic_warmup:
-            with timer.phase("update_actor"), p.offloader.resident("actor"), profiled(p.device, overlap, measured):
-                metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.s.actor))
+            with (timer.phase("update_actor"), p.offloader.resident("actor"),
+                  profiled(p.device, overlap, measured) as micro_done):
+                metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.s.actor, micro_done))
             metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]
             p.actor_scheduler.step()
         if measured:
@@ -217,16 +223,20 @@ class PPOTrainer:
             action = self.guard.check_kl(self.step, kl, existing=set(checkpoint_steps(self.s.run_dir)))
             if action is not Action.CONTINUE:
                 return action
-        scores = batch.token_level_scores.sum(-1)
-        if bool(torch.isfinite(scores).all()):  # host sync
+        # Every value the guards decide by is agreed over the ranks (mean_over_ranks: a NaN anywhere is one
+        # everywhere), so no rank skips, rolls back or stops alone and waits in another collective.
+        finite = bool(torch.isfinite(batch.token_level_scores.sum(-1)).all())  # host sync
+        if math.isfinite(mean_over_ranks({"score": 0.0 if finite else math.nan})["score"]):
             return Action.CONTINUE
-        return self.guard.check_finite(self.step, {"critic/score": float("nan")})
+        return self.guard.check_finite(self.step, {"critic/score": math.nan})
 
     def _guard_after_update(self, metrics: dict) -> Action:
         watched = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
-        action = self.guard.check_finite(self.step, {k: float(metrics[k]) for k in watched if k in metrics})
-        if "actor/entropy" in metrics:  # not during the critic's warm-up
-            self.guard.check_health(self.step, float(metrics["actor/entropy"]), float(metrics["actor/pg_clipfrac"]))
+        health = ("actor/entropy", "actor/pg_clipfrac")  # not during the critic's warm-up
+        agreed = mean_over_ranks({k: float(metrics[k]) for k in watched + health if k in metrics})
+        action = self.guard.check_finite(self.step, {k: agreed[k] for k in watched if k in agreed})
+        if "actor/entropy" in agreed:
+            self.guard.check_health(self.step, agreed["actor/entropy"], agreed["actor/pg_clipfrac"])
         return action
 
     def _memory_metrics(self, timer: PhaseTimer) -> dict[str, float]:

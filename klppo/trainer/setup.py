@@ -20,7 +20,7 @@ import torch
 from klppo.config.lora import lora_enabled
 from klppo.config.schema import FSDPConfig, LoraKeys, OptimConfig
 from klppo.distributed import (
-    DEFAULT_TIMEOUT_S, DistEnv, apply_fsdp2, build_mesh, fill_sharded, init_distributed, materialize,
+    DEFAULT_TIMEOUT_S, DistEnv, apply_fsdp2, build_mesh, fill_sharded, init_distributed, materialize, parameter_device,
 )
 from klppo.errors import UserError
 from klppo.models.forward import use_packed_attention
@@ -192,7 +192,7 @@ def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder
     if lora is not None:
         tensor_of = with_adapters(model, lora, tensor_of, seed=seed, train_head=train_head)
     model = sharder.shard(model, fsdp, keep_root_gathered=keep_root_gathered, replicate_frozen_root=lora is not None)
-    materialize(model, env.device)
+    materialize(model, parameter_device(env.device, fsdp.offload_policy))
     fill_sharded(model, tensor_of if env.rank == 0 else None)
     return model
 

@@ -78,13 +78,19 @@ def micro_plans(batch: RolloutBatch, mini_rows: int, micro: MicroBatching) -> li
             for mini in row_chunks(len(batch), mini_rows)]
 
 
+def _nothing() -> None:
+    pass
+
+
 def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro: MicroBatching, epochs: int,
-                 grad_clip: float, micro_loss: MicroLoss, prefix: str) -> dict[str, torch.Tensor]:
+                 grad_clip: float, micro_loss: MicroLoss, prefix: str,
+                 after_micro_batch: Callable[[], None] = _nothing) -> dict[str, torch.Tensor]:
     """ppo_epochs x mini-batches x micro-batches of ``micro_loss``, one optimiser step per mini-batch.
 
     ``micro_loss(micro, tokens, seqs) -> (loss, sums, means)``: ``sums`` are the micro-batch's
     shares of mini-batch losses (they add up), ``means`` are its own token means (weighted here
     by its token share). Returns every metric averaged over the optimiser steps.
+    ``after_micro_batch``: called after each micro-batch's backward (``monitoring.overlap.profiled``).
     """
     model.train()
     per_update: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -98,6 +104,7 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
                 part = mini.select(micro_idx)
                 loss, sums, means = micro_loss(part, tokens, seqs)
                 loss.backward()
+                after_micro_batch()
                 weight = part.update_mask.sum() / tokens  # token share of this micro-batch
                 for k, v in sums.items():
                     stats[k] = stats[k] + v
@@ -110,13 +117,14 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
     return {k: torch.stack(v).mean() for k, v in per_update.items()}
 
 
-def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings) -> dict[str, torch.Tensor]:
+def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings,
+                 after_micro_batch: Callable[[], None] = _nothing) -> dict[str, torch.Tensor]:
     """One PPO actor update over ``batch`` (this rank's shard); returns metrics averaged over optimiser
     steps, and the step's ``rollout_corr/`` metrics when the batch carries behaviour log-probs."""
     batch, correction = with_rollout_correction(batch, s.rollout_correction)
     metrics = _run_updates(
         actor, optimizer, batch, mini_rows=s.mini_batch_rows, micro=s.micro, epochs=s.ppo_epochs,
-        grad_clip=s.grad_clip, prefix="actor",
+        grad_clip=s.grad_clip, prefix="actor", after_micro_batch=after_micro_batch,
         micro_loss=lambda micro, tokens, seqs: _actor_micro_loss(actor, micro, s, tokens, seqs),
     )
     return {**metrics, **correction}
@@ -148,7 +156,8 @@ def _actor_micro_loss(actor, micro: RolloutBatch, s: ActorUpdateSettings, tokens
     return loss, sums, means
 
 
-def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSettings) -> dict[str, torch.Tensor]:
+def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSettings,
+                  after_micro_batch: Callable[[], None] = _nothing) -> dict[str, torch.Tensor]:
     """One clipped value-loss update of the critic over ``batch`` (this rank's shard)."""
 
     def micro_loss(micro: RolloutBatch, tokens, seqs):
@@ -163,4 +172,5 @@ def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSetting
         return loss, {"critic/vf_loss": loss.detach()}, means
 
     return _run_updates(critic, optimizer, batch, mini_rows=s.mini_batch_rows, micro=s.micro, epochs=s.ppo_epochs,
-                        grad_clip=s.grad_clip, micro_loss=micro_loss, prefix="critic")
+                        grad_clip=s.grad_clip, micro_loss=micro_loss, prefix="critic",
+                        after_micro_batch=after_micro_batch)

@@ -9,7 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_smoke.sh"
 CHECKS = ["online PPO", "metrics finite", "validation scored by the reward model", "offload_policy", "actor and critic",
-          "save", "exact resume from step 2", "export loads", "peak memory", "MFU", "host syncs"]
+          "save", "exact resume from step 2", "export loads", "peak memory", "MFU", "host syncs",
+          "offline KL probe with actor and reference offloaded"]
 
 
 def smoke(*args):
@@ -23,9 +24,9 @@ def test_cpu_smoke_mode_passes_every_check_one_line_each():
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")]
     assert [next(c for c in CHECKS if c in line) for line in lines] == CHECKS, result.stdout
-    assert [line[:4] for line in lines] == ["PASS"] * 9 + ["SKIP", "PASS"]  # no known CPU peak: MFU skipped
+    assert [line[:4] for line in lines] == ["PASS"] * 9 + ["SKIP", "PASS", "PASS"]  # no known CPU peak: MFU skipped
     assert "steps [3] identical" in result.stdout
-    assert result.stdout.splitlines()[-1] == "gpu_smoke: 10 passed, 0 failed, 1 skipped"
+    assert result.stdout.splitlines()[-1] == "gpu_smoke: 11 passed, 0 failed, 1 skipped"
 
 
 def test_without_a_gpu_the_default_mode_points_at_the_cpu_mode():

@@ -117,3 +117,27 @@ def test_the_payload_is_real_the_old_way_of_loading_runs_it(payload, tmp_path):
     torch.save({"rng": evil}, tmp_path / "rank_0.pt")
     torch.load(tmp_path / "rank_0.pt", weights_only=False)
     assert marker.exists()
+
+
+def _point_shards_outside(folder, where) -> None:
+    """Move the weights' shard files out of the checkpoint and rewrite its metadata to name them there."""
+    weights = folder / "weights"
+    metadata = pickle.loads((weights / ".metadata").read_bytes())  # our own file, written a moment ago
+    outside = folder.parent / "elsewhere"
+    outside.mkdir()
+    for shard in weights.glob("*.distcp"):
+        shard.rename(outside / shard.name)
+    for info in metadata.storage_data.values():
+        info.relative_path = where(outside, info.relative_path)
+    (weights / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("where", [lambda outside, name: f"../elsewhere/{name}",
+                                   lambda outside, name: str(outside / name)], ids=["dot_dot", "absolute"])
+def test_metadata_naming_shards_outside_the_checkpoint_is_refused_where_rollback_reads_it(save, tmp_path, where):
+    # The shards are genuine and readable where the metadata points: only the reader's own check can refuse them.
+    folder = save(tmp_path / "run", 1)
+    _point_shards_outside(folder, where)
+    with pytest.raises(UserError, match=r"\.metadata' cannot be read \(it names the shard .*elsewhere.*which is "
+                                        r"not a file in its folder\); .*not a klppo checkpoint or was modified"):
+        ckpt.load_sharded_state(folder, sharded_state("ppo"))  # what run_state.restore (rollback, resume) reads

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from klppo.data.ranked import load_ranked_dataset
+from klppo.data.rollout_log_probs import LogProbsNeed
 from klppo.errors import UserError
 
 FORMS = ("ranking", "rankings", "scores", "chosen", "rejected")
@@ -73,7 +74,7 @@ def test_behaviour_log_probs_of_a_pair_follow_chosen_then_rejected(tok, write_pa
     lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in ("good", "bad")]
     log_probs = [[-0.5] * lengths[0], [-1.5] * lengths[1]]
     row = ranked_row("d", chosen="good", rejected="bad", rollout_log_probs=log_probs)
-    (record,) = load(write_parquet([row]), tok, require_rollout_log_probs=True)
+    (record,) = load(write_parquet([row]), tok, require_rollout_log_probs=LogProbsNeed("a setting", "no"))
     assert record.rollout_log_probs == log_probs
 
 

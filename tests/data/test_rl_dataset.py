@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from klppo.data.rl_dataset import collate_prompts, load_rl_dataset, tokenize_responses
+from klppo.data.rollout_log_probs import LogProbsNeed
 from klppo.errors import UserError
 
 
@@ -186,8 +187,11 @@ def test_rows_without_behaviour_log_probs_are_refused_when_the_correction_needs_
     responses = ["12"]
     path = write_parquet([rl_row(responses=responses, rollout_log_probs=[[-1.0] * _token_counts(tok, responses)[0]]),
                           rl_row(responses=responses, rollout_log_probs=None)])
-    with pytest.raises(UserError, match=f"{path} row 1, column 'rollout_log_probs': no behaviour log-probs"):
-        load(path, tok, require_responses=True, require_rollout_log_probs=True)
+    need = LogProbsNeed("algorithm.rollout_correction", "switch the correction off")
+    with pytest.raises(UserError, match=f"{path} row 1, column 'rollout_log_probs': no behaviour log-probs for this "
+                                        "row's responses, which algorithm.rollout_correction needs for every row; "
+                                        ".*klppo score-logprobs.*, or switch the correction off"):
+        load(path, tok, require_responses=True, require_rollout_log_probs=need)
 
 
 def test_overlong_prompt_is_an_error_that_suggests_the_fixes(tok, write_parquet, rl_row):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from klppo.config import load_ppo_config
 from klppo.distributed import env as env_module
+from klppo.errors import UserError
 from klppo.trainer import build, setup
 
 
@@ -21,12 +22,16 @@ def joined(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
 
-    def join(device: str, *, visible: int = 8, local_rank: int = 1, **kwargs):
+    def join(device: str, *, visible: int = 8, local_rank: int = 1, local_world_size: int | None = None, **kwargs):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
         for key, value in {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": str(local_rank),
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
             monkeypatch.setenv(key, value)
+        if local_world_size is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
         env = env_module.init_distributed(device, **kwargs)
         return env, calls[-1]
 
@@ -47,10 +52,19 @@ def test_a_cpu_run_keeps_a_gloo_only_group_with_the_default_timeout(joined):
     assert kwargs["timeout"] == timedelta(seconds=600)
 
 
-@pytest.mark.parametrize("local_rank, visible, index", [(3, 8, 3), (3, 1, 0), (5, 4, 1)])
+@pytest.mark.parametrize("local_rank, visible, index", [(3, 8, 3), (3, 1, 0)])
 def test_local_rank_picks_a_visible_device_when_each_process_sees_one_gpu(joined, local_rank, visible, index):
     env, _ = joined("cuda", visible=visible, local_rank=local_rank)
     assert env.device == torch.device("cuda", index) and env.local_rank == local_rank
+
+
+@pytest.mark.parametrize("local_rank, local_world_size", [(5, None), (0, 6)], ids=["its_own_rank", "torchruns_count"])
+def test_more_ranks_on_a_node_than_the_gpus_they_see_is_refused(joined, local_rank, local_world_size):
+    # 6 processes and 4 GPUs: ranks 4 and 5 would share GPUs 0 and 1 (out of memory, or a stalled NCCL).
+    with pytest.raises(UserError, match=r"LOCAL_RANK=\d with 6 processes on this node, but this process sees 4 CUDA "
+                                        r"devices.*launch at most 4 processes per node \(torchrun --nproc_per_node 4 "
+                                        r"and trainer.n_gpus_per_node=4\), or give each process its own GPU"):
+        joined("cuda", visible=4, local_rank=local_rank, local_world_size=local_world_size)
 
 
 def test_klppos_own_collectives_run_on_cuda_when_the_group_has_nccl(monkeypatch):

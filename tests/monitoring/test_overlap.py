@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from klppo.monitoring import overlap
 from klppo.monitoring.overlap import OverlapMeasure, comm_and_compute_seconds, is_communication, overlap_ratio, profiled
 
 
@@ -34,3 +35,33 @@ def test_a_profiled_block_without_communication_measures_compute_only(capfd):
     assert measure.comm_s == 0.0 and measure.compute_s > 0.0
     assert measure.metrics()["perf/overlap_ratio"] == 0.0
     assert "USDT" not in capfd.readouterr().err  # Kineto's start/stop lines are silenced
+
+
+def test_only_the_first_micro_batch_of_a_profiled_update_is_recorded(monkeypatch):
+    # Micro-batch 0 multiplies matrices, the later ones batched matrices: only aten::mm may be seen.
+    recorded, real = [], overlap.comm_and_compute_seconds
+
+    def recording(times):
+        recorded.extend(times)
+        return real(recorded)
+
+    monkeypatch.setattr(overlap, "comm_and_compute_seconds", recording)
+    a, b = torch.randn(32, 32), torch.randn(2, 32, 32)
+    measure = OverlapMeasure()
+    with profiled(torch.device("cpu"), measure) as micro_done:
+        torch.mm(a, a)
+        micro_done()
+        for _ in range(3):
+            torch.bmm(b, b)
+            micro_done()
+    names = {name for name, _ in recorded}
+    assert "aten::mm" in names and "aten::bmm" not in names
+    assert not any(name.startswith("ProfilerStep") for name in names)  # the schedule's marker is no operation
+    assert measure.compute_s > 0.0
+
+
+def test_an_update_that_is_not_measured_is_handed_a_no_op():
+    measure = OverlapMeasure()
+    with profiled(torch.device("cuda"), measure, enabled=False) as micro_done:
+        micro_done()
+    assert (measure.comm_s, measure.compute_s) == (0.0, 0.0)

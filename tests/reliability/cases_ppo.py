@@ -6,8 +6,10 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from transformers import AutoTokenizer
 
 from bad_input_kit import Workspace, ppo_row, register, rows
+from klppo.data.rollout_log_probs import encode_responses
 
 CASES: dict = {}
 case = lambda *expect: register(CASES, "ppo", *expect)  # noqa: E731
@@ -96,6 +98,29 @@ def ppo_row5_score_is_nan(ws):
     for i, row in enumerate(table):
         row["scores"] = [1.0, float("nan") if i == 5 else 0.0]
     return ws.ppo(table)
+
+
+IMPORTANCE_WEIGHTED = {"algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.offline_kl": "importance_weighted"}
+IW_NEEDS = ("which algorithm.kl_ctrl.offline_kl=importance_weighted needs for every row", "klppo score-logprobs",
+            "or set algorithm.kl_ctrl.offline_kl=sampled")
+
+
+@case(f"{ROW5} 'rollout_log_probs'", "no behaviour log-probs", *IW_NEEDS)
+def ppo_row5_without_log_probs_for_the_importance_weighted_kl(ws):
+    # Once weighed as mu = 1 without a word: the KL the guards and the controller read was wrong.
+    tokenizer = AutoTokenizer.from_pretrained(ws.model)
+    table = rows(ppo_row, None)
+    for i, row in enumerate(table):  # the others are whole: one log-prob per token and the closing EOS
+        row["rollout_log_probs"] = None if i == 5 else [[-1.0] * len(ids) for ids in
+                                                        encode_responses(row["responses"], tokenizer)]
+    return ws.ppo(table, dict(IMPORTANCE_WEIGHTED))
+
+
+@case("train.parquet row 0, column 'rollout_log_probs'", "no behaviour log-probs", *IW_NEEDS)
+def ppo_no_log_probs_column_for_the_importance_weighted_kl_of_a_kl_loss(ws):
+    # Once a TypeError at step 1, after every model had loaded.
+    return ws.ppo(None, {"actor_rollout_ref.actor.use_kl_loss": True,
+                         "algorithm.kl_ctrl.offline_kl": "importance_weighted"})
 
 
 @case(f"{ROW5} 'scores'", "scores given without responses", "add a 'responses' column")

@@ -1,13 +1,18 @@
 """Validation follows the rule every phase does: a batch is scored on the run's device
 (``DistEnv.device``), whatever device the rollout built it on; its sampling is seeded there."""
 
+from contextlib import contextmanager
+from types import SimpleNamespace
+
 import torch
 
 from klppo.data.rl_dataset import PromptRecord
-from klppo.distributed import DistEnv
+from klppo.distributed import SINGLE_PROCESS, DistEnv
 from klppo.rollout.batch import assemble_batch
 from klppo.rollout.hf import SamplingParams
 from klppo.trainer import evaluate
+from klppo.trainer.offload import Offloader
+from klppo.trainer.settings import KLSettings
 
 
 def records(n: int) -> list[PromptRecord]:
@@ -56,3 +61,44 @@ def test_validation_leaves_the_training_random_stream_where_it_was(monkeypatch):
     assert torch.equal(torch.rand(4), expected)
     assert torch.equal(drawn[0], drawn[1])  # seeded per call (and rank): the same draw each validation
     assert torch.equal(drawn[0], torch.rand(1, generator=torch.Generator().manual_seed(1)))
+
+
+class RecordingLinear(torch.nn.Linear):
+    """Records where ``.to()`` sends it (this CPU-only machine cannot really move to an accelerator)."""
+
+    def __init__(self):
+        super().__init__(2, 2)
+        self.moves = []
+
+    def to(self, device, *args, **kwargs):
+        self.moves.append(torch.device(device).type)
+        return self
+
+
+def test_the_offline_kl_probe_samples_and_scores_with_actor_and_reference_on_the_device(monkeypatch):
+    # param_offload keeps both on CPU between phases; the probe runs after scoring has sent them back.
+    actor, ref = RecordingLinear(), RecordingLinear()
+    offloader = Offloader(torch.device("cuda", 0))  # nothing is moved for real: .to() is recorded
+    offloader.register("actor", actor, param_offload=True)
+    offloader.register("ref", ref, param_offload=True)
+    kl_settings = KLSettings(True, "kl", "fixed", 0.1, 6.0, 10000, offline_kl="sampled", probe_prompts=2)
+    parts = SimpleNamespace(actor=actor, ref=ref, offloader=offloader, tokenizer=None, env=SINGLE_PROCESS,
+                            settings=SimpleNamespace(kl=kl_settings, sampling=SamplingParams(),
+                                                     forwards=SimpleNamespace(head=None)))
+    where = []
+
+    @contextmanager
+    def plain_actor(parts):
+        yield parts.actor, False
+
+    def probe(*args, **kwargs):
+        where.append((actor.moves[-1], ref.moves[-1]))
+        return 0.25
+
+    monkeypatch.setattr(evaluate, "generation_model", plain_actor)
+    monkeypatch.setattr(evaluate, "sampled_kl_to_ref", probe)
+    batch = SimpleNamespace(rollout_log_probs=None)  # recorded responses without behaviour log-probs
+    kl, metrics = evaluate.offline_policy_kl(parts, batch, records(4), step=3)
+    assert (kl, metrics) == (0.25, {"actor/kl_to_ref_sampled": 0.25})
+    assert where == [("cuda", "cuda")]
+    assert actor.moves[-1] == ref.moves[-1] == "cpu"  # and back afterwards

@@ -13,6 +13,8 @@ from klppo.data.rl_dataset import load_rl_dataset
 from klppo.errors import UserError
 from klppo.models.forward import response_logprobs
 from klppo.models.tiny import build_tiny_model_folder
+from klppo.trainer import build
+from klppo.trainer.build import ROLLOUT_CORRECTION_NEED
 from klppo.trainer.main_ppo import run_ppo
 from tests.conftest import TINY
 
@@ -48,7 +50,7 @@ def test_score_logprobs_writes_the_models_log_probs_that_the_reader_accepts(scor
                                                                              task_dir):
     tokenizer = AutoTokenizer.from_pretrained(behaviour_model_dir)
     records = load_rl_dataset(scored_file, tokenizer, max_prompt_length=256, require_responses=True,
-                              require_rollout_log_probs=True, log=quiet)
+                              require_rollout_log_probs=ROLLOUT_CORRECTION_NEED, log=quiet)
     assert pq.read_table(task_dir / "offline.parquet").num_rows == len(records)
     # the first response, scored in a batch of its own: prompt, then response + EOS
     record = records[0]
@@ -115,6 +117,17 @@ def test_bypass_mode_takes_mu_as_pi_old_and_skips_that_forward(ppo_overrides, sc
 def test_the_correction_on_data_without_the_column_names_the_row_and_the_command(ppo_overrides):
     with pytest.raises(UserError, match=r"row 0, column 'rollout_log_probs': .*klppo score-logprobs"):
         run_ppo(None, ppo_overrides(**CORRECTED), print_fn=quiet)
+
+
+def test_the_importance_weighted_kl_on_data_without_the_column_is_refused_before_any_model_loads(ppo_overrides,
+                                                                                                monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the data was checked")
+
+    monkeypatch.setattr(build, "load_model", no_model)
+    with pytest.raises(UserError, match=r"offline.parquet row 0, column 'rollout_log_probs': no behaviour log-probs "
+                                        r".*offline_kl=importance_weighted needs for every row.*klppo score-logprobs"):
+        run_ppo(None, ppo_overrides(**{"algorithm.kl_ctrl.offline_kl": "importance_weighted"}), print_fn=quiet)
 
 
 def test_offline_kl_is_importance_weighted_when_the_data_has_behaviour_log_probs(scored_file, ppo_overrides,
