@@ -24,6 +24,7 @@ from safetensors import safe_open
 from transformers import PreTrainedModel
 
 from klppo.errors import UserError, reading
+from klppo.models.rng import seeded
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -120,8 +121,9 @@ def full_tensors(model: PreTrainedModel, reader: WeightReader, *, new_heads: boo
 def _initialise(model: PreTrainedModel, names: list[str], seed: int) -> dict[str, torch.Tensor]:
     owners = list(dict.fromkeys(name.rsplit(".", 1)[0] for name in names))
     out: dict[str, torch.Tensor] = {}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    # The heads are initialised on the CPU, as from_pretrained initialises them before moving the
+    # model: only the CPU stream is seeded (and restored), never a GPU's (klppo.models.rng).
+    with seeded(seed, torch.device("cpu")):
         for owner in owners:
             module = copy.deepcopy(model.get_submodule(owner)).to_empty(device="cpu")
             module.apply(model._init_weights)
