@@ -91,7 +91,8 @@ def apply_fsdp2(
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
     """Give a model built with its parameters on the meta device (and sharded) empty parameters on
     ``device`` -- each rank only its shards -- and keep its buffers' values (rotary frequencies and
-    the like are computed at construction, not loaded) and its tied parameters tied."""
+    the like are computed at construction, not loaded; ``fill_sharded`` then reads the persistent
+    ones) and its tied parameters tied."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     first_name, aliases = {}, []
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -106,23 +107,34 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
         model.get_submodule(owner)._parameters[leaf] = model.get_parameter(name)
 
 
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> each buffer the state dict holds (a trained value such as DeepSeek-V3's router
+    ``e_score_correction_bias``, read from the folder), in the model's order; computed ones
+    (rotary frequencies, ``persistent=False``) are left out. FSDP2 never shards buffers."""
+    return {f"{prefix}{'.' if prefix else ''}{leaf}": buffer
+            for prefix, module in model.named_modules()
+            for leaf, buffer in module._buffers.items()
+            if buffer is not None and leaf not in module._non_persistent_buffers_set}
+
+
 @torch.no_grad()
 def fill_sharded(model: torch.nn.Module, tensor_of: Callable[[str], torch.Tensor] | None) -> None:
-    """Fill every parameter from the full tensor ``tensor_of(name)`` that rank 0 provides (None elsewhere).
+    """Fill every parameter and persistent buffer from the full tensor ``tensor_of(name)`` that rank 0
+    provides (None elsewhere).
 
     One tensor at a time: rank 0 reads it, and each rank keeps its own shard of it
     (``distribute_tensor`` scatters or broadcasts from rank 0 over the parameter's mesh), so no
     rank ever holds more than one whole tensor. A parameter FSDP2 leaves whole
-    (``replicate_frozen_root``) is broadcast. Without a process group the model is filled as is.
+    (``replicate_frozen_root``) and every persistent buffer are broadcast: ``materialize`` kept the
+    buffers' values as built, which for a trained buffer are its initial ones, not the folder's.
+    Without a process group the model is filled as is.
     """
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    for name, buffer in persistent_buffers(model).items():
+        _fill_whole(buffer, name, tensor_of, rank0)
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):  # whole on every rank (no process group, or replicated)
-            if dist.is_initialized():
-                param.copy_(tensor_of(name) if rank0 else torch.empty_like(param))
-                dist.broadcast(param, src=0)
-            else:
-                param.copy_(tensor_of(name))
+            _fill_whole(param, name, tensor_of, rank0)
             continue
         mesh = param.device_mesh
         if rank0:
@@ -131,6 +143,15 @@ def fill_sharded(model: torch.nn.Module, tensor_of: Callable[[str], torch.Tensor
             full = torch.empty(param.shape, dtype=param.dtype, device=mesh.device_type)
         param.to_local().copy_(distribute_tensor(full, mesh, param.placements, src_data_rank=0).to_local())
         del full
+
+
+def _fill_whole(tensor: torch.Tensor, name: str, tensor_of, rank0: bool) -> None:
+    """Copy rank 0's ``tensor_of(name)`` into ``tensor``, which every rank holds whole."""
+    if dist.is_initialized():
+        tensor.copy_(tensor_of(name) if rank0 else torch.empty_like(tensor))
+        dist.broadcast(tensor, src=0)
+    else:
+        tensor.copy_(tensor_of(name))
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -214,8 +235,7 @@ def whole_tensor_groups(model: torch.nn.Module) -> Iterator[dict[str, torch.Tens
         if rank0:
             group[name] = whole.detach().to("cpu")
         del whole
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    buffers = {name: b for name, b in model.state_dict().items() if name not in params}  # persistent buffers
+    buffers = persistent_buffers(model)
     if rank0 and buffers:
         group.update({name: b.detach().to("cpu") for name, b in buffers.items()})
     if group:
