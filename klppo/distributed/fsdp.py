@@ -103,7 +103,8 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
     ``device`` (``parameter_device``) -- each rank only its shards -- and keep its buffers' values
     and places (rotary frequencies and the like are computed at construction, not loaded, and
     ``fully_shard`` moved them to the mesh's device, which computes with them even when the
-    parameters live on CPU) and its tied parameters tied."""
+    parameters live on CPU; ``fill_sharded`` then reads the persistent ones) and its tied
+    parameters tied."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)}
     aliases = tied_aliases(model)
     model.to_empty(device=device)
@@ -128,23 +129,34 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     return aliases
 
 
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> each buffer the state dict holds (a trained value such as DeepSeek-V3's router
+    ``e_score_correction_bias``, read from the folder), in the model's order; computed ones
+    (rotary frequencies, ``persistent=False``) are left out. FSDP2 never shards buffers."""
+    return {f"{prefix}{'.' if prefix else ''}{leaf}": buffer
+            for prefix, module in model.named_modules()
+            for leaf, buffer in module._buffers.items()
+            if buffer is not None and leaf not in module._non_persistent_buffers_set}
+
+
 @torch.no_grad()
 def fill_sharded(model: torch.nn.Module, tensor_of: Callable[[str], torch.Tensor] | None) -> None:
-    """Fill every parameter from the full tensor ``tensor_of(name)`` that rank 0 provides (None elsewhere).
+    """Fill every parameter and persistent buffer from the full tensor ``tensor_of(name)`` that rank 0
+    provides (None elsewhere).
 
     One tensor at a time: rank 0 reads it, and each rank keeps its own shard of it
     (``distribute_tensor`` scatters or broadcasts from rank 0 over the parameter's mesh), so no
     rank ever holds more than one whole tensor. A parameter FSDP2 leaves whole
-    (``replicate_frozen_root``) is broadcast. Without a process group the model is filled as is.
+    (``replicate_frozen_root``) and every persistent buffer are broadcast: ``materialize`` kept the
+    buffers' values as built, which for a trained buffer are its initial ones, not the folder's.
+    Without a process group the model is filled as is.
     """
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    for name, buffer in persistent_buffers(model).items():
+        _fill_whole(buffer, name, tensor_of, rank0)
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):  # whole on every rank (no process group, or replicated)
-            if dist.is_initialized():
-                param.copy_(tensor_of(name) if rank0 else torch.empty_like(param))
-                dist.broadcast(param, src=0)
-            else:
-                param.copy_(tensor_of(name))
+            _fill_whole(param, name, tensor_of, rank0)
             continue
         mesh = param.device_mesh
         if rank0:
@@ -153,6 +165,15 @@ def fill_sharded(model: torch.nn.Module, tensor_of: Callable[[str], torch.Tensor
             full = torch.empty(param.shape, dtype=param.dtype, device=mesh.device_type)
         param.to_local().copy_(distribute_tensor(full, mesh, param.placements, src_data_rank=0).to_local())
         del full
+
+
+def _fill_whole(tensor: torch.Tensor, name: str, tensor_of, rank0: bool) -> None:
+    """Copy rank 0's ``tensor_of(name)`` into ``tensor``, which every rank holds whole."""
+    if dist.is_initialized():
+        tensor.copy_(tensor_of(name) if rank0 else torch.empty_like(tensor))
+        dist.broadcast(tensor, src=0)
+    else:
+        tensor.copy_(tensor_of(name))
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -249,8 +270,7 @@ def whole_tensor_groups(model: torch.nn.Module, device: torch.device | None = No
         if keep:
             group[name] = _kept(whole, device, shared=whole.data_ptr() == _local(param).data_ptr())
         del whole
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    buffers = {name: b for name, b in model.state_dict().items() if name not in params}  # persistent buffers
+    buffers = persistent_buffers(model)
     if keep and buffers:
         group.update({name: _kept(b, device, shared=True) for name, b in buffers.items()})
     if group:

@@ -235,8 +235,9 @@ class HeadSettings:
     fused: through the head one slice of the vocabulary at a time (``klppo.models.fused_head``),
         recomputing each slice's logits in backward; the (.., V) logits are never held whole. verl's
         ``actor_rollout_ref.model.use_fused_kernels`` with ``fused_kernel_options.impl_backend: torch``.
-        None (the default): fused wherever the model's head allows it (a Linear head whose logits
-        the model does not rescale afterwards), the whole logits otherwise.
+        None (the default): fused wherever the model's head allows it (a Linear head whose output
+        the model changes by at most a constant factor, ``head_logit_scale``), the whole logits
+        otherwise.
     chunk_logits: logits (tokens x vocabulary entries) the fused head computes at a time; it
         takes the vocabulary in slices of ceil(chunk_logits / tokens) entries. Memory grows
         with it (3 fp32 slices at peak), speed too up to a point (see benchmarks/README.md).
@@ -253,9 +254,9 @@ class HeadSettings:
     entropy_chunk_rows: int = 2048
     entropy_checkpointing: bool = False
 
-    def fused_for(self, model: torch.nn.Module) -> bool:
-        """Whether ``model``'s log-probs go through the fused head."""
-        return self.fused if self.fused is not None else fused_head_unsupported(model) is None
+    def fused_for(self, model: torch.nn.Module, device: torch.device | None = None) -> bool:
+        """Whether ``model``'s log-probs (inputs on ``device``) go through the fused head."""
+        return self.fused if self.fused is not None else fused_head_unsupported(model, device) is None
 
 
 def response_logprobs(
@@ -282,7 +283,7 @@ def response_logprobs(
                                    with_entropy=with_entropy, packed=True, head=head) for g in groups]
         return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
     rows, mask = input_ids.shape[0], attention_mask.bool()
-    head = replace(head, fused=head.fused_for(model))
+    head = replace(head, fused=head.fused_for(model, input_ids.device))
     fused = partial(fused_lm_head, model, temperature=temperature, chunk_logits=head.chunk_logits,
                     with_entropy=with_entropy) if head.fused else None
     if packed:

@@ -35,11 +35,15 @@ output, whose backward hook gathers them again before this backward runs.
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+
+from klppo.errors import UserError
 
 DEFAULT_CHUNK_LOGITS = 2**24  # 64 MB of fp32 per slice; see benchmarks/README.md ("Logits memory")
 
@@ -169,21 +173,87 @@ def chunked_logprobs(
     return out if with_entropy else (out, None)
 
 
-# Heads whose logits the model changes after the head runs (Gemma2's soft-capping, Cohere's
-# scale): the numbers this head returns are not logits and must not be transformed.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale")
+# What the output embedding returns in the probe forward: 1.0 first, so the scale is read off
+# directly; magnitudes far apart, so a soft-capping (tanh) cannot pass for a constant factor.
+_PROBE_VALUES = (1.0, -2.0, 8.0, -32.0)
+_SCALES: "weakref.WeakKeyDictionary[torch.nn.Module, float | None]" = weakref.WeakKeyDictionary()
 
 
-def fused_head_unsupported(model: torch.nn.Module) -> str | None:
+def _probe_output(shape: torch.Size, vocab: int, device: torch.device) -> torch.Tensor:
+    """(..., V) fp32 ``_PROBE_VALUES`` repeated along the vocabulary."""
+    row = torch.tensor(_PROBE_VALUES, device=device).repeat(-(-vocab // len(_PROBE_VALUES)))[:vocab]
+    return row.expand(*shape, vocab).contiguous()
+
+
+@contextmanager
+def _head_forward(head: torch.nn.Module, forward) -> Iterator[None]:
+    """``head``'s forward replaced by ``forward`` (an instance attribute: the state dict and tied
+    embeddings are untouched) until the block ends, however it ends."""
+    own = vars(head).get("forward")
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if own is not None:
+            head.forward = own
+        else:
+            del head.forward
+
+
+@torch.no_grad()
+def _measure_logit_scale(model: torch.nn.Module, device: torch.device) -> float | None:
+    """One forward of two tokens in eval mode (no dropout: no random stream moves) in which the
+    output embedding returns known numbers; the logits the model returns are compared with them."""
+    head, sent = model.get_output_embeddings(), []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        sent.append(_probe_output(hidden.shape[:-1], head.out_features, hidden.device))
+        return sent[-1]
+
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with _head_forward(head, forward):
+            logits = model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False).logits
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    if len(sent) != 1 or logits is None or logits.shape != sent[0].shape:
+        return None
+    logits = logits.float()
+    scale = logits.flatten()[0].item()  # host-device sync, once per model
+    if not (math.isfinite(scale) and scale > 0):
+        return None
+    return scale if torch.allclose(logits, scale * sent[0], rtol=1e-6, atol=0.0) else None
+
+
+def head_logit_scale(model: torch.nn.Module, device: torch.device | None = None) -> float | None:
+    """The constant c with ``model(...).logits == c * (its output embedding's output)``, or None where
+    the model changes its logits otherwise after the head (Gemma2's soft-capping) or computes them
+    without it.
+
+    c is 1 for most models; Granite and GraniteMoe* divide by ``logits_scaling``, FalconH1
+    multiplies by ``lm_head_multiplier``, HyperCLOVAX by ``logits_scaling`` (the same key, the
+    other way round), Cohere by ``logit_scale``. A list of config keys would miss the next such
+    model, so the model's own forward is measured, once per model, and cached. ``device``: where
+    the model's inputs go (default: where its parameters are). Collective for a sharded model on
+    its first call: every rank makes it at the same point, as every rank runs the same forwards.
+    """
+    if model not in _SCALES:
+        device = device if device is not None else next(model.parameters()).device
+        _SCALES[model] = _measure_logit_scale(model, device)
+    return _SCALES[model]
+
+
+def fused_head_unsupported(model: torch.nn.Module, device: torch.device | None = None) -> str | None:
     """Why ``fused_lm_head`` cannot serve ``model`` (a reason naming the fix), or None when it can."""
-    config = getattr(model, "config", None)
-    changed = [k for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1.0)]
-    if changed:
-        return (f"{type(model).__name__} transforms its logits after the LM head ({changed[0]}); "
-                f"the chunked head cannot; set actor_rollout_ref.model.use_fused_kernels=false")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear):
         return (f"{type(model).__name__}'s output embedding is a {type(head).__name__}, not a Linear; "
+                f"set actor_rollout_ref.model.use_fused_kernels=false")
+    if head_logit_scale(model, device) is None:
+        return (f"{type(model).__name__} changes its logits after the LM head by more than a constant factor "
+                f"(a soft-capping, for one), which the chunked head cannot do; "
                 f"set actor_rollout_ref.model.use_fused_kernels=false")
     return None
 
@@ -202,32 +272,28 @@ def fused_lm_head(
 
     ``labels`` has the shape of the head's input without the hidden dim (what ``logits_to_keep``
     selects): (B, T') for the padded path, (1, n) or (n,) for a packed row. One forward only.
+    The scores are those of the model's own logits: a constant factor c the model applies after
+    the head (``head_logit_scale``) is folded into the temperature, z = c * head / T = head / (T / c),
+    and the scores leave the head divided by c, which the model's own rescaling then undoes.
     """
-    unsupported = fused_head_unsupported(model)
+    unsupported = fused_head_unsupported(model, labels.device)
     if unsupported:
-        raise ValueError(unsupported)
-    head = model.get_output_embeddings()
+        raise UserError(unsupported)
+    head, scale = model.get_output_embeddings(), head_logit_scale(model, labels.device)
     calls = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., 1 or 2)
         assert not calls, "fused_lm_head serves one forward; open it again for the next"
         calls.append(1)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        lp, ent = chunked_logprobs(flat, head.weight, labels.reshape(-1), bias=head.bias, temperature=temperature,
-                                   chunk_logits=chunk_logits, with_entropy=with_entropy)
+        lp, ent = chunked_logprobs(flat, head.weight, labels.reshape(-1), bias=head.bias,
+                                   temperature=temperature / scale, chunk_logits=chunk_logits, with_entropy=with_entropy)
         out = torch.stack([lp, ent], -1) if with_entropy else lp[:, None]
+        out = out if scale == 1.0 else out / scale
         return out.view(*hidden.shape[:-1], out.shape[-1])
 
-    had_own = "forward" in vars(head)
-    own = vars(head).get("forward")
-    head.forward = forward
-    try:
+    with _head_forward(head, forward):
         yield
-    finally:
-        if had_own:
-            head.forward = own
-        else:
-            del head.forward
     if not calls:
-        raise ValueError(f"{type(model).__name__}'s forward never called its output embedding; "
-                         f"set actor_rollout_ref.model.use_fused_kernels=false")
+        raise UserError(f"{type(model).__name__}'s forward never called its output embedding; "
+                        f"set actor_rollout_ref.model.use_fused_kernels=false")

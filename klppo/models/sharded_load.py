@@ -5,7 +5,8 @@ so N ranks hold N full copies before sharding. Here the model is built with its 
 the meta device (no memory; buffers such as rotary frequencies stay real), sharded with FSDP2,
 given empty local shards, and only then filled: rank 0 reads one tensor at a time from the
 folder's safetensors (or weights-only ``pytorch_model.bin``) and each rank keeps its own shard
-of it (``klppo.distributed.fill_sharded``). A parameter the folder lacks is a new head (a
+of it (``klppo.distributed.fill_sharded``); persistent buffers (trained ones such as DeepSeek-V3's
+router bias) are read too and broadcast whole. A parameter the folder lacks is a new head (a
 critic's or reward model's one-output layer): rank 0 initialises it as ``from_pretrained``
 would, from the same seeded stream, so the weights are bit-identical to loading the folder with
 ``from_pretrained`` in one process.
@@ -24,6 +25,7 @@ from safetensors import safe_open
 from transformers import PreTrainedModel
 
 from klppo.errors import UserError, reading
+from klppo.models.rng import seeded
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -97,19 +99,26 @@ class WeightReader:
 
 def full_tensors(model: PreTrainedModel, reader: WeightReader, *, new_heads: bool,
                  seed: int = 0) -> Callable[[str], torch.Tensor]:
-    """name -> the full tensor of parameter ``name`` (read, or initialised when the folder lacks it).
+    """name -> the full tensor of parameter or persistent buffer ``name`` (read, or initialised when
+    the folder lacks it).
 
-    Reading happens only when the returned function is called (on rank 0). With ``new_heads``, parameters outside the backbone that the folder
-    lacks are initialised module by module, in the model's order, from ``seed``, exactly as
-    ``from_pretrained`` initialises missing weights; any other missing weight is refused.
+    Reading happens only when the returned function is called (on rank 0). Persistent buffers
+    are read as ``from_pretrained`` reads them: they can be trained (DeepSeek-V3's router bias).
+    With ``new_heads``, parameters outside the backbone that the folder lacks are initialised
+    module by module, in the model's order, from ``seed``, exactly as ``from_pretrained``
+    initialises missing weights, and such buffers keep the value the model was built with; any
+    other missing tensor is refused, as ``from_pretrained`` reports it missing.
     """
     backbone = f"{model.base_model_prefix}."
-    missing = [name for name, _ in model.named_parameters() if name not in reader]
+    params = [name for name, _ in model.named_parameters()]
+    buffers = _persistent_buffer_names(model)
+    missing = [name for name in params + buffers if name not in reader]
     wrong = [name for name in missing if not new_heads or name.startswith(backbone)]
     if wrong:
         raise UserError(f"{reader.key}: the weights in '{reader.folder}' lack '{wrong[0]}' ({len(wrong)} tensors "
                         "missing); copy the folder again, or save the model again with save_pretrained")
-    initialised = _initialise(model, missing, seed)
+    initialised = _initialise(model, [name for name in missing if name not in buffers], seed)
+    initialised.update({name: model.get_buffer(name).detach().clone() for name in missing if name in buffers})
 
     def tensor_of(name: str) -> torch.Tensor:
         return initialised[name] if name in initialised else reader.read(name)
@@ -117,11 +126,18 @@ def full_tensors(model: PreTrainedModel, reader: WeightReader, *, new_heads: boo
     return tensor_of
 
 
+def _persistent_buffer_names(model: PreTrainedModel) -> list[str]:
+    """The buffers a folder holds: those of the state dict (built on the meta device, it costs nothing)."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return [name for name in model.state_dict() if name not in params]
+
+
 def _initialise(model: PreTrainedModel, names: list[str], seed: int) -> dict[str, torch.Tensor]:
     owners = list(dict.fromkeys(name.rsplit(".", 1)[0] for name in names))
     out: dict[str, torch.Tensor] = {}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    # The heads are initialised on the CPU, as from_pretrained initialises them before moving the
+    # model: only the CPU stream is seeded (and restored), never a GPU's (klppo.models.rng).
+    with seeded(seed, torch.device("cpu")):
         for owner in owners:
             module = copy.deepcopy(model.get_submodule(owner)).to_empty(device="cpu")
             module.apply(model._init_weights)

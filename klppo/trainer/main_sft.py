@@ -13,25 +13,25 @@ import sys
 from pathlib import Path
 import torch
 
-from klppo.algo import logprobs_from_logits
 from klppo.cli_support import parse_config_args, run_cli
 from klppo.config import SFTConfig, load_sft_config
 from klppo.data.batching import row_chunks
 from klppo.distributed import DistEnv, all_reduce_sum
-from klppo.models.forward import position_ids_from_mask
+from klppo.models.forward import HeadSettings, response_logprobs
 from klppo.trainer.update import optimizer_step
 
 
-def sft_loss(model, input_ids, attention_mask, loss_mask, total_tokens) -> torch.Tensor:
+def sft_loss(model, input_ids, attention_mask, loss_mask, total_tokens,
+             head: HeadSettings = HeadSettings()) -> torch.Tensor:
     """Summed next-token NLL over ``loss_mask`` tokens, divided by the batch's ``total_tokens``.
 
-    Shapes: input_ids, attention_mask, loss_mask (B, L); the logits at i predict token i + 1.
+    Shapes: input_ids, attention_mask, loss_mask (B, L), rows right-padded; the output at i
+    predicts token i + 1. The log-probs come from the PPO forwards' ``response_logprobs``, each row
+    read as a one-token "prompt" and an (L - 1)-token "response", so they go through the fused LM
+    head wherever the model allows it (``head``): the (B, L, V) fp32 logits are never held whole,
+    only slices of the vocabulary, in forward and backward alike.
     """
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask.long(),
-        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-    ).logits[:, :-1].float()  # (B, L-1, V)
-    log_probs = logprobs_from_logits(logits, input_ids[:, 1:])  # (B, L-1)
+    log_probs, _ = response_logprobs(model, input_ids, attention_mask, input_ids.shape[1] - 1, head=head)  # (B, L-1)
     return -(log_probs * loss_mask[:, 1:]).sum() / total_tokens
 
 

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from klppo.models.load import load_causal_lm, load_critic, load_reward_model
+from klppo.errors import UserError
+from klppo.models.load import empty_model_for, load_causal_lm, load_critic, load_reward_model
+from klppo.models.sharded_load import WeightReader, full_tensors
 from klppo.models.tiny import build_tiny_model_folder
 
 HERE = Path(__file__).parent
@@ -66,3 +69,59 @@ def test_sharded_loading_gives_the_weights_from_pretrained_gives(tiny_model_dir,
     tied = torch.load(tmp_path / "tied.pt", weights_only=True)
     if "lm_head.weight" in tied:  # a tied head is the embedding
         assert torch.equal(tied["lm_head.weight"], tied["model.embed_tokens.weight"])
+
+
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"  # a persistent buffer, trained (not computed)
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory):
+    """A tiny DeepSeek-V3 (layer 1 is a mixture of experts) whose router's correction bias is not
+    its initial zeros, saved under the model's own tensor names: transformers' save_pretrained
+    writes the experts one by one, which klppo's sharded reader does not merge."""
+    folder = tmp_path_factory.mktemp("moe")
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                              num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                              n_group=1, topk_group=1, n_shared_experts=1, num_attention_heads=2,
+                              num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                              qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = DeepseekV3ForCausalLM(config)
+    model.get_buffer(BIAS).copy_(torch.tensor([0.5, -0.25, 1.0, 2.0]))
+    config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    return folder
+
+
+def test_sharded_loading_keeps_a_trained_buffer_in_the_model_its_generation_copy_and_its_export(
+        moe_model_dir, tiny_model_dir, tmp_path):
+    expected = load_causal_lm(str(moe_model_dir), key="k", device=CPU).state_dict()
+    assert expected[BIAS].abs().sum() > 0  # from_pretrained reads the buffer
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(HERE / "buffers_worker.py"), str(moe_model_dir), str(tiny_model_dir), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    saved = torch.load(tmp_path / "buffers.pt", weights_only=True)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
+    wrong = [(name, key) for name, state in (("sharded", saved["sharded"]), ("generation copy", saved["copy"]),
+                                             ("export", exported))
+             for key, value in expected.items() if key not in state or not torch.equal(state[key], value)]
+    assert not wrong
+    assert saved["sharded"].keys() == saved["copy"].keys() == exported.keys() == expected.keys()
+
+
+def test_a_folder_without_a_persistent_buffer_is_refused_by_sharded_loading_as_by_from_pretrained(moe_model_dir,
+                                                                                                  tmp_path):
+    folder = tmp_path / "no_bias"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((moe_model_dir / "config.json").read_bytes())
+    state = load_file(moe_model_dir / "model.safetensors")
+    save_file({k: v for k, v in state.items() if k != BIAS}, folder / "model.safetensors", metadata={"format": "pt"})
+    model = empty_model_for("causal_lm", str(folder), key="k")
+    with pytest.raises(UserError, match=BIAS):
+        full_tensors(model, WeightReader(folder, "k"), new_heads=False)
+    with pytest.raises(UserError, match=BIAS):
+        load_causal_lm(str(folder), key="k", device=CPU)

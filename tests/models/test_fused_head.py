@@ -13,11 +13,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen2ForCausalLM
+from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    HyperCLOVAXConfig,
+    HyperCLOVAXForCausalLM,
+    Qwen2ForCausalLM,
+)
 
 from klppo.algo import entropy_from_logits, logprobs_from_logits
-from klppo.models.forward import HeadSettings, response_logprobs
-from klppo.models.fused_head import chunked_logprobs, fused_lm_head
+from klppo.errors import UserError
+from klppo.models.forward import HeadSettings, position_ids_from_mask, response_logprobs
+from klppo.models.fused_head import chunked_logprobs, fused_lm_head, head_logit_scale
 from klppo.models.tiny import tiny_model_config
 
 HERE = Path(__file__).parent
@@ -187,12 +198,80 @@ def test_the_head_is_restored_after_the_forward_even_when_it_fails():
     assert model(torch.ones(1, 3, dtype=torch.long)).logits.shape == (1, 3, 61)
 
 
-def test_models_that_transform_their_logits_after_the_head_are_refused():
-    model = _model(tied=True)
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="use_fused_kernels=false"):
-        with fused_lm_head(model, torch.zeros(1, 3, dtype=torch.long)):
-            pass
+# ---- models that change their logits after the head ----
+
+# Tiny members of the families that do (random weights, 61 tokens, one decoder block each).
+_SIZES = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, pad_token_id=0, bos_token_id=0, eos_token_id=1)
+RESCALING = {
+    "granite": lambda: GraniteForCausalLM(GraniteConfig(**_SIZES, logits_scaling=8.0)),  # logits / 8
+    "hyperclovax": lambda: HyperCLOVAXForCausalLM(HyperCLOVAXConfig(**_SIZES, logits_scaling=0.25)),  # logits * 0.25
+    "cohere": lambda: CohereForCausalLM(CohereConfig(**_SIZES, logit_scale=3.0)),  # logits * 3
+}
+
+
+def _gemma2() -> Gemma2ForCausalLM:
+    """Gemma2's final soft-capping: logits = 30 tanh(head / 30), no constant factor."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Gemma2ForCausalLM(Gemma2Config(**_SIZES, head_dim=16, final_logit_softcapping=30.0))
+
+
+def _own_scores(model, temperature: float):
+    """The model's own logits at the response positions of ``_batch()`` -> log-probs and entropies (B, T)."""
+    ids, mask, width = _batch()
+    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask),
+                   use_cache=False).logits[:, -width - 1 : -1].float() / temperature
+    real = mask[:, -width:]
+    return (torch.where(real, logprobs_from_logits(logits, ids[:, -width:]), 0.0),
+            torch.where(real, entropy_from_logits(logits), 0.0))
+
+
+@pytest.mark.parametrize("family", sorted(RESCALING))
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_model_that_rescales_its_logits_gets_its_own_log_probs_and_entropies(family, packed):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = RESCALING[family]()
+    with torch.no_grad():
+        for param in model.parameters():  # logits of order 10 before the model's rescaling
+            param.normal_(0.0, 0.5)
+    expected_lp, expected_ent = _own_scores(model, 0.7)
+    for head in (HeadSettings(), HeadSettings(fused=True, chunk_logits=40), HeadSettings(fused=False)):
+        lp, ent, grads = _scores_and_grads(model, head, packed=packed, temperature=0.7, with_entropy=True)
+        torch.testing.assert_close(lp, expected_lp, **TOL, msg=f"{head}")
+        torch.testing.assert_close(ent.detach(), expected_ent, **TOL, msg=f"{head}")
+        if head.fused is False:
+            unfused_grads = grads
+        else:
+            fused_grads = grads
+    for name in unfused_grads:  # of order 1 after a rescaling by 3, summed in another order: 1e-4
+        torch.testing.assert_close(fused_grads[name], unfused_grads[name], atol=1e-4, rtol=1e-4, msg=name)
+    assert HeadSettings().fused_for(model)  # the rescaling is folded in, not given up on
+
+
+def test_a_model_that_soft_caps_its_logits_gets_the_whole_logits_and_refuses_the_fused_head():
+    model = _gemma2()
+    assert not HeadSettings().fused_for(model) and not HeadSettings(fused=False).fused_for(model)
+    lp, ent, _ = _scores_and_grads(model, HeadSettings(), packed=False, temperature=1.0, with_entropy=True)
+    expected_lp, expected_ent = _own_scores(model, 1.0)
+    torch.testing.assert_close(lp, expected_lp, **TOL)
+    torch.testing.assert_close(ent.detach(), expected_ent, **TOL)
+    with pytest.raises(UserError, match="soft-capping.*use_fused_kernels=false"):
+        _scores_and_grads(model, HeadSettings(fused=True), packed=False, temperature=1.0, with_entropy=False)
+
+
+def test_measuring_the_logit_scale_moves_no_random_stream_and_keeps_each_modules_mode():
+    model = RESCALING["granite"]()
+    model.train()
+    model.model.layers[0].eval()  # a module in another mode than its parent keeps it
+    torch.manual_seed(5)
+    expected_after = torch.rand(3)
+    torch.manual_seed(5)
+    assert head_logit_scale(model) == 1 / 8
+    assert torch.equal(torch.rand(3), expected_after)
+    assert model.training and not model.model.layers[0].training and model.model.norm.training
+    assert "forward" not in vars(model.lm_head)
 
 
 def test_fused_head_without_autograd_gives_the_same_scores():
@@ -270,7 +349,5 @@ def test_fused_head_under_fsdp2_bf16_mixed_precision_matches_the_unfused_head(fs
 def test_the_default_head_is_fused_where_the_model_allows_it_and_whole_logits_elsewhere():
     model = _model(tied=True)
     assert HeadSettings().fused_for(model) and not HeadSettings(fused=False).fused_for(model)
-    model.config.final_logit_softcapping = 30.0  # Gemma2-style: the head's numbers are not the logits
-    assert not HeadSettings().fused_for(model)
-    with pytest.raises(ValueError, match="use_fused_kernels=false"):
-        _scores_and_grads(model, HeadSettings(fused=True), packed=False, temperature=1.0, with_entropy=False)
+    assert head_logit_scale(model) == 1.0
+    assert not HeadSettings().fused_for(_gemma2())  # soft-capped: the head's numbers are not the logits

@@ -10,6 +10,7 @@ import torch
 from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from klppo.models.forward import PACKED_SDPA, response_logprobs, response_values, use_packed_attention
+from klppo.models.fused_head import head_logit_scale
 from klppo.models.rng import seeded
 from klppo.models.tiny import tiny_model_config
 from klppo.rollout.batch import RolloutBatch
@@ -68,9 +69,11 @@ def test_a_forward_and_backward_read_lengths_as_often_with_four_layers_as_with_t
     ids, mask = batch(padded)
 
     def run(layers: int):
+        m = model(layers, checkpointing=True)
+        head_logit_scale(m)  # measured once per model, by a forward of its own: not this forward's
+
         def step():
-            log_prob, entropy = response_logprobs(model(layers, checkpointing=True), ids, mask, 5, packed=packed,
-                                                  with_entropy=True)
+            log_prob, entropy = response_logprobs(m, ids, mask, 5, packed=packed, with_entropy=True)
             (log_prob.sum() + entropy.sum()).backward()  # recomputes every layer's forward
         return step
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from klppo.models import rng
-from klppo.models.load import load_critic, load_reward_model
+from klppo.models.load import empty_model_for, load_critic, load_reward_model
+from klppo.models.sharded_load import WeightReader, full_tensors
 
 
 class FakeGenerator:
@@ -75,3 +76,18 @@ def test_loading_a_critic_or_reward_model_reseeds_no_cuda_stream(tiny_model_dir,
     load_reward_model(str(tiny_model_dir), key="reward_model.model.path", device=torch.device("cpu"), seed=3)
     assert torch.equal(torch.rand(2), expected_after)
     assert all(g.seeds == [] for g in generators)
+
+
+def test_sharded_loading_of_a_new_head_reseeds_no_cuda_stream(tiny_model_dir, fake_cuda):
+    calls, generators = fake_cuda  # torch.manual_seed (every CUDA device's stream) would raise here
+    model = empty_model_for("critic", str(tiny_model_dir), key="critic.model.path")
+    reader = WeightReader(tiny_model_dir, "critic.model.path")
+    cpu = torch.random.default_generator
+    cpu.manual_seed(0)
+    expected_after = torch.rand(2)
+    cpu.manual_seed(0)
+    tensor_of = full_tensors(model, reader, new_heads=True, seed=3)
+    assert torch.equal(torch.rand(2), expected_after)
+    assert calls == {"get": [], "set": []} and all(g.seeds == [] for g in generators)
+    critic = load_critic(str(tiny_model_dir), key="critic.model.path", device=torch.device("cpu"), seed=3)
+    assert torch.equal(tensor_of("score.weight"), critic.score.weight)  # the head from_pretrained gives
