@@ -1,0 +1,99 @@
+"""PPO runs with vLLM rollouts through the real entry point, one process each (one engine per
+process): a run killed with SIGKILL resumes to the uninterrupted run's numbers, a LoRA actor's
+merged weights reach the engine, and rollout correction acts online on the engine's log-probs."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from klppo.checkpoint.state import LATEST_FILE
+from klppo.monitoring.logger import read_metrics
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).parents[2]
+REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return (len(solution_str) % 7) / 7\n"
+
+
+@pytest.fixture
+def overrides(vllm_model_dir, task_dir, tmp_path):
+    """overrides(run_dir, **changes): a 4-step online GAE run with vLLM rollouts, saving every step."""
+    reward = tmp_path / "length_reward.py"
+    reward.write_text(REWARD)  # varies with the response: the random model never answers right
+
+    def make(run_dir: Path, **changes) -> list[str]:
+        settings = {
+            "data.train_files": task_dir / "train.parquet", "data.max_prompt_length": 64,
+            "data.max_response_length": 12, "data.train_batch_size": 8,
+            "actor_rollout_ref.model.path": vllm_model_dir, "actor_rollout_ref.rollout.name": "vllm",
+            "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+            "actor_rollout_ref.actor.optim.lr": 1e-3, "critic.optim.lr": 1e-3, "algorithm.use_kl_in_reward": "true",
+            "custom_reward_function.path": reward, "trainer.total_training_steps": 4, "trainer.save_freq": 1,
+            "trainer.logger": "[]", "trainer.device": "cpu", "trainer.default_local_dir": run_dir,
+        }
+        settings.update(changes)
+        return [f"{k}={v}" for k, v in settings.items()]
+
+    return make
+
+
+def _start(overrides: list[str], stdout=subprocess.DEVNULL) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}  # one thread: exact comparisons
+    return subprocess.Popen([sys.executable, "-m", "klppo.trainer.main_ppo", *overrides], stdout=stdout,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def _run(overrides: list[str]) -> None:
+    proc = _start(overrides)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-6000:]
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+def test_a_run_killed_with_sigkill_resumes_to_the_uninterrupted_runs_numbers(overrides, tmp_path):
+    _run(overrides(tmp_path / "full"))
+    victim = _start(overrides(tmp_path / "killed"))
+    deadline = time.monotonic() + 300
+    while not any(r["step"] >= 2 for r in read_metrics(tmp_path / "killed")):
+        assert victim.poll() is None and time.monotonic() < deadline, victim.stderr.read()[-4000:]
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    checkpoint = int((tmp_path / "killed" / LATEST_FILE).read_text())
+    assert 1 <= checkpoint < 4
+    resumed = _start(overrides(tmp_path / "killed"), stdout=subprocess.PIPE)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-6000:]
+    assert f"at step {checkpoint}" in out  # it resumed, and from the kill's checkpoint
+    full, killed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "killed")
+    assert [_comparable(r) for r in killed] == [_comparable(r) for r in full]
+
+
+def test_a_lora_actors_merged_weights_reach_the_engine(overrides, tmp_path):
+    _run(overrides(tmp_path / "lora", **{"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 16,
+                                         "trainer.total_training_steps": 3, "trainer.save_freq": -1}))
+    metrics = read_metrics(tmp_path / "lora")
+    assert abs(metrics[-1]["actor/kl_to_ref"]) > 0  # the adapters did move the policy
+    assert all(r["training/rollout_probs_diff_max"] < 1e-4 for r in metrics)  # and the engine samples from it
+
+
+def test_rollout_correction_acts_online_on_the_engines_log_probs(overrides, tmp_path):
+    corrected = {"algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_rs": "token_k1",
+                 "algorithm.rollout_correction.rollout_rs_threshold": "0.99_1.01",
+                 "trainer.total_training_steps": 2, "trainer.save_freq": -1}
+    _run(overrides(tmp_path / "is", **corrected))
+    metrics = read_metrics(tmp_path / "is")
+    assert all(abs(r["rollout_corr/rollout_is_mean"] - 1) < 1e-3 for r in metrics)  # engine == trainer here
+    assert all(r["rollout_corr/rollout_rs_masked_fraction"] < 0.01 for r in metrics)
+    _run(overrides(tmp_path / "bypass", **{"algorithm.rollout_correction.bypass_mode": "true",
+                                           "trainer.total_training_steps": 2, "trainer.save_freq": -1}))
+    bypass = read_metrics(tmp_path / "bypass")
+    assert "timing_s/old_log_prob" not in bypass[0]  # pi_old = the engine's log-probs: no forward for them
