@@ -1,6 +1,18 @@
-"""Generation time on sharded ranks: the sharded actor vs a whole copy gathered once per step.
+"""Generation time: HF generate vs vLLM (``--backends``), and on sharded ranks the sharded actor vs a
+whole copy gathered once per step (the default).
 
-Runs the demo's PPO config (``klppo demo``'s task and tiny Qwen2-shaped model, untrained
+``--backends`` (run it in .venv-vllm: ``bash scripts/setup.sh --vllm``) measures, one model per
+child process (vLLM allows one engine per process), HF generate and the vLLM engine side by side
+on the same weights and prompts: sampled tokens/s of each (64 prompts x 128 new tokens,
+temperature 1, no EOS so every row decodes all 128; interleaved repeats, best of each), and the
+time of one weight sync (the actor's whole tensors streamed into the engine). Models:
+SmolLM2-135M-Instruct (``examples/smollm2``'s converted folder) and Qwen2.5-0.5B's shape from
+its config (random weights). Then one online GRPO step of ``examples/smollm2/ppo_online.yaml``
+with each backend: ``timing_s/gen``, ``timing_s/weight_sync`` and the step's time.
+
+    python benchmarks/generation.py --backends [--smollm2 outputs/smollm2] [--prompts 64] [--tokens 128]
+
+The default mode runs the demo's PPO config (``klppo demo``'s task and tiny Qwen2-shaped model, untrained
 initialisation, HF generate rollouts) for a few steps, one process at a time, each with one
 thread: as one process, and on 2 ranks with ``rollout.generation_weights=sharded`` (every layer
 all-gathered for every generated token) and ``=gathered`` (one all-gather of the actor per step,
@@ -47,7 +59,17 @@ def main(argv=None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each kind, interleaved")
+    parser.add_argument("--backends", action="store_true", help="HF generate vs vLLM (in .venv-vllm)")
+    parser.add_argument("--smollm2", type=Path, default=ROOT / "outputs" / "smollm2",
+                        help="the folder examples/smollm2/README.md's commands write (model/ and the online data)")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        return backends_child(Path(args.child), args.prompts, args.tokens, args.repeats)
+    if args.backends:
+        return compare_backends(args)
     from klppo.trainer.demo import prepare
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,6 +90,126 @@ def main(argv=None) -> dict[str, float]:
         print(f"  {name:20s} {mean:6.3f} s")
     print(f"gathered / sharded on 2 ranks: {means['2 ranks, gathered'] / means['2 ranks, sharded']:.2f}x")
     return means
+
+
+# ---- HF generate vs vLLM ----
+
+
+def qwen_05b_folder(out: Path) -> Path:
+    """Qwen2.5-0.5B's config (tied embeddings; the weights come from the trainer's random init)."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+                eos_token_id=151645, pad_token_id=151643, bos_token_id=None).save_pretrained(out)
+    return out
+
+
+def backends_child(model_dir: Path, n_prompts: int, new_tokens: int, repeats: int) -> dict[str, float]:
+    """HF generate and vLLM on one model in this process; prints one JSON line."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from klppo.data.rl_dataset import PromptRecord
+    from klppo.rollout.hf import SamplingParams, hf_rollout
+    from klppo.rollout.vllm import EngineSettings, VLLMEngine, request_seed
+    from klppo.trainer.responses import engine_weights
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if (model_dir / "model.safetensors").exists():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, config.vocab_size - 100, (int(n),), generator=generator).tolist()
+               for n in torch.randint(24, 48, (n_prompts,), generator=generator)]
+    records = [PromptRecord(i, "bench", None, ids, None, {}) for i, ids in enumerate(prompts)]
+    # The last vocabulary entry stands in for EOS: vLLM ignores it (ignore_eos), and HF samples it
+    # with probability ~1/vocabulary per token, so nearly every row decodes all its tokens.
+    never = SimpleNamespace(pad_token_id=config.pad_token_id or 0, eos_token_id=config.vocab_size - 1)
+    settings = EngineSettings(
+        tensor_parallel_size=1, dtype=torch.float32, gpu_memory_utilization=0.5, kv_cache_memory_bytes=None,
+        max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=48 + new_tokens, enforce_eager=None,
+        enable_chunked_prefill=True, enable_prefix_caching=True, load_format="dummy", sleep_between_generations=True,
+        calculate_log_probs=True, logprobs_mode="processed_logprobs", ignore_eos=True, seed=0,
+        rows_per_generation=n_prompts)
+    from klppo.monitoring.memory import available_bytes
+
+    engine = VLLMEngine(str(model_dir), config, settings, torch.device("cpu"), False, available_bytes(torch.device("cpu")))
+    syncs = []
+    for _ in range(max(repeats, 2)):
+        start = time.perf_counter()
+        engine.load_weights(engine_weights(model, torch.float32, torch.device("cpu")))
+        syncs.append(time.perf_counter() - start)
+    params = SamplingParams(n=1, max_new_tokens=new_tokens, temperature=1.0)
+    warm_up = SamplingParams(n=1, max_new_tokens=4, temperature=1.0)  # first calls pay one-off set-up
+    hf_rollout(model, records[:4], never, warm_up)
+    engine.generate(records[:4], warm_up, [0, 1, 2, 3], never)
+    rates: dict[str, list[float]] = {"hf": [], "vllm": []}
+    for repeat in range(repeats):
+        for name in ("vllm", "hf"):
+            start = time.perf_counter()
+            if name == "hf":
+                torch.manual_seed(repeat)
+                batch = hf_rollout(model, records, never, params)
+            else:
+                batch = engine.generate(records, params, [request_seed(repeat, 0, i, 0) for i in range(n_prompts)], never)
+            rates[name].append(int(batch.response_mask.sum()) / (time.perf_counter() - start))
+    engine.shutdown()
+    result = {"model": model_dir.name, "threads": torch.get_num_threads(), "hf_tokens_per_s": max(rates["hf"]),
+              "vllm_tokens_per_s": max(rates["vllm"]), "weight_sync_s": min(syncs),
+              "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    print(json.dumps(result))
+    return result
+
+
+def online_step(smollm2: Path, backend: str, work: Path) -> dict[str, float]:
+    """Two steps of the online SmolLM2 example with ``backend`` (no validation); step 2's timings."""
+    run_dir = work / f"online_{backend}"
+    cmd = [sys.executable, "-m", "klppo.trainer.main_ppo", "--config", str(ROOT / "examples/smollm2/ppo_online.yaml"),
+           f"actor_rollout_ref.model.path={smollm2 / 'model'}", f"data.train_files={smollm2 / 'online_train.parquet'}",
+           "data.val_files=null", "trainer.val_before_train=false", "trainer.test_freq=-1",
+           "trainer.total_training_steps=2", "trainer.logger=[]", f"trainer.default_local_dir={run_dir}",
+           f"actor_rollout_ref.rollout.name={backend}"]
+    done = subprocess.run(cmd, env={**os.environ, "TQDM_DISABLE": "1"}, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        sys.exit(done.stderr[-4000:])
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    return {k: last.get(f"timing_s/{k}", 0.0) for k in ("gen", "weight_sync", "step", "update_actor", "old_log_prob")}
+
+
+def compare_backends(args) -> dict:
+    from klppo.rollout.vllm import require_vllm
+
+    require_vllm()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        models = [args.smollm2 / "model", qwen_05b_folder(work / "qwen2.5-0.5b-shape")]
+        for model in models:
+            done = subprocess.run([sys.executable, __file__, "--child", str(model), "--prompts", str(args.prompts),
+                                   "--tokens", str(args.tokens), "--repeats", str(args.repeats)],
+                                  capture_output=True, text=True, cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"})
+            if done.returncode:
+                sys.exit(done.stderr[-4000:])
+            results[model.name] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"sampled generation, {args.prompts} prompts x {args.tokens} new tokens, fp32, best of {args.repeats}:")
+        print(f"  {'model':24s} {'hf tok/s':>9s} {'vllm tok/s':>11s} {'vllm/hf':>8s} {'weight sync':>12s}")
+        for name, r in results.items():
+            print(f"  {name:24s} {r['hf_tokens_per_s']:9.0f} {r['vllm_tokens_per_s']:11.0f} "
+                  f"{r['vllm_tokens_per_s'] / r['hf_tokens_per_s']:7.2f}x {r['weight_sync_s']:11.2f}s")
+        steps = {backend: online_step(args.smollm2, backend, work) for backend in ("hf", "vllm")}
+    print("one online GRPO step of examples/smollm2/ppo_online.yaml (step 2 of 2; 8 prompts x 8 samples, 48 tokens):")
+    for backend, t in steps.items():
+        print(f"  {backend:5s} gen {t['gen']:6.1f} s  weight_sync {t['weight_sync']:5.2f} s  "
+              f"old_log_prob {t['old_log_prob']:5.1f} s  update_actor {t['update_actor']:6.1f} s  step {t['step']:6.1f} s")
+    gen_ratio = (steps["vllm"]["gen"] + steps["vllm"]["weight_sync"]) / steps["hf"]["gen"]
+    print(f"vllm / hf: timing_s/gen (weight sync included) {gen_ratio:.2f}x, step {steps['vllm']['step'] / steps['hf']['step']:.2f}x")
+    return {"generation": results, "online_step": steps}
 
 
 if __name__ == "__main__":

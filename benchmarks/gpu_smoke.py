@@ -15,8 +15,12 @@ the first run's last steps exactly (on CUDA with deterministic algorithms, see g
 
 Checks, each printed as ``PASS|FAIL|SKIP  <check>: <figure>``: the run, finite metrics,
 validation with the reward model, offload_policy, the save, the exact resume, the export,
-peak memory, MFU (known GPUs only), the host syncs of a packed forward and backward, and an
-offline step whose KL probe runs with the actor and reference under param_offload.
+peak memory, MFU (known GPUs only), the host syncs of a packed forward and backward, an
+offline step whose KL probe runs with the actor and reference under param_offload, and (where
+vLLM is installed: ``bash scripts/setup.sh --vllm``) a bf16 run with vLLM rollouts in a process
+of its own: TP=1, the engine asleep while the models train and woken weights -> sync -> KV cache
+for each generation (GPU), its log-probs against the trainer's, the weight sync's time and the
+generation phase's peak memory, which counts the engine.
 Exit status 1 when a check fails.
 """
 
@@ -187,6 +191,43 @@ def check_offline_probe_offloaded(model: Path, root: Path, device: str, prompts:
         check("offline KL probe with actor and reference offloaded", False, f"{type(exc).__name__}: {exc}")
 
 
+VLLM_CHECK = "vLLM rollout: bf16, sleep/wake, weight sync, TP=1"
+
+
+def check_vllm_rollout(root: Path, device: str, prompts: int, response: int) -> None:
+    """A bf16 online GRPO run with vLLM rollouts through the real entry point (one engine per process)."""
+    import json
+    import subprocess
+
+    if importlib.util.find_spec("vllm") is None:
+        check(VLLM_CHECK, None, "vllm is not installed (bash scripts/setup.sh --vllm)")
+        return
+    shape = SHAPES["gpu"][0] if device == "cuda" else dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                                          num_key_value_heads=1)  # vLLM's CPU attention: heads of 32+
+    model = build_tiny_model_folder(root / "vllm_model", arithmetic_corpus(200, 0), seed=0, **shape)
+    train = write_arithmetic_parquet(root / "vllm_train.parquet", 4 * prompts, seed=1)
+    arf, run_dir = "actor_rollout_ref", root / "run_vllm"
+    args = [f"data.train_files={train}", "data.max_prompt_length=64", f"data.max_response_length={response}",
+            f"data.train_batch_size={prompts}", f"{arf}.model.path={model}", f"{arf}.rollout.name=vllm",
+            f"{arf}.rollout.n=4", f"{arf}.rollout.tensor_model_parallel_size=1", f"{arf}.rollout.free_cache_engine=true",
+            f"{arf}.rollout.gpu_memory_utilization=0.3", f"{arf}.actor.ppo_mini_batch_size={prompts // 2}",
+            f"{arf}.actor.optim.lr=1e-5", f"{arf}.actor.fsdp_config.dtype=bfloat16", f"{arf}.actor.use_kl_loss=true",
+            "algorithm.adv_estimator=grpo", "trainer.total_training_steps=2", "trainer.save_freq=-1",
+            "trainer.logger=[]", f"trainer.device={device}", f"trainer.default_local_dir={run_dir}"]
+    done = subprocess.run([sys.executable, "-m", "klppo.trainer.main_ppo", *args], capture_output=True, text=True)
+    if done.returncode:
+        check(VLLM_CHECK, False, done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else "failed")
+        return
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    diff, outside = last["training/rollout_probs_diff_mean"], last["training/rollout_probs_ratio_outside"]
+    ok = len(records) == 2 and last["timing_s/weight_sync"] > 0 and diff < 0.05 and math.isfinite(last["actor/pg_loss"])
+    check(VLLM_CHECK, ok, f"gen {last['timing_s/gen']:.2f} s, weight sync {last['timing_s/weight_sync']:.3f} s, "
+          f"gen peak {last.get('perf/peak_memory_gb/gen', math.nan):.2f} GiB vs update "
+          f"{last.get('perf/peak_memory_gb/update_actor', math.nan):.2f} GiB, |p_trainer - p_engine| mean {diff:.2e}, "
+          f"{100 * outside:.1f}% of tokens with ratio outside [0.8, 1.25]")
+
+
 def check_memory_and_mfu(records: list[dict], device: torch.device) -> None:
     peak = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in records)
     if device.type == "cuda":
@@ -288,6 +329,7 @@ def main(argv=None) -> int:
         check_memory_and_mfu(records, device)
         check_host_syncs(model, device)
         check_offline_probe_offloaded(model, root, device.type, prompts, response)
+        check_vllm_rollout(root, device.type, prompts, response)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

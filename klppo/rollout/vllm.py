@@ -140,6 +140,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, model_config, s: EngineSettings, device: torch.device, distributed: bool,
                  free_bytes: int) -> None:
+        """``distributed``: the engine joins torchrun's ranks (the process group is already
+        initialised); in one process it builds its own group of one, or takes the run's."""
         require_vllm()
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # klppo reports progress itself
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process, deterministic scheduling

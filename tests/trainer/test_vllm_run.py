@@ -97,3 +97,11 @@ def test_rollout_correction_acts_online_on_the_engines_log_probs(overrides, tmp_
                                            "trainer.total_training_steps": 2, "trainer.save_freq": -1}))
     bypass = read_metrics(tmp_path / "bypass")
     assert "timing_s/old_log_prob" not in bypass[0]  # pi_old = the engine's log-probs: no forward for them
+
+
+def test_a_bf16_actor_on_a_group_of_one_samples_with_a_bf16_engine_that_scores_as_the_trainer(overrides, tmp_path):
+    _run(overrides(tmp_path / "bf16", **{"actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16",
+                                         "critic.model.fsdp_config.dtype": "bfloat16",
+                                         "trainer.total_training_steps": 2, "trainer.save_freq": -1}))
+    metrics = read_metrics(tmp_path / "bf16")
+    assert len(metrics) == 2 and all(r["training/rollout_probs_diff_mean"] < 1e-3 for r in metrics)
