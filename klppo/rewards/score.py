@@ -3,13 +3,19 @@
 A reward function has verl's signature
 ``f(data_source, solution_str, ground_truth, extra_info) -> float`` and is called with
 keyword arguments, as verl calls it, so verl users' files work unchanged. It may return a
-number or (as verl allows) a dict with a ``"score"`` key.
+number or (as verl allows) a dict with a ``"score"`` key; NaN passes through, for the run's
+guard to count (``trainer.guard.max_nonfinite_steps``).
+
+A user's function is checked when it loads (it must accept verl's four keyword arguments),
+and whatever it raises or returns wrongly during a step is one ``UserError`` naming the
+function, its file and (``score_responses``' ``places``) the prompt's file and row.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +27,8 @@ from klppo.rewards import gsm8k
 
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 KNOWN_DATA_SOURCES = GSM8K_SOURCES
+# How verl's reward managers call the function: these keywords, every time.
+VERL_CALL = "compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)"
 
 
 def default_compute_score(
@@ -41,6 +49,12 @@ def default_compute_score(
     )
 
 
+def _first_line(exc: BaseException) -> str:
+    """``"KeyError: 'answer'"``: an exception of the user's code as one line."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _import_file(path: str, module_name: str):
     """Execute the file as module ``module_name``, registered in sys.modules so its functions pickle."""
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -52,10 +66,7 @@ def _import_file(path: str, module_name: str):
         spec.loader.exec_module(module)
     except Exception as e:  # the user's code: report it as one line, keep the cause chained
         del sys.modules[module_name]
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        raise UserError(
-            f"custom_reward_function.path '{path}' failed to import ({type(e).__name__}: {first_line}); fix the file"
-        ) from e
+        raise UserError(f"custom_reward_function.path '{path}' failed to import ({_first_line(e)}); fix the file") from e
     return module
 
 
@@ -78,7 +89,28 @@ def load_custom_reward_function(path: str, name: str) -> Callable:
             f"custom_reward_function.name '{name}' in '{path}' is a {type(fn).__name__}, not a function; "
             "set custom_reward_function.name to a function"
         )
+    check_reward_signature(fn, f"custom_reward_function.name '{name}' in '{path}'")
     return fn
+
+
+def check_reward_signature(fn: Callable, what: str) -> None:
+    """Refuse, before training, a function that cannot be called as verl calls it (``VERL_CALL``).
+
+    Binding the four keywords to the signature is exactly the call's own check, made without
+    running the function; a callable whose signature Python cannot read (some builtins) is let
+    through, to fail at its first call instead.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(data_source="", solution_str="", ground_truth=None, extra_info={})
+    except TypeError as exc:
+        raise UserError(
+            f"{what} takes {signature}, but klppo calls it as verl does, {VERL_CALL} ({exc}); give it those "
+            "four parameters (extra_info=None may have a default), or add **kwargs"
+        ) from None
 
 
 def _as_float(value: Any, where: str) -> float:
@@ -107,10 +139,18 @@ class RewardFunction:
     name: str
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
-        value = self.fn(
-            data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-            extra_info=extra_info if extra_info is not None else {},
-        )
+        try:
+            value = self.fn(
+                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                extra_info=extra_info if extra_info is not None else {},
+            )
+        except UserError:  # the built-in rules' own, already worded for the user
+            raise
+        except Exception as exc:  # the user's code: one line, the cause chained for a debugger
+            if isinstance(exc, MemoryError):  # the machine's, not the function's
+                raise
+            raise UserError(f"reward function {self.name} raised {_first_line(exc)} (data_source '{data_source}'); "
+                            "fix the function, or catch the case and return a score") from exc
         return _as_float(value, f"reward function {self.name} (data_source '{data_source}')")
 
 
@@ -146,11 +186,22 @@ def score_responses(
     responses: Sequence[str],
     ground_truths: Sequence[Any],
     extra_infos: Sequence[dict | None],
+    places: Sequence[str] | None = None,
 ) -> list[float]:
-    """One score per response: ``reward_fn(data_source, response, ground_truth, extra_info)``."""
+    """One score per response: ``reward_fn(data_source, response, ground_truth, extra_info)``.
+
+    ``places`` (one per response, e.g. "x.parquet row 5": its prompt's file and row) lead the
+    message of a ``UserError`` the function raises.
+    """
     n = len(responses)
     assert len(data_sources) == len(ground_truths) == len(extra_infos) == n, "score_responses: length mismatch"
-    return [
-        reward_fn(source, text, truth, info)
-        for source, text, truth, info in zip(data_sources, responses, ground_truths, extra_infos)
-    ]
+    assert places is None or len(places) == n, "score_responses: one place per response"
+    scores = []
+    for i, (source, text, truth, info) in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
+        try:
+            scores.append(reward_fn(source, text, truth, info))
+        except UserError as exc:
+            if places is None or not places[i]:
+                raise
+            raise UserError(f"{places[i]}: {exc}") from exc.__cause__
+    return scores

@@ -126,7 +126,7 @@ class PPOTrainer:
             # Every rank holds the whole batch; each scores and trains on its own rows.
             shards = self._shards(batch)
             # step 3. score: old and reference log-probs, values, rewards; the sampling policy's KL
-            score_batch(p, batch, shards, timer)
+            score_batch(p, batch, shards, timer, [r.where for r in records])
             kl, metrics = self._policy_kl(batch, records, timer)
             # step 4. shape: token rewards = scores - beta * KL(old || ref)
             metrics.update(self._shape_rewards(batch, kl))

@@ -84,3 +84,55 @@ def test_score_responses_gives_one_score_per_response():
     scores = score_responses(make_reward_fn(None), ["openai/gsm8k"] * 3,
                              ["#### 12", "#### 13", "no answer"], ["12", "12", "12"], [{}, None, {}])
     assert scores == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("header", ["def compute_score(solution, truth):",
+                                    "def compute_score(data_source, solution_str, ground_truth):",
+                                    "def compute_score(data_source, solution_str, ground_truth, extra_info, /):",
+                                    "def compute_score(data_source, solution_str, ground_truth, extra_info, mode):"])
+def test_a_function_that_cannot_take_verls_four_keywords_is_refused_when_it_loads(tmp_path, header):
+    path = write_module(tmp_path, f"{header}\n    return 0.0\n")
+    with pytest.raises(UserError) as err:
+        make_reward_fn(path, "compute_score")
+    message = str(err.value)
+    assert "custom_reward_function.name 'compute_score'" in message and path in message
+    assert "data_source=..., solution_str=..., ground_truth=..., extra_info=..." in message
+    assert "\n" not in message
+
+
+def test_a_class_without_those_parameters_is_refused_when_it_loads(tmp_path):
+    path = write_module(tmp_path, "class compute_score:\n    pass\n")
+    with pytest.raises(UserError, match=r"takes \(\), but klppo calls it as verl does"):
+        make_reward_fn(path, "compute_score")
+
+
+@pytest.mark.parametrize("header", ["def compute_score(**kwargs):",
+                                    "def compute_score(data_source, solution_str, ground_truth, extra_info=None, "
+                                    "*, scale=1.0):",
+                                    "def compute_score(*args, **kwargs):"])
+def test_functions_that_take_verls_keywords_in_any_form_load(tmp_path, header):
+    path = write_module(tmp_path, f"{header}\n    return 0.5\n")
+    assert make_reward_fn(path, "compute_score")("d", "s", "g", {}) == 0.5
+
+
+def test_an_exception_in_the_function_is_one_user_error_naming_the_function_its_file_and_the_row(tmp_path):
+    path = write_module(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                  "    if extra_info['index'] == 5:\n"
+                                  "        raise KeyError('answer')\n"
+                                  "    return 1.0\n")
+    fn = make_reward_fn(path, "compute_score")
+    infos = [{"index": 4}, {"index": 5}]
+    with pytest.raises(UserError) as err:
+        score_responses(fn, ["d", "d"], ["a", "b"], [None, None], infos, ["t.parquet row 4", "t.parquet row 5"])
+    message = str(err.value)
+    assert message.startswith("t.parquet row 5: reward function custom_reward_function compute_score in ")
+    assert f"'{path}' raised KeyError: 'answer'" in message and "fix the function" in message
+    assert isinstance(err.value.__cause__, KeyError)  # kept for a debugger
+
+
+def test_a_wrong_return_value_names_the_row_it_was_scoring(tmp_path):
+    path = write_module(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                  "    return extra_info['value']\n")
+    with pytest.raises(UserError, match=r"^v.parquet row 2: reward function .* returned 'b' \(str\); return a number"):
+        score_responses(make_reward_fn(path), ["d", "d"], ["x", "y"], [None, None], [{"value": 1.0}, {"value": "b"}],
+                        ["v.parquet row 1", "v.parquet row 2"])
