@@ -111,13 +111,23 @@ class Workspace:
         return Path(shutil.copytree(self.model, self.root / name))
 
     def trained(self, kind: str, into: str | None = None) -> Path:
-        """A copy of a finished 1-step ``kind`` run ("sft" or "rm") with its checkpoint at step 1;
+        """A copy of a finished 1-step ``kind`` run ("sft", "rm" or "ppo") with its checkpoint at step 1;
         ``into="run"`` makes it the earlier run this case's command continues."""
         assert self._trained_runs is not None, "this workspace has no trained runs"
         target = self.root / (into or f"trained_{kind}")
         if target.exists():
             shutil.rmtree(target)
         return Path(shutil.copytree(self._trained_runs() / kind, target))
+
+    def shift_data_position(self, checkpoint: Path, position: int) -> None:
+        """Make ``checkpoint`` stop at batch ``position`` of its epoch, as a run over more data would
+        (its state is otherwise whole and sound)."""
+        import torch
+
+        path = checkpoint / "trainer_state.pt"
+        state = torch.load(path, weights_only=True)
+        state["data"]["position"] = position
+        torch.save(state, path)
 
     def config(self, tree: dict, changes: dict | None = None, name: str = "config.yaml") -> Path:
         """Write ``tree`` with dotted ``changes`` (``DROP`` removes a key) as a YAML file."""

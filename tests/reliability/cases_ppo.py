@@ -375,3 +375,78 @@ def ppo_output_folder_below_a_file(ws):
     ws.write("taken", "a file")
     return ws.ppo(None, {"trainer.default_local_dir": str(ws.root / "taken" / "run")})
 
+
+
+# ---- the user's reward function: cannot take verl's call, raises, or returns no number ----
+
+SCORE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+IN_ORDER = {"data.train_batch_size": 8, "data.shuffle": False}  # row 5 is scored at step 1
+
+
+def with_reward(ws: Workspace, body: str, changes: dict | None = None, header: str = SCORE):
+    reward = ws.write("reward.py", header + body)
+    return ws.ppo(None, {"custom_reward_function.path": str(reward), **(changes or {})})
+
+
+@case("custom_reward_function.name 'compute_score'", "takes (data_source, solution_str, ground_truth)",
+      "extra_info=...", "give it those four parameters")
+def ppo_reward_function_without_extra_info(ws):
+    return with_reward(ws, "    return 0.0\n", header="def compute_score(data_source, solution_str, ground_truth):\n")
+
+
+@case("custom_reward_function.name 'compute_score'", "takes (solution, answer)",
+      "missing a required argument: 'solution'")
+def ppo_reward_function_with_its_own_parameter_names(ws):
+    return with_reward(ws, "    return 0.0\n", header="def compute_score(solution, answer):\n")
+
+
+@case("custom_reward_function.name 'compute_score'", "takes ()", "or add **kwargs")
+def ppo_reward_function_is_a_class_without_parameters(ws):
+    return with_reward(ws, "    pass\n", header="class compute_score:\n")
+
+
+@case("train.parquet row 5: reward function custom_reward_function compute_score in", "raised KeyError: 'answer'",
+      "fix the function")
+def ppo_reward_function_raises_on_row_5(ws):
+    return with_reward(ws, "    if extra_info['index'] == 5:\n        raise KeyError('answer')\n    return 0.0\n",
+                       IN_ORDER)
+
+
+@case("train.parquet row 5: reward function", "returned 'high' (str); return a number")
+def ppo_reward_function_returns_a_string_for_row_5(ws):
+    return with_reward(ws, "    return 'high' if extra_info['index'] == 5 else 1.0\n", IN_ORDER)
+
+
+@case("train.parquet row 5: reward function", "returned a dict without a 'score' key (keys: acc)")
+def ppo_reward_function_returns_a_dict_without_score_for_row_5(ws):
+    return with_reward(ws, "    return {'acc': 1.0} if extra_info['index'] == 5 else {'score': 1.0}\n", IN_ORDER)
+
+
+@case("train.parquet row 5: reward function", "returned [1.0, 0.0] (list)")
+def ppo_reward_function_returns_a_list_for_row_5(ws):
+    return with_reward(ws, "    return [1.0, 0.0] if extra_info['index'] == 5 else 1.0\n", IN_ORDER)
+
+
+@case("reward function custom_reward_function compute_score in", "raised ZeroDivisionError: division by zero")
+def ppo_reward_function_raises_in_validation_before_training(ws):
+    table = rows(ppo_row)
+    for row in table:
+        row["extra_info"] = {"index": row["extra_info"]["index"], "split": "val"}
+    val = ws.parquet(table, "val.parquet")
+    return with_reward(ws, "    return 1 / 0 if extra_info.get('split') == 'val' else 0.0\n", {"data.val_files": str(val)})
+
+
+# ---- resuming: the checkpoint's state is restored before the run writes anything ----
+
+@case("data position", "does not fit 2 batches per epoch", "data.train_batch_size and data files the checkpoint")
+def ppo_auto_resume_whose_data_position_does_not_fit_the_data(ws):
+    run = ws.trained("ppo", into="run")
+    ws.shift_data_position(run / "global_step_1", 5)
+    return ws.ppo(None, {"trainer.total_training_steps": 2})
+
+
+@case("train.parquet row 5: reward function", "raised KeyError: 'answer'")
+def ppo_auto_resume_whose_next_step_the_reward_function_fails(ws):
+    ws.trained("ppo", into="run")
+    return with_reward(ws, "    if extra_info['index'] == 5:\n        raise KeyError('answer')\n    return 0.0\n",
+                       {"trainer.total_training_steps": 2, **IN_ORDER})

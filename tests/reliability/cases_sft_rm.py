@@ -320,3 +320,20 @@ def rm_auto_resume_with_a_non_numeric_pointer(ws):
 def rm_resume_from_a_file(ws):
     ws.write("global_step_3", "not a folder")
     return ws.rm(None, {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(ws.root / "global_step_3")})
+
+
+# ---- resuming: the checkpoint's state is restored before the run writes anything ----
+
+@sft("data position", "does not fit 2 batches per epoch", "data.train_batch_size and data files the checkpoint")
+def sft_auto_resume_whose_data_position_does_not_fit_the_data(ws):
+    run = ws.trained("sft", into="run")
+    ws.shift_data_position(run / "global_step_1", 5)
+    return ws.sft(None, {"trainer.total_training_steps": 2})
+
+
+@rm("data position", "does not fit 2 batches per epoch", "data.train_batch_size and data files the checkpoint")
+def rm_resume_path_whose_data_position_does_not_fit_the_data(ws):
+    other = ws.trained("rm")
+    ws.shift_data_position(other / "global_step_1", 7)
+    return ws.rm(None, {"trainer.total_training_steps": 2, "trainer.resume_mode": "resume_path",
+                        "trainer.resume_from_path": str(other / "global_step_1")})
