@@ -222,6 +222,29 @@ def load_reward_model(
     return model.to(device)
 
 
+def check_trained_score_head(path: str, key: str) -> None:
+    """Refuse a folder whose reward model's score head would be new: a model that scores PPO's
+    responses must bring its trained head.
+
+    ``load_reward_model`` (and the sharded load) initialise a head the folder lacks, which is
+    right for ``klppo rm``, which trains one; scoring with it would give random rewards. The
+    check reads only the config and the weights' names, and is the same on one process and on
+    ranks.
+    """
+    from klppo.models.sharded_load import WeightReader, empty_model
+
+    folder = check_model_folder(path, key)
+    check_weight_files(folder, key)
+    model = empty_model(AutoModelForSequenceClassification, _reward_model_config(folder, key))
+    backbone, reader = f"{model.base_model_prefix}.", WeightReader(folder, key)
+    missing = [name for name, _ in model.named_parameters() if not name.startswith(backbone) and name not in reader]
+    if missing:
+        held = ", ".join(model.config.architectures or []) or "a model"
+        raise UserError(f"{key}: '{folder}' holds {held} with no trained score head ('{missing[0]}' is not in its "
+                        "weights), so its rewards would come from a randomly initialised layer; point it at a reward "
+                        "model (klppo rm trains one from this folder)")
+
+
 # ---- empty models for sharded loading (klppo.models.sharded_load) ----
 
 

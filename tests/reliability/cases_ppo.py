@@ -450,3 +450,18 @@ def ppo_auto_resume_whose_next_step_the_reward_function_fails(ws):
     ws.trained("ppo", into="run")
     return with_reward(ws, "    if extra_info['index'] == 5:\n        raise KeyError('answer')\n    return 0.0\n",
                        {"trainer.total_training_steps": 2, **IN_ORDER})
+
+
+# ---- reward models: a folder without a trained score head would score at random ----
+
+@case("reward_model.model.path", "holds Qwen2ForCausalLM with no trained score head", "'score.weight'",
+      "klppo rm trains one from this folder")
+def ppo_reward_model_folder_is_a_causal_lm(ws):
+    return ws.ppo(None, {"reward_model.enable": True, "reward_model.model.path": str(ws.model_copy())})
+
+
+@case("reward_model.model.extra_paths[0]", "no trained score head")
+def ppo_second_reward_model_is_a_causal_lm(ws):
+    trained = ws.trained("rm") / "hf"
+    return ws.ppo(None, {"reward_model.enable": True, "reward_model.model.path": str(trained),
+                         "reward_model.model.extra_paths": [str(ws.model_copy())]})
