@@ -337,3 +337,15 @@ def rm_resume_path_whose_data_position_does_not_fit_the_data(ws):
     ws.shift_data_position(other / "global_step_1", 7)
     return ws.rm(None, {"trainer.total_training_steps": 2, "trainer.resume_mode": "resume_path",
                         "trainer.resume_from_path": str(other / "global_step_1")})
+
+
+# ---- regex-valued keys ----
+
+@sft("model.target_modules", "is not a valid regular expression", "unterminated character set")
+def sft_lora_target_modules_regex_that_does_not_compile(ws):
+    return ws.sft(None, {"model.lora_rank": 8, "model.target_modules": "[qv]_proj|[o_proj"})
+
+
+@rm("model.exclude_modules", "is not a valid regular expression", "give a list of module names")
+def rm_lora_exclude_modules_regex_that_does_not_compile(ws):
+    return ws.rm(None, {"model.lora_rank": 8, "model.exclude_modules": "score)"})
