@@ -123,8 +123,29 @@ def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreT
         raise UserError(f"{key}: the tokenizer in '{path}' has no eos_token; set one and save it again")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_special_tokens_fit(tokenizer, config, folder, key)
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def check_special_tokens_fit(tokenizer: PreTrainedTokenizerBase, config, folder: Path, key: str) -> None:
+    """Refuse special tokens that klppo writes into input ids but the model has no embedding row for.
+
+    EOS closes every response, PAD fills every batch and BOS starts plain-text prompts; an id at
+    or past the model's ``vocab_size`` rows is an IndexError at the first forward on CPU and a
+    device-side assert on a GPU, after the run has started. (A tokenizer with tokens added after
+    training, and no resize of the model's embeddings, is the usual cause.)
+    """
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    if not rows:
+        return
+    for role in ("eos_token", "pad_token", "bos_token"):
+        token_id = getattr(tokenizer, f"{role}_id")
+        if token_id is not None and not 0 <= token_id < rows:
+            raise UserError(
+                f"{key}: the tokenizer in '{folder}' has {role} {getattr(tokenizer, role)!r} at id {token_id}, but "
+                f"the model has {rows} embedding rows (ids 0 to {rows - 1}); use the model's own tokenizer, or "
+                "resize the model's embeddings to it (model.resize_token_embeddings(len(tokenizer))) and save both")
 
 
 def check_tokenizer_usable(tokenizer: PreTrainedTokenizerBase, config, folder: Path, key: str) -> None:

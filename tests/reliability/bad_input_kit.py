@@ -110,6 +110,17 @@ class Workspace:
     def model_copy(self, name: str = "model") -> Path:
         return Path(shutil.copytree(self.model, self.root / name))
 
+    def model_with_new_special_tokens(self, **tokens: str) -> Path:
+        """A copy of the model whose tokenizer got ``tokens`` (e.g. ``eos_token="<|end|>"``) as new special
+        tokens, so their ids lie past the model's embedding rows (no resize)."""
+        from transformers import AutoTokenizer
+
+        model = self.model_copy()
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer.add_special_tokens(tokens)
+        tokenizer.save_pretrained(model)
+        return model
+
     def trained(self, kind: str, into: str | None = None) -> Path:
         """A copy of a finished 1-step ``kind`` run ("sft", "rm" or "ppo") with its checkpoint at step 1;
         ``into="run"`` makes it the earlier run this case's command continues."""
