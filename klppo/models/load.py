@@ -26,12 +26,13 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from klppo.errors import UserError, reading
+from klppo.errors import UserError, reading, reason
 from klppo.models.rng import seeded
 
 # The weight files from_pretrained reads (transformers' names), the safe format first.
@@ -119,6 +120,7 @@ def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreT
     with reading(folder, f"{key}: the tokenizer in", fix):
         tokenizer = AutoTokenizer.from_pretrained(folder, **_SAFE)
     check_tokenizer_usable(tokenizer, config, folder, key)
+    check_chat_template(tokenizer, folder, key)
     if tokenizer.eos_token_id is None:
         raise UserError(f"{key}: the tokenizer in '{path}' has no eos_token; set one and save it again")
     if tokenizer.pad_token_id is None:
@@ -169,6 +171,39 @@ def check_tokenizer_usable(tokenizer: PreTrainedTokenizerBase, config, folder: P
                         f"embedding rows, so it is not the model's tokenizer; {fix}")
 
 
+def _template_file(folder: Path) -> Path:
+    """Where the tokenizer's chat template was read from (transformers 5 saves it on its own)."""
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (folder / name).is_file():
+            return folder / name
+    return folder / "tokenizer_config.json"
+
+
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, folder: Path, key: str) -> None:
+    """Refuse a chat template that cannot render the simplest conversation, naming its file.
+
+    The data readers render every row and name the row a template fails on, which is right when
+    the template refuses that row's messages (``raise_exception``: roles must alternate, no system
+    message, ...) and wrong when the template itself is broken (a Jinja syntax error, an undefined
+    name, a method a string lacks): then it fails on every row, and row 0 would be blamed. One
+    user message with the generation prompt is the probe; a template that refuses even that on
+    purpose is left to the rows.
+    """
+    import jinja2
+
+    if getattr(tokenizer, "chat_template", None) is None:  # a base model's; chat-message rows are refused
+        return
+    probe = [{"role": "user", "content": _PROBE}]
+    try:
+        tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # the folder's Jinja code
+        if type(exc) is jinja2.TemplateError:  # raise_exception() in the template: a refusal, not a fault
+            return
+        raise UserError(f"{key}: the chat template in '{_template_file(folder)}' cannot render even one user message "
+                        f"({reason(exc)}); fix the template, or save the model's own tokenizer next to it "
+                        "(tokenizer.save_pretrained)") from None
+
+
 def _causal_lm_config(folder: Path, key: str):
     config = _model_config(folder, key)
     architectures = config.architectures or []
@@ -179,12 +214,28 @@ def _causal_lm_config(folder: Path, key: str):
     return config
 
 
+def read_generation_config(folder: Path, key: str) -> GenerationConfig | None:
+    """The folder's ``generation_config.json`` (None without one), read alike by one process and by ranks.
+
+    ``from_pretrained`` falls back to the model config's defaults without a word when the file
+    is not JSON, and blames the weights when a value is invalid; reading it first, on its own,
+    refuses it in both cases with the file named.
+    """
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return None
+    fix = "fix the file (GenerationConfig.from_pretrained must read it), or remove it to use the model config's defaults"
+    with reading(path, f"{key}: the generation config", fix):
+        return GenerationConfig.from_pretrained(folder)
+
+
 def load_causal_lm(
     path: str, *, key: str, device: torch.device, gradient_checkpointing: bool = False
 ) -> PreTrainedModel:
     """An ``AutoModelForCausalLM`` in fp32 on ``device`` (actor or reference)."""
     folder = check_model_folder(path, key)
     _causal_lm_config(folder, key)
+    read_generation_config(folder, key)  # before from_pretrained, which would misreport or skip a bad one
     model = _from_pretrained(AutoModelForCausalLM, folder, key, dtype=torch.float32)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -294,17 +345,15 @@ def empty_model_for(role: str, path: str, *, key: str, gradient_checkpointing: b
     """The model ``load_causal_lm`` / ``load_critic`` / ``load_reward_model`` would load from ``path``,
     with its parameters on the meta device, to be sharded and then filled
     (``klppo.models.sharded_load``). The folder is checked as those loaders check it."""
-    from transformers import GenerationConfig
-
     from klppo.models.sharded_load import empty_model
 
     auto_class, make_config, _ = ROLES[role]
     folder = check_model_folder(path, key)
     check_weight_files(folder, key)
     model = empty_model(auto_class, make_config(folder, key))
-    if role == "causal_lm" and (folder / "generation_config.json").is_file():
-        with reading(folder / "generation_config.json", f"{key}: the generation config", "save the model again"):
-            model.generation_config = GenerationConfig.from_pretrained(folder)
+    generation = read_generation_config(folder, key) if role == "causal_lm" else None
+    if generation is not None:
+        model.generation_config = generation
     if role == "reward_model" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:

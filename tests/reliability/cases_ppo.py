@@ -359,6 +359,46 @@ def ppo_critic_tokenizer_pad_token_past_the_embedding_rows(ws):
     return ws.ppo(None, {"algorithm.adv_estimator": "gae", "critic.model.path": str(critic)})
 
 
+# ---- broken side files of a model folder: the error blames the file, not a data row ----
+
+GENERATION = "generation_config.json' cannot be read"
+
+
+def with_side_file(ws: Workspace, name: str, text: str, *overrides: str, changes: dict | None = None):
+    model = ws.model_copy()
+    (model / name).write_text(text)
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(model), **(changes or {})}, *overrides)
+
+
+@case("actor_rollout_ref.model.path", GENERATION, "not a valid JSON file", "remove it to use the model config's")
+def ppo_generation_config_that_is_not_json(ws):
+    return with_side_file(ws, "generation_config.json", '{"eos_token_id": 1,')
+
+
+@case("actor_rollout_ref.model.path", GENERATION, "not a valid JSON file")
+def ppo_generation_config_that_is_not_json_on_a_sharded_actor(ws):
+    """bf16 makes a process group of one: the sharded loading path, with the same rule."""
+    return with_side_file(ws, "generation_config.json", '{"eos_token_id": 1,',
+                          changes={"actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16"})
+
+
+@case("actor_rollout_ref.model.path", GENERATION, "`max_new_tokens` must be greater than 0")
+def ppo_generation_config_with_an_invalid_value(ws):
+    return with_side_file(ws, "generation_config.json", '{"eos_token_id": 1, "max_new_tokens": -5}',
+                          changes={"actor_rollout_ref.rollout.name": "hf"})
+
+
+@case("actor_rollout_ref.model.path", GENERATION, "'list' object is not a mapping")
+def ppo_generation_config_that_is_a_list(ws):
+    return with_side_file(ws, "generation_config.json", "[1, 2]")
+
+
+@case("actor_rollout_ref.model.path", "chat_template.jinja' cannot render even one user message",
+      "Unexpected end of template", "fix the template")
+def ppo_chat_template_with_a_jinja_syntax_error(ws):
+    return with_side_file(ws, "chat_template.jinja", "{% for m in messages %}{{ m['content'] }}")
+
+
 # ---- the reward file ----
 
 @case("custom_reward_function.path", "SyntaxError", "line 3", "fix the file")

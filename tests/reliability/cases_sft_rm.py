@@ -361,3 +361,26 @@ def sft_tokenizer_pad_token_past_the_embedding_rows(ws):
 @rm("model.partial_pretrain", "has bos_token '<|begin|>' at id 385", "384 embedding rows")
 def rm_tokenizer_bos_token_past_the_embedding_rows(ws):
     return ws.rm(None, {"model.partial_pretrain": str(ws.model_with_new_special_tokens(bos_token="<|begin|>"))})
+
+
+# ---- broken chat templates: the error blames the template's file, not row 0 ----
+
+@sft("model.partial_pretrain", "chat_template.jinja' cannot render even one user message",
+     "'str object' has no attribute 'title_case'")
+def sft_chat_template_that_fails_on_every_conversation(ws):
+    model = ws.model_copy()
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'].title_case() }}{% endfor %}")
+    return ws.sft(None, {"model.partial_pretrain": str(model)})
+
+
+@rm("model.partial_pretrain", "tokenizer_config.json' cannot render even one user message", "'mesages' is undefined")
+def rm_chat_template_in_tokenizer_config_with_an_undefined_name(ws):
+    """The older layout: the template inside tokenizer_config.json."""
+    import json
+
+    model = ws.model_copy()
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in mesages %}{{ m['content'] }}{% endfor %}{{ mesages[0]['role'] }}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return ws.rm(None, {"model.partial_pretrain": str(model)})
