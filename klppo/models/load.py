@@ -86,6 +86,9 @@ def _from_pretrained(auto_class, folder: Path, key: str, **kwargs) -> PreTrained
     critic's or reward model's one-output layer on a language model's backbone).
     """
     check_weight_files(folder, key)
+    from klppo.models.sharded_load import empty_model
+
+    check_weight_shapes(empty_model(auto_class, kwargs.get("config") or _model_config(folder, key)), folder, key)
     with reading(folder, f"{key}: model folder", _weights_fix(folder)):
         model, info = auto_class.from_pretrained(folder, weights_only=True, output_loading_info=True, **_SAFE,
                                                  **kwargs)
@@ -95,6 +98,48 @@ def _from_pretrained(auto_class, folder: Path, key: str, **kwargs) -> PreTrained
         raise UserError(f"{key}: the weights in '{folder}' lack '{missing[0]}' ({len(missing)} tensors missing); "
                         "copy the folder again, or save the model again with save_pretrained")
     return model
+
+
+def saved_shapes(folder: Path, key: str) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor in the folder's weights (``check_weight_files`` has passed), from
+    the files' headers (safetensors) or a weights-only, memory-mapped read onto the meta device
+    (``pytorch_model.bin``). A file that cannot be read is refused as the loaders refuse it."""
+    from safetensors import safe_open
+
+    name = next(name for name in WEIGHT_FILES if (folder / name).is_file())
+    if name.endswith(".index.json"):
+        files = sorted(set(json.loads((folder / name).read_text())["weight_map"].values()))
+    else:
+        files = [name]
+    shapes = {}
+    with reading(folder, f"{key}: model folder", _weights_fix(folder)):
+        for file in files:
+            if file.endswith(".safetensors"):
+                with safe_open(str(folder / file), framework="pt") as f:
+                    shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+            else:
+                tensors = torch.load(folder / file, map_location="meta", weights_only=True, mmap=True)
+                shapes.update({k: tuple(t.shape) for k, t in tensors.items()})
+    return shapes
+
+
+def check_weight_shapes(model: PreTrainedModel, folder: Path, key: str) -> None:
+    """Every tensor the folder holds for a parameter of ``model`` (built from its config, on the meta
+    device) has that parameter's shape.
+
+    One check for both loading paths: ``from_pretrained`` refuses a mismatch with a message that
+    points at a report logged elsewhere, and the sharded load fails in the copy into a shard
+    with a bare RuntimeError. A classifier saved with two labels where klppo needs one output
+    (a reward model, a critic) is the usual case.
+    """
+    saved = saved_shapes(folder, key)
+    for name, param in model.named_parameters():
+        if name in saved and saved[name] != tuple(param.shape):
+            one_output = "; a reward model or critic has one output (num_labels=1)" \
+                if not name.startswith(f"{model.base_model_prefix}.") else ""
+            raise UserError(f"{key}: '{name}' in '{folder}' has shape {list(saved[name])}, but the model that config.json "
+                            f"describes needs {list(param.shape)}{one_output}; copy the folder again, or save the model "
+                            "again with save_pretrained")
 
 
 def _model_config(folder: Path, key: str):
@@ -351,6 +396,7 @@ def empty_model_for(role: str, path: str, *, key: str, gradient_checkpointing: b
     folder = check_model_folder(path, key)
     check_weight_files(folder, key)
     model = empty_model(auto_class, make_config(folder, key))
+    check_weight_shapes(model, folder, key)
     generation = read_generation_config(folder, key) if role == "causal_lm" else None
     if generation is not None:
         model.generation_config = generation

@@ -399,6 +399,54 @@ def ppo_chat_template_with_a_jinja_syntax_error(ws):
     return with_side_file(ws, "chat_template.jinja", "{% for m in messages %}{{ m['content'] }}")
 
 
+# ---- one rule on one process and on ranks (bf16 shards over a process group of one) ----
+
+def with_reshaped_weight(ws: Workspace, name: str, shape: tuple[int, ...]) -> str:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = ws.model_copy()
+    weights = load_file(model / "model.safetensors")
+    weights[name] = torch.zeros(shape)
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    return str(model)
+
+
+@case("actor_rollout_ref.model.path", "'model.layers.1.mlp.up_proj.weight'", "has shape [64, 32]", "needs [128, 32]")
+def ppo_model_weight_of_the_wrong_shape(ws):
+    return ws.ppo(None, {"actor_rollout_ref.model.path": with_reshaped_weight(ws, "model.layers.1.mlp.up_proj.weight",
+                                                                              (64, 32))})
+
+
+@case("actor_rollout_ref.model.path", "'model.layers.1.mlp.up_proj.weight'", "has shape [64, 32]", "needs [128, 32]")
+def ppo_model_weight_of_the_wrong_shape_on_a_sharded_actor(ws):
+    path = with_reshaped_weight(ws, "model.layers.1.mlp.up_proj.weight", (64, 32))
+    return ws.ppo(None, {"actor_rollout_ref.model.path": path, "actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16"})
+
+
+def two_label_reward_model(ws: Workspace) -> str:
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    out = ws.root / "two_labels"
+    AutoModelForSequenceClassification.from_pretrained(ws.model, num_labels=2).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ws.model / name, out / name)
+    return str(out)
+
+
+@case("reward_model.model.path", "'score.weight'", "has shape [2, 32]", "one output (num_labels=1)")
+def ppo_reward_model_with_two_labels(ws):
+    return ws.ppo(None, {"reward_model.enable": True, "reward_model.model.path": two_label_reward_model(ws)})
+
+
+@case("reward_model.model.path", "'score.weight'", "has shape [2, 32]", "one output (num_labels=1)")
+def ppo_reward_model_with_two_labels_sharded(ws):
+    return ws.ppo(None, {"reward_model.enable": True, "reward_model.model.path": two_label_reward_model(ws),
+                         "reward_model.model.fsdp_config.dtype": "bfloat16"})
+
+
 # ---- the reward file ----
 
 @case("custom_reward_function.path", "SyntaxError", "line 3", "fix the file")

@@ -384,3 +384,13 @@ def rm_chat_template_in_tokenizer_config_with_an_undefined_name(ws):
     config["chat_template"] = "{% for m in mesages %}{{ m['content'] }}{% endfor %}{{ mesages[0]['role'] }}"
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     return ws.rm(None, {"model.partial_pretrain": str(model)})
+
+
+# ---- weights of the wrong shape: one rule on one process and on ranks ----
+
+@rm("model.partial_pretrain", "'model.embed_tokens.weight'", "has shape [300, 32]", "needs [384, 32]")
+def rm_model_embeddings_of_the_wrong_shape_sharded(ws):
+    from cases_ppo import with_reshaped_weight
+
+    path = with_reshaped_weight(ws, "model.embed_tokens.weight", (300, 32))
+    return ws.rm(None, {"model.partial_pretrain": path, "model.fsdp_config.dtype": "bfloat16"})
