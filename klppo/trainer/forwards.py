@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 
 from klppo.data.batching import MicroBatching, micro_batch_plan, restore_order, row_chunks
-from klppo.distributed import all_gather_objects, all_gather_rows, all_reduce_max_int
-from klppo.errors import UserError
+from klppo.distributed import all_gather_rows, all_reduce_max_int
 from klppo.models.forward import HeadSettings, response_logprobs, response_values, sequence_scores
 from klppo.models.lora import adapters_disabled
 from klppo.monitoring.timer import PhaseTimer
@@ -26,6 +25,7 @@ from klppo.rewards.score import score_responses
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.settings import RewardModelForward, RewardSettings
+from klppo.trainer.setup import same_on_every_rank
 
 if TYPE_CHECKING:
     from klppo.trainer.build import PPOParts
@@ -189,26 +189,6 @@ def response_scores(parts: PPOParts, batch: RolloutBatch, prompt_places: Sequenc
         return same_on_every_rank(lambda: compute_scores(batch, parts.tokenizer, parts.reward_fn, prompt_places))
     rm = parts.settings.forwards.reward_model
     return torch.stack([compute_rm_scores(model, batch, rm) for model in parts.reward_models], dim=-1)
-
-
-def same_on_every_rank(score: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``score()``; a ``UserError`` it raises on any rank is raised on every rank (one collective).
-
-    The reward function is the user's code, run on each rank's own rows, so it can fail on one
-    rank alone. The others would wait in the next collective until the launcher killed them,
-    and their logs would show a lost connection instead of the user's error. Agreeing first
-    stops every rank with the same one-line error (exit status 2), as a failure in one process does.
-    """
-    try:
-        result, error = score(), None
-    except UserError as exc:
-        result, error = None, exc
-    messages = [m for m in all_gather_objects(None if error is None else str(error)) if m is not None]
-    if error is not None:
-        raise error
-    if messages:
-        raise UserError(messages[0])
-    return result
 
 
 def token_scores(reward: RewardSettings, batch: RolloutBatch, scores: torch.Tensor,

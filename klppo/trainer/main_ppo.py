@@ -32,11 +32,12 @@ def _train(cfg, env, print_fn) -> list[dict]:
     from klppo.trainer.build import build_ppo
     from klppo.trainer.ppo_trainer import PPOTrainer
     from klppo.trainer.run_state import resume_target
+    from klppo.trainer.setup import same_on_every_rank
 
     setup_memory = PeakMemory(env.device)
     setup_memory.reset()
     parts = build_ppo(cfg, log=print_fn, env=env)  # the config's, data's and models' user errors surface here
-    resume_from = resume_target(parts)  # so does a checkpoint that cannot be resumed
+    resume_from = same_on_every_rank(lambda: resume_target(parts))  # so does a checkpoint that cannot be resumed
     # The run folder is first written once the first step is logged (klppo.trainer.run_folder).
     trainer = PPOTrainer(parts, print_fn=print_fn, setup_peak_gb=setup_memory.peak_gb(), config_text=format_config(cfg))
     return trainer.fit(resume_from)

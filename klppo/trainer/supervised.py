@@ -32,7 +32,8 @@ from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.trainer.adapters import export_model
 from klppo.trainer.run_folder import RunFolder
 from klppo.trainer.setup import (
-    Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, return_freed_memory, seed_everything,
+    Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, return_freed_memory, same_on_every_rank,
+    seed_everything,
 )
 
 SupervisedConfig = Union[SFTConfig, RMConfig]
@@ -83,7 +84,7 @@ def _train(cfg: SupervisedConfig, env: DistEnv, prepare: PrepareJob, print_fn: C
     tokenizer = load_tokenizer(cfg.model.partial_pretrain, key="model.partial_pretrain")
     job = prepare(cfg, env, tokenizer, Sharder(env), print_fn)
     run = prepare_run(cfg, env, job, print_fn)
-    resume_from = run.resume_target()  # the whole checkpoint is checked before anything is written
+    resume_from = same_on_every_rank(run.resume_target)  # the whole checkpoint is checked before anything is written
     start = run.resume(resume_from)  # and restored: its data position may not fit the data
     folder = RunFolder(run.run_dir, (METRICS_FILE,), format_config(cfg), env, None if resume_from is None else start)
 
