@@ -64,7 +64,7 @@ def _import_file(path: str, module_name: str):
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # the user's code: report it as one line, keep the cause chained
+    except (Exception, SystemExit) as e:  # the user's code (an exit() in it too): one line, the cause chained
         del sys.modules[module_name]
         raise UserError(f"custom_reward_function.path '{path}' failed to import ({_first_line(e)}); fix the file") from e
     return module
@@ -100,6 +100,10 @@ def check_reward_signature(fn: Callable, what: str) -> None:
     running the function; a callable whose signature Python cannot read (some builtins) is let
     through, to fail at its first call instead.
     """
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        kind = "a generator" if inspect.isgeneratorfunction(fn) else "an async"
+        raise UserError(f"{what} is {kind} function, but klppo calls it and uses what it returns, as verl's default "
+                        "reward manager does; make it a plain function that returns the score")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -146,7 +150,7 @@ class RewardFunction:
             )
         except UserError:  # the built-in rules' own, already worded for the user
             raise
-        except Exception as exc:  # the user's code: one line, the cause chained for a debugger
+        except (Exception, SystemExit) as exc:  # the user's code (an exit() in it too): one line, the cause chained
             if isinstance(exc, MemoryError):  # the machine's, not the function's
                 raise
             raise UserError(f"reward function {self.name} raised {_first_line(exc)} (data_source '{data_source}'); "

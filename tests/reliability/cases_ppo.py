@@ -527,6 +527,26 @@ def ppo_reward_function_returns_a_list_for_row_5(ws):
     return with_reward(ws, "    return [1.0, 0.0] if extra_info['index'] == 5 else 1.0\n", IN_ORDER)
 
 
+@case("custom_reward_function.name 'compute_score'", "is an async function", "make it a plain function")
+def ppo_reward_function_is_async(ws):
+    return with_reward(ws, "    return 1.0\n", header=SCORE.replace("def ", "async def "))
+
+
+@case("custom_reward_function.name 'compute_score'", "is a generator function", "returns the score")
+def ppo_reward_function_yields_its_score(ws):
+    return with_reward(ws, "    yield 1.0\n")
+
+
+@case("custom_reward_function.path", "failed to import (SystemExit: needs a GPU)", "fix the file")
+def ppo_reward_file_that_exits_when_imported(ws):
+    return with_reward(ws, "    return 0.0\n", header="import sys\nsys.exit('needs a GPU')\n" + SCORE)
+
+
+@case("train.parquet row 5: reward function", "raised SystemExit: 3")
+def ppo_reward_function_that_exits_on_row_5(ws):
+    return with_reward(ws, "    if extra_info['index'] == 5:\n        raise SystemExit(3)\n    return 0.0\n", IN_ORDER)
+
+
 @case("reward function custom_reward_function compute_score in", "raised ZeroDivisionError: division by zero")
 def ppo_reward_function_raises_in_validation_before_training(ws):
     table = rows(ppo_row)

@@ -136,3 +136,18 @@ def test_a_wrong_return_value_names_the_row_it_was_scoring(tmp_path):
     with pytest.raises(UserError, match=r"^v.parquet row 2: reward function .* returned 'b' \(str\); return a number"):
         score_responses(make_reward_fn(path), ["d", "d"], ["x", "y"], [None, None], [{"value": 1.0}, {"value": "b"}],
                         ["v.parquet row 1", "v.parquet row 2"])
+
+
+@pytest.mark.parametrize("body, kind", [("async def compute_score(**kw):\n    return 1.0\n", "an async"),
+                                        ("def compute_score(**kw):\n    yield 1.0\n", "a generator")])
+def test_async_and_generator_functions_are_refused_when_they_load(tmp_path, body, kind):
+    with pytest.raises(UserError, match=f"is {kind} function, but klppo calls it and uses what it returns"):
+        make_reward_fn(write_module(tmp_path, body), "compute_score")
+
+
+def test_an_exit_in_the_file_or_the_function_is_a_user_error_not_an_exit(tmp_path):
+    with pytest.raises(UserError, match=r"failed to import \(SystemExit: no GPU\)"):
+        make_reward_fn(write_module(tmp_path, "raise SystemExit('no GPU')\n", name="exits.py"))
+    path = write_module(tmp_path, "def compute_score(**kw):\n    raise SystemExit(0)\n")
+    with pytest.raises(UserError, match=r"raised SystemExit: 0"):
+        make_reward_fn(path)("d", "s", "g", {})
