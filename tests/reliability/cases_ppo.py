@@ -159,6 +159,18 @@ def ppo_plain_text_prompt_that_is_empty(ws):
     return ws.ppo(ws.parquet(table, "plain.parquet"))
 
 
+@case(f"{ROW5} 'prompt'", "chat messages written as JSON", "json.loads it before writing the file")
+def ppo_row5_prompt_is_chat_messages_as_json_text(ws):
+    return ws.ppo(json_text_prompts(rows(ppo_row), 5))
+
+
+def json_text_prompts(table: list[dict], bad_at: int) -> list[dict]:
+    """Plain-text prompts (a column of strings), row ``bad_at``'s being its messages as JSON text."""
+    for i, row in enumerate(table):
+        row["prompt"] = json.dumps(row["prompt"]) if i == bad_at else row["prompt"][0]["content"]
+    return table
+
+
 # ---- the prompt files themselves ----
 
 @case("second.parquet", "not found", "data.train_files")

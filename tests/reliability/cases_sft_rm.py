@@ -394,3 +394,19 @@ def rm_model_embeddings_of_the_wrong_shape_sharded(ws):
 
     path = with_reshaped_weight(ws, "model.embed_tokens.weight", (300, 32))
     return ws.rm(None, {"model.partial_pretrain": path, "model.fsdp_config.dtype": "bfloat16"})
+
+
+# ---- content that would be misread ----
+
+@sft(f"{SFT_ROW6} 'prompt'", "chat messages written as JSON", "write the list of messages itself")
+def sft_row6_prompt_is_chat_messages_as_json_text(ws):
+    from cases_ppo import json_text_prompts
+
+    return ws.sft(json_text_prompts(rows(sft_row), 6))
+
+
+@rm(f"{RM_ROW4} 'prompt'", "chat messages written as JSON")
+def rm_row4_prompt_is_chat_messages_as_json_text(ws):
+    from cases_ppo import json_text_prompts
+
+    return ws.rm(json_text_prompts(rows(ranked_row), 4))
