@@ -170,29 +170,35 @@ def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreT
         raise UserError(f"{key}: the tokenizer in '{path}' has no eos_token; set one and save it again")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    check_special_tokens_fit(tokenizer, config, folder, key)
+    check_token_ids_fit(tokenizer, config, folder, key)
     tokenizer.padding_side = "left"
     return tokenizer
 
 
-def check_special_tokens_fit(tokenizer: PreTrainedTokenizerBase, config, folder: Path, key: str) -> None:
-    """Refuse special tokens that klppo writes into input ids but the model has no embedding row for.
+def check_token_ids_fit(tokenizer: PreTrainedTokenizerBase, config, folder: Path, key: str) -> None:
+    """Refuse token ids that can reach the model's input but have no embedding row.
 
-    EOS closes every response, PAD fills every batch and BOS starts plain-text prompts; an id at
-    or past the model's ``vocab_size`` rows is an IndexError at the first forward on CPU and a
-    device-side assert on a GPU, after the run has started. (A tokenizer with tokens added after
-    training, and no resize of the model's embeddings, is the usual cause.)
+    EOS closes every response, PAD fills every batch, BOS starts plain-text prompts, and tokens
+    added to the tokenizer (a chat template's markers, a fine-tune's new words) come out of
+    encoding; an id at or past the model's ``vocab_size`` rows is an IndexError at the first
+    forward on CPU and a device-side assert on a GPU, after the run has started. Tokens added
+    after training without a resize of the model's embeddings are the usual cause. (The unk
+    token that transformers 5 appends to a byte-level BPE tokenizer without one is never emitted
+    by it, and is not checked.)
     """
     rows = getattr(config.get_text_config(), "vocab_size", None)
     if not rows:
         return
-    for role in ("eos_token", "pad_token", "bos_token"):
-        token_id = getattr(tokenizer, f"{role}_id")
+    named = [(role, getattr(tokenizer, role), getattr(tokenizer, f"{role}_id")) for role in ("eos_token", "pad_token",
+                                                                                             "bos_token")]
+    added = [("token", str(token), i) for i, token in sorted(tokenizer.added_tokens_decoder.items())
+             if i != tokenizer.unk_token_id]
+    for role, token, token_id in named + added:
         if token_id is not None and not 0 <= token_id < rows:
             raise UserError(
-                f"{key}: the tokenizer in '{folder}' has {role} {getattr(tokenizer, role)!r} at id {token_id}, but "
-                f"the model has {rows} embedding rows (ids 0 to {rows - 1}); use the model's own tokenizer, or "
-                "resize the model's embeddings to it (model.resize_token_embeddings(len(tokenizer))) and save both")
+                f"{key}: the tokenizer in '{folder}' has {role} {token!r} at id {token_id}, but the model has {rows} "
+                f"embedding rows (ids 0 to {rows - 1}); use the model's own tokenizer, or resize the model's "
+                "embeddings to it (model.resize_token_embeddings(len(tokenizer))) and save both")
 
 
 def check_tokenizer_usable(tokenizer: PreTrainedTokenizerBase, config, folder: Path, key: str) -> None:
