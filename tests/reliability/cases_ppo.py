@@ -608,3 +608,14 @@ def ppo_second_reward_model_is_a_causal_lm(ws):
     trained = ws.trained("rm") / "hf"
     return ws.ppo(None, {"reward_model.enable": True, "reward_model.model.path": str(trained),
                          "reward_model.model.extra_paths": [str(ws.model_copy())]})
+
+
+@case("trainer_state.pt' 'guard' holds events that are not guard events", "resume from another checkpoint")
+def ppo_auto_resume_whose_guard_events_were_rewritten(ws):
+    import torch
+
+    state_file = ws.trained("ppo", into="run") / "global_step_1" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    state["guard"]["events"] = [{"step": 1, "kind": "rollback", "text": "written by another tool"}]
+    torch.save(state, state_file)
+    return ws.ppo(None, {"trainer.total_training_steps": 2})
