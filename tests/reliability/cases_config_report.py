@@ -213,6 +213,12 @@ def report_with_a_broken_config_yaml(ws):
     return _metrics(ws, [_good(s) for s in (1, 2, 3)])
 
 
+@report("config.yaml holds a list, not a run's config", "move it away")
+def report_with_a_config_yaml_that_is_a_list(ws):
+    (ws.run / "config.yaml").write_text("- trainer\n- guard\n")
+    return _metrics(ws, [_good(s) for s in (1, 2, 3)])
+
+
 @report("cannot write the report", "taken' is a file, not a folder", "pass --out a folder")
 def report_out_below_a_file(ws):
     ws.write("taken", "a file")
