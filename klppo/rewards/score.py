@@ -41,6 +41,12 @@ def default_compute_score(
                 f"data_source '{data_source}' is scored against reward_model.ground_truth, but a row has none; "
                 "add reward_model={'style': 'rule', 'ground_truth': ...} to every row"
             )
+        if not gsm8k.is_answer(ground_truth):  # no response could ever match it: every score would be 0
+            raise UserError(
+                f"data_source '{data_source}' compares the number after '#### ' with reward_model.ground_truth, but a "
+                f"row's is {str(ground_truth)[:60]!r}, which no answer can equal; give the final number alone "
+                "(verl's gsm8k preprocessing keeps what follows '#### ')"
+            )
         return gsm8k.compute_score(solution_str, ground_truth)
     raise UserError(
         f"no built-in reward for data_source '{data_source}' (known: {', '.join(KNOWN_DATA_SOURCES)}); "
@@ -168,7 +174,8 @@ def make_reward_fn(custom_path: str | None, custom_name: str = "compute_score") 
 
 def check_scorable(reward_fn: RewardFunction, sources_and_truths: Sequence[tuple[str, Any]], key: str,
                    places: Sequence[str] | None = None) -> None:
-    """Up front, before any model loads: the built-in rules know every data_source and have a truth.
+    """Up front, before any model loads: the built-in rules know every data_source and have a truth
+    that an answer can match.
 
     A custom function is the user's to check; ``key`` names the data files in the message, and
     ``places`` (one per prompt, e.g. "x.parquet row 5") the file and row of each prompt.
@@ -176,12 +183,11 @@ def check_scorable(reward_fn: RewardFunction, sources_and_truths: Sequence[tuple
     if reward_fn.fn is not default_compute_score:
         return
     for index, (source, truth) in enumerate(sources_and_truths):
-        if source not in KNOWN_DATA_SOURCES or truth is None:
-            try:
-                default_compute_score(source, "", truth)
-            except UserError as exc:
-                where = places[index] if places and places[index] else f"prompt {index}"
-                raise UserError(f"{key}, {where}: {exc}") from None
+        try:
+            default_compute_score(source, "", truth)  # its own checks of the row, on an empty response
+        except UserError as exc:
+            where = places[index] if places and places[index] else f"prompt {index}"
+            raise UserError(f"{key}, {where}: {exc}") from None
 
 
 def score_responses(

@@ -67,6 +67,18 @@ def ppo_row5_gsm8k_row_without_ground_truth(ws):
     return ws.ppo(bad_row(reward_model=None))
 
 
+@case("data.train_files, ", "train.parquet row 5", "'Natalia sold 48 clips", "no answer can equal",
+      "give the final number alone")
+def ppo_row5_gsm8k_ground_truth_is_the_whole_solution(ws):
+    return ws.ppo(bad_row(reward_model={"style": "rule", "ground_truth": "Natalia sold 48 clips. #### 72"}))
+
+
+@case("data.val_files, ", "val.parquet row 2", "'eight'", "no answer can equal")
+def ppo_val_row2_gsm8k_ground_truth_is_a_word(ws):
+    val = ws.parquet(rows(ppo_row, 2, reward_model={"style": "rule", "ground_truth": "eight"}), "val.parquet")
+    return ws.ppo(None, {"data.val_files": str(val)})
+
+
 @case(f"{ROW5} 'responses'", "non-empty list of strings, got None", "one per recorded response")
 def ppo_row5_offline_responses_null(ws):
     return ws.ppo(bad_row(responses=None))

@@ -151,3 +151,20 @@ def test_an_exit_in_the_file_or_the_function_is_a_user_error_not_an_exit(tmp_pat
     path = write_module(tmp_path, "def compute_score(**kw):\n    raise SystemExit(0)\n")
     with pytest.raises(UserError, match=r"raised SystemExit: 0"):
         make_reward_fn(path)("d", "s", "g", {})
+
+
+@pytest.mark.parametrize("truth", ["Natalia sold 48 clips in April. #### 72", "seventy-two", "1/2", ""])
+def test_a_gsm8k_ground_truth_no_answer_can_equal_is_refused_up_front_naming_the_row(truth):
+    from klppo.rewards.score import check_scorable
+
+    rows = [("openai/gsm8k", "72"), ("openai/gsm8k", truth)]
+    with pytest.raises(UserError, match=r"^data.train_files, t.parquet row 1: .*which no answer can equal; give the "
+                                        r"final number alone"):
+        check_scorable(make_reward_fn(None), rows, "data.train_files", ["t.parquet row 0", "t.parquet row 1"])
+
+
+@pytest.mark.parametrize("truth", ["72", 72, 72.0, "1,000", "$5", "-3", "0.25"])
+def test_gsm8k_ground_truths_that_an_answer_can_equal_pass(truth):
+    from klppo.rewards.score import check_scorable
+
+    check_scorable(make_reward_fn(None), [("openai/gsm8k", truth)], "data.train_files", ["t.parquet row 0"])
