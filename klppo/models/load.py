@@ -275,8 +275,13 @@ def read_generation_config(folder: Path, key: str) -> GenerationConfig | None:
     path = folder / "generation_config.json"
     if not path.is_file():
         return None
-    fix = "fix the file (GenerationConfig.from_pretrained must read it), or remove it to use the model config's defaults"
-    with reading(path, f"{key}: the generation config", fix):
+    what, fix = f"{key}: the generation config", ("fix the file (GenerationConfig.from_pretrained must read it), or "
+                                                  "remove it to use the model config's defaults")
+    with reading(path, what, fix):  # JSON's own message first: it says where (line, column)
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(raw, dict):
+        raise UserError(f"{what} '{path}' holds a {type(raw).__name__}, not a mapping of settings; {fix}")
+    with reading(path, what, fix):  # then its values, as transformers validates them
         return GenerationConfig.from_pretrained(folder)
 
 

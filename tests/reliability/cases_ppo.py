@@ -405,12 +405,13 @@ def with_side_file(ws: Workspace, name: str, text: str, *overrides: str, changes
     return ws.ppo(None, {"actor_rollout_ref.model.path": str(model), **(changes or {})}, *overrides)
 
 
-@case("actor_rollout_ref.model.path", GENERATION, "not a valid JSON file", "remove it to use the model config's")
+@case("actor_rollout_ref.model.path", GENERATION, "Expecting property name enclosed in double quotes: line 1",
+      "remove it to use the model config's")
 def ppo_generation_config_that_is_not_json(ws):
     return with_side_file(ws, "generation_config.json", '{"eos_token_id": 1,')
 
 
-@case("actor_rollout_ref.model.path", GENERATION, "not a valid JSON file")
+@case("actor_rollout_ref.model.path", GENERATION, "Expecting property name enclosed in double quotes")
 def ppo_generation_config_that_is_not_json_on_a_sharded_actor(ws):
     """bf16 makes a process group of one: the sharded loading path, with the same rule."""
     return with_side_file(ws, "generation_config.json", '{"eos_token_id": 1,',
@@ -423,7 +424,7 @@ def ppo_generation_config_with_an_invalid_value(ws):
                           changes={"actor_rollout_ref.rollout.name": "hf"})
 
 
-@case("actor_rollout_ref.model.path", GENERATION, "'list' object is not a mapping")
+@case("actor_rollout_ref.model.path", "generation_config.json' holds a list, not a mapping of settings")
 def ppo_generation_config_that_is_a_list(ws):
     return with_side_file(ws, "generation_config.json", "[1, 2]")
 
