@@ -45,8 +45,7 @@ OVERLAP_EVERY = 10
 
 
 class PPOTrainer:
-    """Runs ``parts.total_steps`` PPO iterations, resuming from the latest checkpoint if asked.
-    ``config_text`` is written to config.yaml with the first step's log (``RunFolder``); None writes none."""
+    """Runs ``parts.total_steps`` PPO iterations, resuming from the latest checkpoint if asked."""
 
     def __init__(self, parts: PPOParts, print_fn: Callable = print, setup_peak_gb: float | None = None,
                  config_text: str | None = None) -> None:
@@ -54,6 +53,7 @@ class PPOTrainer:
         self.memory = PeakMemory(self.env.device)  # each phase's peak (perf/peak_memory_gb/<phase>)
         self.setup_peak_gb = setup_peak_gb  # loading data and models; logged with the first step
         self.print = on_rank_zero(print_fn, self.env)
+        # config_text: what config.yaml gets with the first step's log (RunFolder); None writes none.
         self.folder = RunFolder(self.s.run_dir, (METRICS_FILE, EVENTS_FILE), config_text, self.env)
         self.logger: MetricsLogger | None = None  # made with the folder's first writes (``_open``)
         self.progress = None
@@ -77,13 +77,12 @@ class PPOTrainer:
 
     def _open(self) -> None:
         """The run folder's first writes and the logger (TensorBoard and W&B start writing too), once."""
-        if self.logger is not None:
-            return
-        self.folder.open(self.print)
-        log = self.s.logger
-        self.logger = MetricsLogger(self.s.run_dir, list(log.backends), print_fn=self.print, rank=self.env.rank,
-                                    project_name=log.project_name, experiment_name=log.experiment_name,
-                                    config=log.config)
+        if self.logger is None:
+            self.folder.open(self.print)
+            log = self.s.logger
+            self.logger = MetricsLogger(self.s.run_dir, list(log.backends), print_fn=self.print, rank=self.env.rank,
+                                        project_name=log.project_name, experiment_name=log.experiment_name,
+                                        config=log.config)
 
     def _log(self, metrics: dict) -> dict[str, float]:
         """Log this step's guard events and metrics (the first call opens the run folder)."""
