@@ -6,7 +6,8 @@
 The run: a Qwen2-shaped model built from a config (random weights, saved as a Hugging Face
 folder with a tokenizer trained on the arithmetic task), online PPO with Hugging Face
 generation, a critic (GAE), a reference (KL in the reward), a reward model (the same backbone
-with a fresh score head) and validation before training and every 2 steps; every model in
+with a score head, saved as a sequence-classification folder: PPO refuses a head it would have to
+initialise) and validation before training and every 2 steps; every model in
 bf16 under FSDP2 (a process group of one), packed sequences under a token budget
 (flash-attention's varlen kernels when ``flash_attn`` is installed, klppo's packed sdpa
 otherwise) and the actor under ``offload_policy`` (parameters, gradients and optimiser state
@@ -73,15 +74,22 @@ def quiet(*args, **kwargs) -> None:
 # ---- the run ----
 
 
-def prepare(root: Path, shape: dict, prompts: int) -> tuple[Path, Path, Path]:
+def prepare(root: Path, shape: dict, prompts: int) -> tuple[Path, Path, Path, Path]:
+    """The model, its reward model (the backbone with a seeded score head), training and validation prompts."""
+    from transformers import AutoModelForSequenceClassification
+
     model = build_tiny_model_folder(root / "model", arithmetic_corpus(200, 0), seed=0, **shape)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(model, num_labels=1).save_pretrained(root / "reward_model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(model / name, root / "reward_model" / name)
     train = write_arithmetic_parquet(root / "train.parquet", 4 * prompts, seed=1)
     val = write_arithmetic_parquet(root / "val.parquet", prompts, seed=3, split="test")
-    return model, train, val
+    return model, root / "reward_model", train, val
 
 
-def overrides(model: Path, train: Path, val: Path, run_dir: Path, device: str, prompts: int, n: int,
-              response: int, steps: int) -> list[str]:
+def overrides(model: Path, reward_model: Path, train: Path, val: Path, run_dir: Path, device: str, prompts: int,
+              n: int, response: int, steps: int) -> list[str]:
     arf = "actor_rollout_ref"
     settings = {
         "data.train_files": train, "data.val_files": val, "data.max_prompt_length": 64,
@@ -93,7 +101,7 @@ def overrides(model: Path, train: Path, val: Path, run_dir: Path, device: str, p
         f"{arf}.actor.fsdp_config.offload_policy": "true", f"{arf}.ref.fsdp_config.dtype": "bfloat16",
         "critic.model.use_remove_padding": "true", "critic.model.fsdp_config.dtype": "bfloat16",
         "critic.optim.lr": 1e-5, "algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": "true",
-        "reward_model.enable": "true", "reward_model.model.path": model,
+        "reward_model.enable": "true", "reward_model.model.path": reward_model,
         "trainer.total_training_steps": steps, "trainer.save_freq": 2, "trainer.test_freq": 2,
         "trainer.val_before_train": "true", "trainer.logger": "[]", "trainer.device": device,
         "trainer.default_local_dir": run_dir,
@@ -313,8 +321,8 @@ def main(argv=None) -> int:
     print(f"gpu_smoke: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
           f"{torch.__version__}, flash_attn {'installed' if flash else 'not installed'}, files in {root}", flush=True)
     try:
-        model, train, val = prepare(root, shape, prompts)
-        common = (model, train, val)
+        common = prepare(root, shape, prompts)
+        model = common[0]
         run_a, run_b = root / "run_a", root / "run_b"
         start = time.perf_counter()
         try:

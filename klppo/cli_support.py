@@ -24,7 +24,10 @@ def run_cli(action: Callable[[], object]) -> int:
     try:
         action()
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # One write: ranks that stop on the same error share torchrun's stderr, and print's
+        # separate write of the newline would let their lines run together.
+        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.flush()
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

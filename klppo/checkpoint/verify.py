@@ -41,6 +41,8 @@ _RUN_NAMES = {"ppo": "a PPO run", "sft": "an SFT run", "rm": "a reward-model run
 _SHARED_KEYS = {"ppo": ("step", "actor_scheduler", "kl_ctrl", "data", "guard"),
                 "sft": ("step", "scheduler", "data"), "rm": ("step", "scheduler", "data")}
 _GUARD_KEYS = ("rollbacks", "nonfinite_in_a_row", "good_checkpoints", "pending_checkpoint", "lr_override")
+# The fields of a guard event the guard's record may hold (klppo/trainer/guards.py, GuardEvent).
+_EVENT_FIELDS = {"step": int, "kind": str, "message": str, "values": dict}
 # The top-level names of the sharded state (models and optimisers) each kind saves.
 _SHARDED_NAMES = {"ppo": ("actor", "actor_optimizer"), "sft": ("model", "optimizer"), "rm": ("model", "optimizer")}
 
@@ -154,8 +156,17 @@ def _check_shared_values(path: Path, shared: dict) -> None:
         problems.append("'kl_ctrl' is not a KL coefficient")
     if "guard" in shared and not (isinstance(shared["guard"], dict) and all(k in shared["guard"] for k in _GUARD_KEYS)):
         problems.append("'guard' is not a guard record")
+    elif "guard" in shared and not _are_events(shared["guard"].get("events", [])):
+        problems.append("'guard' holds events that are not guard events")
     if problems:
         raise _not_a_checkpoint(path, problems[0])
+
+
+def _are_events(events: Any) -> bool:
+    """A list of dicts with a guard event's fields and types (the record's events are rebuilt from them)."""
+    return isinstance(events, list) and all(
+        isinstance(e, dict) and set(e) <= set(_EVENT_FIELDS) and all(k in e for k in ("step", "kind", "message"))
+        and all(isinstance(v, _EVENT_FIELDS[k]) for k, v in e.items()) for e in events)
 
 
 def _check_rank_files(folder: Path, world_size: int, rank: int | None) -> None:

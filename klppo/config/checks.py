@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional
 
-from klppo.config.lora import lora_problems
+from klppo.config.lora import lora_enabled, lora_problems
 from klppo.config.rollout import engine_problems, resolve_rollout_engine, rollout_notes
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
 from klppo.config.schema import (
@@ -215,6 +216,23 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
 
 def _check_lora(out: list[Problem], model_cfg, prefix: str) -> None:
     out += [Problem((key,), message) for key, message in lora_problems(model_cfg, prefix)]
+    if lora_enabled(model_cfg):
+        for name in ("target_modules", "exclude_modules"):
+            _check_regex(out, f"{prefix}.{name}", getattr(model_cfg, name))
+
+
+def _check_regex(out: list[Problem], key: str, value) -> None:
+    """A module-name key given as one string is a regular expression (peft matches it with
+    re.fullmatch against each module's full name; a list is matched by names instead), and one
+    that does not compile would fail only when the model is built. "all-linear" is a keyword."""
+    if not isinstance(value, str) or value == "all-linear":
+        return
+    try:
+        re.compile(value)
+    except re.error as exc:
+        out.append(Problem((key,), f"{key} = {value!r} is not a valid regular expression ({exc}); fix it (a single "
+                           "string is matched as a regex against each module's dotted name, e.g. '.*\\.(q|v)_proj'), "
+                           "or give a list of module names such as [q_proj, v_proj]"))
 
 
 def _refuse_fp16_training(out: list[Problem], prefix: str, fsdp) -> None:

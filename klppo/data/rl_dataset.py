@@ -17,6 +17,7 @@ Shapes: ``B`` prompts in a batch, ``P`` longest prompt of the batch in tokens.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,11 +76,27 @@ def check_prompt(row: dict, column: str) -> list[dict] | str:
     if isinstance(value, str):
         if not value:
             raise row_error(row, column, "the prompt is an empty string", "give every row a prompt")
+        if _is_json_messages(value):
+            raise row_error(row, column, f"the prompt is a string of chat messages written as JSON "
+                            f"({short_repr(value, 40)}), which the model would read as those characters",
+                            "write the list of messages itself (json.loads it before writing the file)")
         return value
     if not isinstance(value, list):
         raise row_error(row, column, f"expected plain text or a list of chat messages, got {short_repr(value)}",
                         MESSAGES_FIX)
     return check_messages(row, column)
+
+
+def _is_json_messages(text: str) -> bool:
+    """Whether plain text is really chat messages serialised as JSON (a common export slip)."""
+    if not text.lstrip().startswith("[{"):
+        return False
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value)
 
 
 def check_messages(row: dict, column: str) -> list[dict]:

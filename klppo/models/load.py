@@ -26,12 +26,13 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from klppo.errors import UserError, reading
+from klppo.errors import UserError, reading, reason
 from klppo.models.rng import seeded
 
 # The weight files from_pretrained reads (transformers' names), the safe format first.
@@ -85,6 +86,9 @@ def _from_pretrained(auto_class, folder: Path, key: str, **kwargs) -> PreTrained
     critic's or reward model's one-output layer on a language model's backbone).
     """
     check_weight_files(folder, key)
+    from klppo.models.sharded_load import empty_model
+
+    check_weight_shapes(empty_model(auto_class, kwargs.get("config") or _model_config(folder, key)), folder, key)
     with reading(folder, f"{key}: model folder", _weights_fix(folder)):
         model, info = auto_class.from_pretrained(folder, weights_only=True, output_loading_info=True, **_SAFE,
                                                  **kwargs)
@@ -94,6 +98,48 @@ def _from_pretrained(auto_class, folder: Path, key: str, **kwargs) -> PreTrained
         raise UserError(f"{key}: the weights in '{folder}' lack '{missing[0]}' ({len(missing)} tensors missing); "
                         "copy the folder again, or save the model again with save_pretrained")
     return model
+
+
+def saved_shapes(folder: Path, key: str) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor in the folder's weights (``check_weight_files`` has passed), from
+    the files' headers (safetensors) or a weights-only, memory-mapped read onto the meta device
+    (``pytorch_model.bin``). A file that cannot be read is refused as the loaders refuse it."""
+    from safetensors import safe_open
+
+    name = next(name for name in WEIGHT_FILES if (folder / name).is_file())
+    if name.endswith(".index.json"):
+        files = sorted(set(json.loads((folder / name).read_text())["weight_map"].values()))
+    else:
+        files = [name]
+    shapes = {}
+    with reading(folder, f"{key}: model folder", _weights_fix(folder)):
+        for file in files:
+            if file.endswith(".safetensors"):
+                with safe_open(str(folder / file), framework="pt") as f:
+                    shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+            else:
+                tensors = torch.load(folder / file, map_location="meta", weights_only=True, mmap=True)
+                shapes.update({k: tuple(t.shape) for k, t in tensors.items()})
+    return shapes
+
+
+def check_weight_shapes(model: PreTrainedModel, folder: Path, key: str) -> None:
+    """Every tensor the folder holds for a parameter of ``model`` (built from its config, on the meta
+    device) has that parameter's shape.
+
+    One check for both loading paths: ``from_pretrained`` refuses a mismatch with a message that
+    points at a report logged elsewhere, and the sharded load fails in the copy into a shard
+    with a bare RuntimeError. A classifier saved with two labels where klppo needs one output
+    (a reward model, a critic) is the usual case.
+    """
+    saved = saved_shapes(folder, key)
+    for name, param in model.named_parameters():
+        if name in saved and saved[name] != tuple(param.shape):
+            one_output = "; a reward model or critic has one output (num_labels=1)" \
+                if not name.startswith(f"{model.base_model_prefix}.") else ""
+            raise UserError(f"{key}: '{name}' in '{folder}' has shape {list(saved[name])}, but the model that config.json "
+                            f"describes needs {list(param.shape)}{one_output}; copy the folder again, or save the model "
+                            "again with save_pretrained")
 
 
 def _model_config(folder: Path, key: str):
@@ -119,12 +165,40 @@ def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreT
     with reading(folder, f"{key}: the tokenizer in", fix):
         tokenizer = AutoTokenizer.from_pretrained(folder, **_SAFE)
     check_tokenizer_usable(tokenizer, config, folder, key)
+    check_chat_template(tokenizer, folder, key)
     if tokenizer.eos_token_id is None:
         raise UserError(f"{key}: the tokenizer in '{path}' has no eos_token; set one and save it again")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_token_ids_fit(tokenizer, config, folder, key)
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def check_token_ids_fit(tokenizer: PreTrainedTokenizerBase, config, folder: Path, key: str) -> None:
+    """Refuse token ids that can reach the model's input but have no embedding row.
+
+    EOS closes every response, PAD fills every batch, BOS starts plain-text prompts, and tokens
+    added to the tokenizer (a chat template's markers, a fine-tune's new words) come out of
+    encoding; an id at or past the model's ``vocab_size`` rows is an IndexError at the first
+    forward on CPU and a device-side assert on a GPU, after the run has started. Tokens added
+    after training without a resize of the model's embeddings are the usual cause. (The unk
+    token that transformers 5 appends to a byte-level BPE tokenizer without one is never emitted
+    by it, and is not checked.)
+    """
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    if not rows:
+        return
+    named = [(role, getattr(tokenizer, role), getattr(tokenizer, f"{role}_id")) for role in ("eos_token", "pad_token",
+                                                                                             "bos_token")]
+    added = [("token", str(token), i) for i, token in sorted(tokenizer.added_tokens_decoder.items())
+             if i != tokenizer.unk_token_id]
+    for role, token, token_id in named + added:
+        if token_id is not None and not 0 <= token_id < rows:
+            raise UserError(
+                f"{key}: the tokenizer in '{folder}' has {role} {token!r} at id {token_id}, but the model has {rows} "
+                f"embedding rows (ids 0 to {rows - 1}); use the model's own tokenizer, or resize the model's "
+                "embeddings to it (model.resize_token_embeddings(len(tokenizer))) and save both")
 
 
 def check_tokenizer_usable(tokenizer: PreTrainedTokenizerBase, config, folder: Path, key: str) -> None:
@@ -148,6 +222,39 @@ def check_tokenizer_usable(tokenizer: PreTrainedTokenizerBase, config, folder: P
                         f"embedding rows, so it is not the model's tokenizer; {fix}")
 
 
+def _template_file(folder: Path) -> Path:
+    """Where the tokenizer's chat template was read from (transformers 5 saves it on its own)."""
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (folder / name).is_file():
+            return folder / name
+    return folder / "tokenizer_config.json"
+
+
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, folder: Path, key: str) -> None:
+    """Refuse a chat template that cannot render the simplest conversation, naming its file.
+
+    The data readers render every row and name the row a template fails on, which is right when
+    the template refuses that row's messages (``raise_exception``: roles must alternate, no system
+    message, ...) and wrong when the template itself is broken (a Jinja syntax error, an undefined
+    name, a method a string lacks): then it fails on every row, and row 0 would be blamed. One
+    user message with the generation prompt is the probe; a template that refuses even that on
+    purpose is left to the rows.
+    """
+    import jinja2
+
+    if getattr(tokenizer, "chat_template", None) is None:  # a base model's; chat-message rows are refused
+        return
+    probe = [{"role": "user", "content": _PROBE}]
+    try:
+        tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # the folder's Jinja code
+        if type(exc) is jinja2.TemplateError:  # raise_exception() in the template: a refusal, not a fault
+            return
+        raise UserError(f"{key}: the chat template in '{_template_file(folder)}' cannot render even one user message "
+                        f"({reason(exc)}); fix the template, or save the model's own tokenizer next to it "
+                        "(tokenizer.save_pretrained)") from None
+
+
 def _causal_lm_config(folder: Path, key: str):
     config = _model_config(folder, key)
     architectures = config.architectures or []
@@ -158,12 +265,33 @@ def _causal_lm_config(folder: Path, key: str):
     return config
 
 
+def read_generation_config(folder: Path, key: str) -> GenerationConfig | None:
+    """The folder's ``generation_config.json`` (None without one), read alike by one process and by ranks.
+
+    ``from_pretrained`` falls back to the model config's defaults without a word when the file
+    is not JSON, and blames the weights when a value is invalid; reading it first, on its own,
+    refuses it in both cases with the file named.
+    """
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return None
+    what, fix = f"{key}: the generation config", ("fix the file (GenerationConfig.from_pretrained must read it), or "
+                                                  "remove it to use the model config's defaults")
+    with reading(path, what, fix):  # JSON's own message first: it says where (line, column)
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(raw, dict):
+        raise UserError(f"{what} '{path}' holds a {type(raw).__name__}, not a mapping of settings; {fix}")
+    with reading(path, what, fix):  # then its values, as transformers validates them
+        return GenerationConfig.from_pretrained(folder)
+
+
 def load_causal_lm(
     path: str, *, key: str, device: torch.device, gradient_checkpointing: bool = False
 ) -> PreTrainedModel:
     """An ``AutoModelForCausalLM`` in fp32 on ``device`` (actor or reference)."""
     folder = check_model_folder(path, key)
     _causal_lm_config(folder, key)
+    read_generation_config(folder, key)  # before from_pretrained, which would misreport or skip a bad one
     model = _from_pretrained(AutoModelForCausalLM, folder, key, dtype=torch.float32)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -222,6 +350,29 @@ def load_reward_model(
     return model.to(device)
 
 
+def check_trained_score_head(path: str, key: str) -> None:
+    """Refuse a folder whose reward model's score head would be new: a model that scores PPO's
+    responses must bring its trained head.
+
+    ``load_reward_model`` (and the sharded load) initialise a head the folder lacks, which is
+    right for ``klppo rm``, which trains one; scoring with it would give random rewards. The
+    check reads only the config and the weights' names, and is the same on one process and on
+    ranks.
+    """
+    from klppo.models.sharded_load import WeightReader, empty_model
+
+    folder = check_model_folder(path, key)
+    check_weight_files(folder, key)
+    model = empty_model(AutoModelForSequenceClassification, _reward_model_config(folder, key))
+    backbone, reader = f"{model.base_model_prefix}.", WeightReader(folder, key)
+    missing = [name for name, _ in model.named_parameters() if not name.startswith(backbone) and name not in reader]
+    if missing:
+        held = ", ".join(model.config.architectures or []) or "a model"
+        raise UserError(f"{key}: '{folder}' holds {held} with no trained score head ('{missing[0]}' is not in its "
+                        "weights), so its rewards would come from a randomly initialised layer; point it at a reward "
+                        "model (klppo rm trains one from this folder)")
+
+
 # ---- empty models for sharded loading (klppo.models.sharded_load) ----
 
 
@@ -250,17 +401,16 @@ def empty_model_for(role: str, path: str, *, key: str, gradient_checkpointing: b
     """The model ``load_causal_lm`` / ``load_critic`` / ``load_reward_model`` would load from ``path``,
     with its parameters on the meta device, to be sharded and then filled
     (``klppo.models.sharded_load``). The folder is checked as those loaders check it."""
-    from transformers import GenerationConfig
-
     from klppo.models.sharded_load import empty_model
 
     auto_class, make_config, _ = ROLES[role]
     folder = check_model_folder(path, key)
     check_weight_files(folder, key)
     model = empty_model(auto_class, make_config(folder, key))
-    if role == "causal_lm" and (folder / "generation_config.json").is_file():
-        with reading(folder / "generation_config.json", f"{key}: the generation config", "save the model again"):
-            model.generation_config = GenerationConfig.from_pretrained(folder)
+    check_weight_shapes(model, folder, key)
+    generation = read_generation_config(folder, key) if role == "causal_lm" else None
+    if generation is not None:
+        model.generation_config = generation
     if role == "reward_model" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:

@@ -94,7 +94,13 @@ def _read_config(path: Path) -> dict:
         problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
         raise UserError(f"{path} is not valid YAML{where} ({problem}); restore the config.yaml the run wrote, or "
                         "move it away to report without the KL target and guard thresholds") from None
-    return config if isinstance(config, dict) else {}
+    if config is None:  # an empty file
+        return {}
+    if not isinstance(config, dict):  # read as {}, it would be reported as missing, its thresholds dropped
+        raise UserError(f"{path} holds a {type(config).__name__}, not a run's config (a mapping of sections such as "
+                        "trainer:); restore the config.yaml the run wrote, or move it away to report without the KL "
+                        "target and guard thresholds")
+    return config
 
 
 def load_run(run_dir: str | Path) -> Run:

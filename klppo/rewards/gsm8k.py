@@ -14,6 +14,7 @@ from typing import Any
 _SOLUTION_CLIP_CHARS = 300
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 _NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
+_ANSWER = re.compile(r"-?[0-9.]+")  # what either method can return, commas removed (strict)
 
 
 def extract_solution(solution_str: str, method: str = "strict") -> str | None:
@@ -32,6 +33,11 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
         if candidate not in ("", "."):
             return candidate
     return None
+
+
+def is_answer(ground_truth: Any) -> bool:
+    """Whether an extracted answer can equal ``ground_truth``: a number, as ``extract_solution`` gives them."""
+    return _ANSWER.fullmatch(normalize_ground_truth(ground_truth)) is not None
 
 
 def normalize_ground_truth(ground_truth: Any) -> str:

@@ -3,13 +3,19 @@
 A reward function has verl's signature
 ``f(data_source, solution_str, ground_truth, extra_info) -> float`` and is called with
 keyword arguments, as verl calls it, so verl users' files work unchanged. It may return a
-number or (as verl allows) a dict with a ``"score"`` key.
+number or (as verl allows) a dict with a ``"score"`` key; NaN passes through, for the run's
+guard to count (``trainer.guard.max_nonfinite_steps``).
+
+A user's function is checked when it loads (it must accept verl's four keyword arguments),
+and whatever it raises or returns wrongly during a step is one ``UserError`` naming the
+function, its file and (``score_responses``' ``places``) the prompt's file and row.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +27,8 @@ from klppo.rewards import gsm8k
 
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 KNOWN_DATA_SOURCES = GSM8K_SOURCES
+# How verl's reward managers call the function: these keywords, every time.
+VERL_CALL = "compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)"
 
 
 def default_compute_score(
@@ -33,12 +41,24 @@ def default_compute_score(
                 f"data_source '{data_source}' is scored against reward_model.ground_truth, but a row has none; "
                 "add reward_model={'style': 'rule', 'ground_truth': ...} to every row"
             )
+        if not gsm8k.is_answer(ground_truth):  # no response could ever match it: every score would be 0
+            raise UserError(
+                f"data_source '{data_source}' compares the number after '#### ' with reward_model.ground_truth, but a "
+                f"row's is {str(ground_truth)[:60]!r}, which no answer can equal; give the final number alone "
+                "(verl's gsm8k preprocessing keeps what follows '#### ')"
+            )
         return gsm8k.compute_score(solution_str, ground_truth)
     raise UserError(
         f"no built-in reward for data_source '{data_source}' (known: {', '.join(KNOWN_DATA_SOURCES)}); "
         "set custom_reward_function.path to a Python file defining "
         "compute_score(data_source, solution_str, ground_truth, extra_info)"
     )
+
+
+def _first_line(exc: BaseException) -> str:
+    """``"KeyError: 'answer'"``: an exception of the user's code as one line."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _import_file(path: str, module_name: str):
@@ -50,12 +70,9 @@ def _import_file(path: str, module_name: str):
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # the user's code: report it as one line, keep the cause chained
+    except (Exception, SystemExit) as e:  # the user's code (an exit() in it too): one line, the cause chained
         del sys.modules[module_name]
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        raise UserError(
-            f"custom_reward_function.path '{path}' failed to import ({type(e).__name__}: {first_line}); fix the file"
-        ) from e
+        raise UserError(f"custom_reward_function.path '{path}' failed to import ({_first_line(e)}); fix the file") from e
     return module
 
 
@@ -78,7 +95,32 @@ def load_custom_reward_function(path: str, name: str) -> Callable:
             f"custom_reward_function.name '{name}' in '{path}' is a {type(fn).__name__}, not a function; "
             "set custom_reward_function.name to a function"
         )
+    check_reward_signature(fn, f"custom_reward_function.name '{name}' in '{path}'")
     return fn
+
+
+def check_reward_signature(fn: Callable, what: str) -> None:
+    """Refuse, before training, a function that cannot be called as verl calls it (``VERL_CALL``).
+
+    Binding the four keywords to the signature is exactly the call's own check, made without
+    running the function; a callable whose signature Python cannot read (some builtins) is let
+    through, to fail at its first call instead.
+    """
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        kind = "a generator" if inspect.isgeneratorfunction(fn) else "an async"
+        raise UserError(f"{what} is {kind} function, but klppo calls it and uses what it returns, as verl's default "
+                        "reward manager does; make it a plain function that returns the score")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(data_source="", solution_str="", ground_truth=None, extra_info={})
+    except TypeError as exc:
+        raise UserError(
+            f"{what} takes {signature}, but klppo calls it as verl does, {VERL_CALL} ({exc}); give it those "
+            "four parameters (extra_info=None may have a default), or add **kwargs"
+        ) from None
 
 
 def _as_float(value: Any, where: str) -> float:
@@ -107,10 +149,18 @@ class RewardFunction:
     name: str
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
-        value = self.fn(
-            data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-            extra_info=extra_info if extra_info is not None else {},
-        )
+        try:
+            value = self.fn(
+                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                extra_info=extra_info if extra_info is not None else {},
+            )
+        except UserError:  # the built-in rules' own, already worded for the user
+            raise
+        except (Exception, SystemExit) as exc:  # the user's code (an exit() in it too): one line, the cause chained
+            if isinstance(exc, MemoryError):  # the machine's, not the function's
+                raise
+            raise UserError(f"reward function {self.name} raised {_first_line(exc)} (data_source '{data_source}'); "
+                            "fix the function, or catch the case and return a score") from exc
         return _as_float(value, f"reward function {self.name} (data_source '{data_source}')")
 
 
@@ -124,7 +174,8 @@ def make_reward_fn(custom_path: str | None, custom_name: str = "compute_score") 
 
 def check_scorable(reward_fn: RewardFunction, sources_and_truths: Sequence[tuple[str, Any]], key: str,
                    places: Sequence[str] | None = None) -> None:
-    """Up front, before any model loads: the built-in rules know every data_source and have a truth.
+    """Up front, before any model loads: the built-in rules know every data_source and have a truth
+    that an answer can match.
 
     A custom function is the user's to check; ``key`` names the data files in the message, and
     ``places`` (one per prompt, e.g. "x.parquet row 5") the file and row of each prompt.
@@ -132,12 +183,11 @@ def check_scorable(reward_fn: RewardFunction, sources_and_truths: Sequence[tuple
     if reward_fn.fn is not default_compute_score:
         return
     for index, (source, truth) in enumerate(sources_and_truths):
-        if source not in KNOWN_DATA_SOURCES or truth is None:
-            try:
-                default_compute_score(source, "", truth)
-            except UserError as exc:
-                where = places[index] if places and places[index] else f"prompt {index}"
-                raise UserError(f"{key}, {where}: {exc}") from None
+        try:
+            default_compute_score(source, "", truth)  # its own checks of the row, on an empty response
+        except UserError as exc:
+            where = places[index] if places and places[index] else f"prompt {index}"
+            raise UserError(f"{key}, {where}: {exc}") from None
 
 
 def score_responses(
@@ -146,11 +196,22 @@ def score_responses(
     responses: Sequence[str],
     ground_truths: Sequence[Any],
     extra_infos: Sequence[dict | None],
+    places: Sequence[str] | None = None,
 ) -> list[float]:
-    """One score per response: ``reward_fn(data_source, response, ground_truth, extra_info)``."""
+    """One score per response: ``reward_fn(data_source, response, ground_truth, extra_info)``.
+
+    ``places`` (one per response, e.g. "x.parquet row 5": its prompt's file and row) lead the
+    message of a ``UserError`` the function raises.
+    """
     n = len(responses)
     assert len(data_sources) == len(ground_truths) == len(extra_infos) == n, "score_responses: length mismatch"
-    return [
-        reward_fn(source, text, truth, info)
-        for source, text, truth, info in zip(data_sources, responses, ground_truths, extra_infos)
-    ]
+    assert places is None or len(places) == n, "score_responses: one place per response"
+    scores = []
+    for i, (source, text, truth, info) in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
+        try:
+            scores.append(reward_fn(source, text, truth, info))
+        except UserError as exc:
+            if places is None or not places[i]:
+                raise
+            raise UserError(f"{places[i]}: {exc}") from exc.__cause__
+    return scores

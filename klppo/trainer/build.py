@@ -24,7 +24,7 @@ from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
 from klppo.data.sampler import PromptBatches
 from klppo.distributed import DistEnv
 from klppo.errors import UserError
-from klppo.models.load import check_same_tokenizer, load_tokenizer
+from klppo.models.load import check_same_tokenizer, check_trained_score_head, load_tokenizer
 from klppo.monitoring.memory import available_bytes
 from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
@@ -220,6 +220,7 @@ def _load_reward_models(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharde
     models, rm_model = [], cfg.reward_model.model
     for key, path in paths.items():
         check_same_tokenizer(tokenizer, path, key)
+        check_trained_score_head(path, key)
         model = load_model("reward_model", path, key=key, env=env, sharder=sharder, fsdp=rm_model.fsdp_config,
                            packed=rm_model.use_remove_padding)
         models.append(model.eval().requires_grad_(False))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.adapters import adapters_at
 from klppo.trainer.settings import RewardModelForward, RewardSettings
+from klppo.trainer.setup import same_on_every_rank
 
 if TYPE_CHECKING:
     from klppo.trainer.build import PPOParts
@@ -113,10 +114,16 @@ def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
     ]
 
 
-def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable) -> torch.Tensor:
-    """(B,) each response's rule reward."""
+def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable,
+                   prompt_places: Sequence[str] | None = None) -> torch.Tensor:
+    """(B,) each response's rule reward.
+
+    ``prompt_places``: where each prompt of the step came from ("x.parquet row 5"), indexed by
+    ``batch.group_index``; an error of the reward function names its response's.
+    """
     texts = decode_responses(batch, tokenizer)
-    scores = score_responses(reward_fn, batch.data_sources, texts, batch.ground_truths, batch.extra_infos)
+    places = None if prompt_places is None else [prompt_places[g] for g in batch.group_index.tolist()]
+    scores = score_responses(reward_fn, batch.data_sources, texts, batch.ground_truths, batch.extra_infos, places)
     return torch.tensor(scores, dtype=torch.float32, device=batch.response_mask.device)
 
 
@@ -146,11 +153,13 @@ def reward_model_roles(parts: PPOParts) -> list[str]:
     return [f"reward_model_{i}" for i in range(len(parts.reward_models))]
 
 
-def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer) -> None:
+def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer,
+                prompt_places: Sequence[str] | None = None) -> None:
     """Fill ``batch``'s old and reference log-probs, values and token-level scores (step 3).
 
     Each rank runs the forwards for its rows; the results are gathered into ``batch``. In
     rollout correction's bypass mode the old log-probs are the recorded behaviour log-probs.
+    ``prompt_places``: the file and row of each prompt (``compute_scores``).
     """
     f, mine, resident = parts.settings.forwards, batch.select(shards.mine), parts.offloader.resident
     if f.old_log_prob_from_rollout:  # rollout correction's bypass mode: pi_old is the recorded mu
@@ -168,17 +177,17 @@ def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer:
         with timer.phase("values"), resident("critic"):
             batch.values = shards.gather(compute_values(parts.critic, mine, f.values))
     with timer.phase("reward"), resident(*reward_model_roles(parts)):
-        scores = shards.gather(response_scores(parts, mine))
+        scores = shards.gather(response_scores(parts, mine, prompt_places))
         batch.token_level_scores = token_scores(parts.settings.reward, batch, scores)
 
 
-def response_scores(parts: PPOParts, batch: RolloutBatch) -> torch.Tensor:
+def response_scores(parts: PPOParts, batch: RolloutBatch, prompt_places: Sequence[str] | None = None) -> torch.Tensor:
     """(B,) one score per response: recorded offline scores, or the reward function's; or
-    (B, K) the scores of K reward models."""
+    (B, K) the scores of K reward models. ``prompt_places``: as ``compute_scores``'."""
     if batch.recorded_scores is not None:
         return batch.recorded_scores.to(parts.env.device)
     if not parts.reward_models:
-        return compute_scores(batch, parts.tokenizer, parts.reward_fn)
+        return same_on_every_rank(lambda: compute_scores(batch, parts.tokenizer, parts.reward_fn, prompt_places))
     rm = parts.settings.forwards.reward_model
     return torch.stack([compute_rm_scores(model, batch, rm) for model in parts.reward_models], dim=-1)
 

@@ -29,23 +29,21 @@ def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> li
 
 
 def _train(cfg, env, print_fn) -> list[dict]:
-    from klppo.distributed import barrier
     from klppo.monitoring.memory import PeakMemory
     from klppo.trainer.build import build_ppo
     from klppo.trainer.ppo_trainer import PPOTrainer
     from klppo.trainer.run_state import resume_target
+    from klppo.trainer.setup import same_on_every_rank
 
     setup_memory = PeakMemory(env.device)
     setup_memory.reset()
-    parts = build_ppo(cfg, log=print_fn, env=env)  # every user error surfaces here, before anything is written
+    parts = build_ppo(cfg, log=print_fn, env=env)  # the config's, data's and models' user errors surface here
     with engine_stopped_at_the_end(parts):
-        resume_from = resume_target(parts)  # so does a checkpoint that cannot be resumed
-        if env.rank == 0:
-            run_dir = parts.settings.run_dir
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(format_config(cfg))
-        barrier()
-        return PPOTrainer(parts, print_fn=print_fn, setup_peak_gb=setup_memory.peak_gb()).fit(resume_from)
+        resume_from = same_on_every_rank(lambda: resume_target(parts))  # so does a checkpoint that cannot be resumed
+        # The run folder is first written once the first step is logged (klppo.trainer.run_folder).
+        trainer = PPOTrainer(parts, print_fn=print_fn, setup_peak_gb=setup_memory.peak_gb(),
+                             config_text=format_config(cfg))
+        return trainer.fit(resume_from)
 
 
 @contextmanager

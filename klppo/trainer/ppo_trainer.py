@@ -19,9 +19,9 @@ import torch
 from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.checkpoint.state import checkpoint_steps, step_dir
 from klppo.data.batching import rank_shards, seqlen_balance_metrics
-from klppo.distributed import barrier, max_over_ranks, mean_over_ranks, on_rank_zero
+from klppo.distributed import max_over_ranks, mean_over_ranks, on_rank_zero
 from klppo.monitoring.flops import UpdateWork, update_efficiency_metrics
-from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl, set_aside, truncate_jsonl
+from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.monitoring.memory import PeakMemory
 from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics
@@ -36,6 +36,7 @@ from klppo.trainer.evaluate import offline_policy_kl, validation_metrics
 from klppo.trainer.forwards import StepShards, reward_model_roles, score_batch
 from klppo.trainer.guards import Action, RunGuard
 from klppo.trainer.responses import step_responses
+from klppo.trainer.run_folder import RunFolder
 from klppo.trainer.update import update_actor, update_critic
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
@@ -47,15 +48,15 @@ OVERLAP_EVERY = 10
 class PPOTrainer:
     """Runs ``parts.total_steps`` PPO iterations, resuming from the latest checkpoint if asked."""
 
-    def __init__(self, parts: PPOParts, print_fn: Callable = print, setup_peak_gb: float | None = None) -> None:
+    def __init__(self, parts: PPOParts, print_fn: Callable = print, setup_peak_gb: float | None = None,
+                 config_text: str | None = None) -> None:
         self.p, self.s, self.env = parts, parts.settings, parts.env
         self.memory = PeakMemory(self.env.device)  # each phase's peak (perf/peak_memory_gb/<phase>)
         self.setup_peak_gb = setup_peak_gb  # loading data and models; logged with the first step
         self.print = on_rank_zero(print_fn, self.env)
-        log = self.s.logger
-        self.logger = MetricsLogger(self.s.run_dir, list(log.backends), print_fn=self.print, rank=self.env.rank,
-                                    project_name=log.project_name, experiment_name=log.experiment_name,
-                                    config=log.config)
+        # config_text: what config.yaml gets with the first step's log (RunFolder); None writes none.
+        self.folder = RunFolder(self.s.run_dir, (METRICS_FILE, EVENTS_FILE), config_text, self.env)
+        self.logger: MetricsLogger | None = None  # made with the folder's first writes (``_open``)
         self.progress = None
         self.guard = RunGuard(self.s.guard)
         self.step = 0
@@ -67,18 +68,37 @@ class PPOTrainer:
         self.progress = Progress(total=self.p.total_steps, initial=self.step, desc="ppo",
                                  quiet=None if self.env.rank == 0 else True)
         if self.print is print:  # console lines go above the bar
-            self.logger.print_fn = self.print = self.progress.write
+            self.print = self.progress.write
         try:
             return self._train_to_the_end()
         finally:
             self.progress.close()
-            self.logger.close()
+            if self.logger is not None:
+                self.logger.close()
+
+    def _open(self) -> None:
+        """The run folder's first writes and the logger (TensorBoard and W&B start writing too), once."""
+        if self.logger is None:
+            self.folder.open(self.print)
+            log = self.s.logger
+            self.logger = MetricsLogger(self.s.run_dir, list(log.backends), print_fn=self.print, rank=self.env.rank,
+                                        project_name=log.project_name, experiment_name=log.experiment_name,
+                                        config=log.config)
+
+    def _log(self, metrics: dict) -> dict[str, float]:
+        """Log this step's guard events and metrics (the first call opens the run folder)."""
+        self._open()
+        for event in self.guard.drain_events():
+            if self.env.rank == 0:
+                append_jsonl(self.s.run_dir / EVENTS_FILE, event.to_record())
+            self.print(f"[guard] step {event.step}: {event.message}")
+        return self.logger.log(self.step, metrics, total=self.p.total_steps)
 
     def _train_to_the_end(self) -> list[dict[str, float]]:
         s, records = self.s, []
         has_val = bool(self.p.val_records or self.p.val_ranked)
         if s.val_only or (has_val and s.val_before_train and self.step == 0):
-            records.append(self.logger.log(self.step, self._validate(), total=self.p.total_steps))
+            records.append(self._log(self._validate()))
         if s.val_only:
             return records
         while self.step < self.p.total_steps:
@@ -91,14 +111,14 @@ class PPOTrainer:
                 metrics.update(self._validate())
             # Log before saving: a crash in between leaves a logged step that resume truncates and
             # repeats, never a checkpointed step whose metrics were lost.
-            self._log_events()
-            records.append(self.logger.log(self.step, metrics, total=self.p.total_steps))
+            records.append(self._log(metrics))
             if action is Action.CONTINUE and (last or (s.save_freq > 0 and self.step % s.save_freq == 0)):
                 self.save()
             self.progress.advance(postfix={name: records[-1][k] for name, k in PROGRESS_KEYS.items() if k in records[-1]})
             if action is Action.STOP:
                 self.print(f"run stopped by its guard at step {self.step}; the newest checkpoint holds good weights")
                 return records
+        self._open()  # a resumed run that had no step left has logged nothing
         self._release_training_state()
         with self.p.offloader.resident("actor"):  # a LoRA actor: merged, and its adapter alone
             written = export_model(self.p.actor, self.p.tokenizer, self.s.run_dir / "actor_hf",
@@ -126,7 +146,7 @@ class PPOTrainer:
             # Every rank holds the whole batch; each scores and trains on its own rows.
             shards = self._shards(batch)
             # step 3. score: old and reference log-probs, values, rewards; the sampling policy's KL
-            score_batch(p, batch, shards, timer)
+            score_batch(p, batch, shards, timer, [r.where for r in records])
             kl, metrics = self._policy_kl(batch, records, timer)
             # step 4. shape: token rewards = scores - beta * KL(old || ref)
             metrics.update(self._shape_rewards(batch, kl))
@@ -266,12 +286,6 @@ class PPOTrainer:
             metrics = validation_metrics(self.p)
         return {**metrics, **timer.metrics(), **max_over_ranks(timer.peak_metrics())}
 
-    def _log_events(self) -> None:
-        for event in self.guard.drain_events():
-            if self.env.rank == 0:
-                append_jsonl(self.s.run_dir / EVENTS_FILE, event.to_record())
-            self.print(f"[guard] step {event.step}: {event.message}")
-
     # ---- checkpoints, resume, rollback ----
 
     def save(self) -> Path:
@@ -290,18 +304,12 @@ class PPOTrainer:
         run_state.apply_lr_override(self.p, self.guard.lr_override)
 
     def _resume(self, folder: Path | None) -> None:
-        run_dir = self.s.run_dir
+        """Restore checkpoint ``folder``'s state (None: a fresh run); nothing is written yet (``RunFolder``)."""
         if folder is None:
-            if self.env.rank == 0:
-                set_aside(run_dir, (METRICS_FILE, EVENTS_FILE), self.print)
-            barrier()
             return
         with self.p.offloader.resident("actor", "critic"):
             self.step = run_state.restore(self.p, folder, self.guard)
         if self.guard.lr_override is not None:
             run_state.apply_lr_override(self.p, self.guard.lr_override)
-        # Steps the interrupted run logged after this checkpoint will be run (and logged) again.
-        if self.env.rank == 0:
-            for name in (METRICS_FILE, EVENTS_FILE):
-                truncate_jsonl(run_dir / name, self.step)
+        self.folder.resumed_at = self.step
         self.print(f"resumed from {folder} at step {self.step}")

@@ -12,7 +12,7 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 import torch
@@ -20,7 +20,8 @@ import torch
 from klppo.config.lora import lora_enabled
 from klppo.config.schema import FSDPConfig, LoraKeys, OptimConfig
 from klppo.distributed import (
-    DEFAULT_TIMEOUT_S, DistEnv, apply_fsdp2, build_mesh, fill_sharded, init_distributed, materialize, parameter_device,
+    DEFAULT_TIMEOUT_S, DistEnv, all_gather_objects, apply_fsdp2, build_mesh, fill_sharded, init_distributed,
+    materialize, parameter_device,
 )
 from klppo.errors import UserError
 from klppo.models.forward import use_packed_attention
@@ -28,6 +29,7 @@ from klppo.models.load import ROLES, check_model_folder, empty_model_for, load_c
 from klppo.models.lora import LoraSpec, attach_adapters, read_adapter_config, with_adapters
 from klppo.models.sharded_load import WeightReader, full_tensors
 
+T = TypeVar("T")
 PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # None: no mixed precision
 
 
@@ -108,6 +110,27 @@ def check_world(n_gpus_per_node: int, nnodes: int, world_size: int) -> None:
             f"but this run has {world_size} process(es); launch with torchrun --nnodes {nnodes} --nproc_per_node "
             f"{n_gpus_per_node}, or set the two keys to the world you launch"
         )
+
+
+def same_on_every_rank(work: Callable[[], T]) -> T:
+    """``work()``; a ``UserError`` it raises on any rank is raised on every rank (one collective).
+
+    Some checks see only this rank's share: the user's reward function scores this rank's rows,
+    the resume check reads this rank's rank_R.pt. One rank alone would refuse, and the others
+    would go on into the next collective until the launcher killed them, their logs showing a
+    lost connection instead of the user's error. Agreeing first stops every rank with the same
+    error (exit status 2), as one process stops.
+    """
+    try:
+        result, error = work(), None
+    except UserError as exc:
+        result, error = None, exc
+    messages = [m for m in all_gather_objects(None if error is None else str(error)) if m is not None]
+    if error is not None:
+        raise error
+    if messages:
+        raise UserError(messages[0])
+    return result
 
 
 class Sharder:

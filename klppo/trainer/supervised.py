@@ -26,13 +26,14 @@ from klppo.cli_support import quiet_libraries
 from klppo.config import RMConfig, SFTConfig, format_config
 from klppo.config.schema import FSDPConfig, SFTTrainerConfig
 from klppo.data.sampler import PromptBatches
-from klppo.distributed import DistEnv, barrier, load_training_state, run_on_ranks, shard_range, training_state
+from klppo.distributed import DistEnv, load_training_state, run_on_ranks, shard_range, training_state
 from klppo.errors import UserError
-from klppo.monitoring.jsonl import set_aside, truncate_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.trainer.adapters import export_model
+from klppo.trainer.run_folder import RunFolder
 from klppo.trainer.setup import (
-    Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, return_freed_memory, seed_everything,
+    Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, return_freed_memory, same_on_every_rank,
+    seed_everything,
 )
 
 SupervisedConfig = Union[SFTConfig, RMConfig]
@@ -83,14 +84,17 @@ def _train(cfg: SupervisedConfig, env: DistEnv, prepare: PrepareJob, print_fn: C
     tokenizer = load_tokenizer(cfg.model.partial_pretrain, key="model.partial_pretrain")
     job = prepare(cfg, env, tokenizer, Sharder(env), print_fn)
     run = prepare_run(cfg, env, job, print_fn)
-    resume_from = run.resume_target()  # the whole checkpoint is checked before anything is written
-    if env.rank == 0:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        (run.run_dir / "config.yaml").write_text(format_config(cfg))
-    barrier()
-    logger = MetricsLogger(run.run_dir, cfg.trainer.logger, print_fn=print_fn, rank=env.rank,
-                           console_keys=job.console_keys)
-    supervised_loop(run, lambda indices: job.train_step(run, indices), job.evaluate, logger, resume_from)
+    resume_from = same_on_every_rank(run.resume_target)  # the whole checkpoint is checked before anything is written
+    start = run.resume(resume_from)  # and restored: its data position may not fit the data
+    folder = RunFolder(run.run_dir, (METRICS_FILE,), format_config(cfg), env, None if resume_from is None else start)
+
+    def open_logger() -> MetricsLogger:  # at the first step's log (klppo.trainer.run_folder)
+        folder.open(print_fn)
+        return MetricsLogger(run.run_dir, cfg.trainer.logger, print_fn=print_fn, rank=env.rank,
+                             console_keys=job.console_keys)
+
+    supervised_loop(run, lambda indices: job.train_step(run, indices), job.evaluate, open_logger, start)
+    folder.open(print_fn)  # a resumed run that had no step left has logged nothing
     out = finish(run, tokenizer)
     print_fn(job.saved.format(out))
     return out
@@ -131,11 +135,8 @@ class SupervisedRun:
                                   rank=self.env.rank)
 
     def resume(self, folder: Optional[Path]) -> int:
-        """The step to continue after: that of checkpoint ``folder``, or 0 for a fresh run (None)."""
+        """Restore checkpoint ``folder`` and return its step (None: a fresh run, step 0); writes nothing."""
         if folder is None:
-            if self.env.rank == 0:
-                set_aside(self.run_dir, (METRICS_FILE,), self.print)
-            barrier()
             return 0
         shared, mine = load_checkpoint(folder), load_rank_state(folder, self.env)
         sharded = self.sharded_state()
@@ -144,8 +145,6 @@ class SupervisedRun:
         self.scheduler.load_state_dict(shared["scheduler"])
         self.batches.load_state_dict(shared["data"])
         set_rng_state(mine["rng"], self.env.device)
-        if self.env.rank == 0:  # steps logged after the checkpoint will be run (and logged) again
-            truncate_jsonl(self.run_dir / METRICS_FILE, shared["step"])
         self.print(f"resumed from {folder} at step {shared['step']}")
         return shared["step"]
 
@@ -161,26 +160,31 @@ def prepare_run(cfg: SupervisedConfig, env: DistEnv, job: SupervisedJob, print_f
 
 
 def supervised_loop(run: SupervisedRun, train_step: Callable[[list[int]], dict],
-                    evaluate: Optional[Callable[[], dict]], logger: MetricsLogger,
-                    resume_from: Optional[Path] = None) -> None:
-    """Optimiser steps of ``train_step(this rank's example indices) -> metrics`` to the last step;
-    validation and the console table ten times a run, checkpoints every ``save_freq`` steps."""
+                    evaluate: Optional[Callable[[], dict]], open_logger: Callable[[], MetricsLogger],
+                    start: int = 0) -> None:
+    """Optimiser steps of ``train_step(this rank's example indices) -> metrics`` after step ``start``
+    to the last step; validation and the console table ten times a run, checkpoints every
+    ``save_freq`` steps. ``open_logger`` is called once, when the first step is logged."""
     every = max(1, run.total_steps // 10)
     save_freq, backends = run.trainer.save_freq, run.trainer.logger
+    logger = None
     try:
-        for step in range(run.resume(resume_from) + 1, run.total_steps + 1):
+        for step in range(start + 1, run.total_steps + 1):
             metrics = train_step(run.my_share(run.batches.next_batch()))
             metrics["train/lr"] = run.scheduler.get_last_lr()[0]
             run.scheduler.step()
             shown = step % every == 0 or step == run.total_steps
             if evaluate is not None and shown:
                 metrics.update(evaluate())
+            if logger is None:
+                logger = open_logger()
             logger.console = "console" in backends and shown
             logger.log(step, metrics, total=run.total_steps)
             if save_freq > 0 and (step % save_freq == 0 or step == run.total_steps):
                 run.save(step)
     finally:
-        logger.close()
+        if logger is not None:
+            logger.close()
 
 
 def finish(run: SupervisedRun, tokenizer) -> Path:

@@ -121,6 +121,25 @@ def test_plain_data_of_the_wrong_shape_is_refused(save, tmp_path):
         check_resume_target(ckpt.step_dir(tmp_path, 2), kind="ppo", world_size=1)
 
 
+@pytest.mark.parametrize("events", [[{"step": 1, "what": "x"}], [{"step": "1", "kind": "rollback", "message": "m"}],
+                                    {"step": 1}])
+def test_guard_events_that_are_not_guard_events_are_refused_before_anything_is_restored(save, tmp_path, events):
+    """The guard's record is rebuilt from its events at restore, after the run has loaded everything."""
+    folder = save(tmp_path, 2)
+    state = torch.load(folder / ckpt.STATE_FILE, weights_only=True)
+    torch.save({**state, "guard": {**state["guard"], "events": events}}, folder / ckpt.STATE_FILE)
+    with pytest.raises(UserError, match="trainer_state.pt' 'guard' holds events that are not guard events"):
+        check_resume_target(folder, kind="ppo", world_size=1)
+
+
+def test_the_guard_events_a_run_saves_pass(save, tmp_path):
+    folder = save(tmp_path, 2)
+    state = torch.load(folder / ckpt.STATE_FILE, weights_only=True)
+    event = {"step": 2, "kind": "rollback", "message": "KL 0.3 above 0.15", "values": {"kl": 0.3}}
+    torch.save({**state, "guard": {**state["guard"], "events": [event]}}, folder / ckpt.STATE_FILE)
+    assert check_resume_target(folder, kind="ppo", world_size=1) == 2
+
+
 def test_a_state_of_another_step_than_its_folder_is_refused(save, tmp_path):
     save(tmp_path, 1), save(tmp_path, 2)
     shutil.copy(ckpt.step_dir(tmp_path, 1) / ckpt.STATE_FILE, ckpt.step_dir(tmp_path, 2) / ckpt.STATE_FILE)

@@ -252,3 +252,20 @@ def test_tokenize_responses_appends_eos_and_truncates(tok):
     assert ids == text_ids and cut == 1  # no room for EOS: the response did not end
     (ids, empty), cut = tokenize_responses(["7 + 5 = 12 #### 12", ""], tok, max_response_length=3)
     assert ids == text_ids[:3] and empty == [tok.eos_token_id] and cut == 1
+
+
+@pytest.mark.parametrize("text", ['[{"role": "user", "content": "What is 2 + 3?"}]',
+                                  ' [{"content": "Hi", "role": "system"}, {"role": "user", "content": "2+3?"}]'])
+def test_chat_messages_written_as_json_text_are_refused_naming_the_row(text):
+    from klppo.data.rl_dataset import check_prompt
+
+    with pytest.raises(UserError, match=r"x.parquet row 4, column 'prompt': the prompt is a string of chat messages "
+                                        r"written as JSON .*json.loads it"):
+        check_prompt({"_file": "x.parquet", "_row": 4, "prompt": text}, "prompt")
+
+
+@pytest.mark.parametrize("text", ["[1, 2, 3] sorted is", '[{"a": 1}] as a table', "[{ not json", "[]"])
+def test_plain_text_that_only_looks_like_a_list_stays_plain_text(text):
+    from klppo.data.rl_dataset import check_prompt
+
+    assert check_prompt({"_file": "x.parquet", "_row": 4, "prompt": text}, "prompt") == text

@@ -1,7 +1,7 @@
 """SFT and reward-model training on several ranks: the same updates as one process, exact resume."""
 
 import pytest
-from launch import RM, SFT, assert_same_metrics, assert_same_weights, run_ok
+from launch import RM, SFT, assert_same_metrics, assert_same_weights, launch, run_ok
 from transformers import AutoModelForSequenceClassification
 
 from klppo.monitoring.logger import read_metrics
@@ -63,3 +63,23 @@ def test_reward_model_training_resumed_in_new_processes_repeats_the_uninterrupte
     assert_same_weights(rm_runs / "two" / "hf", rm_runs / "resumed" / "hf", AutoModelForSequenceClassification)
     assert sorted(p.name for p in rm_runs.joinpath("resumed").glob("global_step_*")) == ["global_step_2",
                                                                                           "global_step_4"]
+
+
+def test_a_damaged_rank_file_stops_every_rank_with_its_error_and_changes_nothing(tiny_model_dir, task_dir, tmp_path):
+    """Each rank checks its own rank_R.pt; the ranks agree on what they found before any of them
+    restores (a collective the refusing rank would leave the others waiting in) or writes."""
+    def overrides(steps: int) -> list[str]:
+        return [f"data.train_files={task_dir / 'sft.parquet'}", "data.max_length=96", "data.train_batch_size=8",
+                "data.micro_batch_size_per_gpu=4", f"model.partial_pretrain={tiny_model_dir}",
+                f"trainer.total_training_steps={steps}", "trainer.save_freq=1", *_common(tmp_path / "run", 2)]
+
+    run_ok(overrides(1), 2, module=SFT)
+    rank_1 = tmp_path / "run" / "global_step_1" / "rank_1.pt"
+    rank_1.write_bytes(rank_1.read_bytes()[:200])
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    done = launch(overrides(2), 2, timeout=120, module=SFT)
+    assert done.returncode != 0
+    errors = {line for line in done.stderr.splitlines() if line.startswith("error: ")}
+    assert len(errors) == 1 and "rank_1.pt" in errors.pop(), done.stderr[-3000:]
+    assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr, done.stderr[-3000:]
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before

@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from klppo.errors import UserError
-from klppo.models.load import load_causal_lm, load_critic, load_reward_model, load_tokenizer
+from klppo.models.load import (
+    check_trained_score_head, load_causal_lm, load_critic, load_reward_model, load_tokenizer,
+)
 
 KEY = "actor_rollout_ref.model.path"
 CPU = torch.device("cpu")
@@ -131,3 +133,13 @@ def test_a_damaged_tokenizer_file_is_refused_naming_the_folder(folder):
 
 def test_the_tiny_models_own_tokenizer_is_usable(tiny_model_dir):
     assert load_tokenizer(str(tiny_model_dir), KEY).padding_side == "left"
+
+
+def test_a_reward_model_that_scores_ppo_must_bring_its_trained_score_head(folder, tmp_path):
+    """A causal LM gets a fresh (random) head from load_reward_model, which klppo rm trains; scoring
+    PPO's responses with it would give random rewards. A saved reward model passes."""
+    with pytest.raises(UserError, match=r"reward_model.model.path: '.*' holds Qwen2ForCausalLM with no trained score "
+                                        r"head \('score.weight' is not in its weights\)"):
+        check_trained_score_head(str(folder), "reward_model.model.path")
+    load_reward_model(str(folder), key="reward_model.model.path", device=CPU).save_pretrained(tmp_path / "rm")
+    check_trained_score_head(str(tmp_path / "rm"), "reward_model.model.path")

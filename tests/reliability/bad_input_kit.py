@@ -110,14 +110,35 @@ class Workspace:
     def model_copy(self, name: str = "model") -> Path:
         return Path(shutil.copytree(self.model, self.root / name))
 
+    def model_with_new_special_tokens(self, **tokens: str) -> Path:
+        """A copy of the model whose tokenizer got ``tokens`` (e.g. ``eos_token="<|end|>"``) as new special
+        tokens, so their ids lie past the model's embedding rows (no resize)."""
+        from transformers import AutoTokenizer
+
+        model = self.model_copy()
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer.add_special_tokens(tokens)
+        tokenizer.save_pretrained(model)
+        return model
+
     def trained(self, kind: str, into: str | None = None) -> Path:
-        """A copy of a finished 1-step ``kind`` run ("sft" or "rm") with its checkpoint at step 1;
+        """A copy of a finished 1-step ``kind`` run ("sft", "rm" or "ppo") with its checkpoint at step 1;
         ``into="run"`` makes it the earlier run this case's command continues."""
         assert self._trained_runs is not None, "this workspace has no trained runs"
         target = self.root / (into or f"trained_{kind}")
         if target.exists():
             shutil.rmtree(target)
         return Path(shutil.copytree(self._trained_runs() / kind, target))
+
+    def shift_data_position(self, checkpoint: Path, position: int) -> None:
+        """Make ``checkpoint`` stop at batch ``position`` of its epoch, as a run over more data would
+        (its state is otherwise whole and sound)."""
+        import torch
+
+        path = checkpoint / "trainer_state.pt"
+        state = torch.load(path, weights_only=True)
+        state["data"]["position"] = position
+        torch.save(state, path)
 
     def config(self, tree: dict, changes: dict | None = None, name: str = "config.yaml") -> Path:
         """Write ``tree`` with dotted ``changes`` (``DROP`` removes a key) as a YAML file."""

@@ -112,6 +112,18 @@ def validate_quoted_number(ws):
     return _validate(ws, PPO_YAML.replace("  train_batch_size: 8\n", "  train_batch_size: 8\n  max_prompt_length: '512'\n"))
 
 
+@validate("actor_rollout_ref.model.target_modules", "is not a valid regular expression",
+          "unterminated subpattern", "give a list of module names")
+def validate_lora_target_modules_regex_that_does_not_compile(ws):
+    return _validate(ws, PPO_YAML.replace("    path: models/tiny\n", "    path: models/tiny\n    lora_rank: 16\n"
+                                          "    target_modules: .*(q|v_proj\n"))
+
+
+@validate("critic.model.exclude_modules", "is not a valid regular expression", "nothing to repeat")
+def validate_critic_exclude_modules_glob_given_as_a_regex(ws):
+    return _validate(ws, PPO_YAML + "critic:\n  model:\n    lora_rank: 8\n    exclude_modules: '*lm_head'\n")
+
+
 # ---- report ----
 
 def _metrics(ws: Workspace, lines: list[str], name: str = "metrics.jsonl") -> list[str]:
@@ -198,6 +210,12 @@ def report_on_an_event_without_kind(ws):
 @report("config.yaml is not valid YAML at line 2", "move it away")
 def report_with_a_broken_config_yaml(ws):
     (ws.run / "config.yaml").write_text("trainer:\n\tguard: {rollback_kl: 0.1\n")
+    return _metrics(ws, [_good(s) for s in (1, 2, 3)])
+
+
+@report("config.yaml holds a list, not a run's config", "move it away")
+def report_with_a_config_yaml_that_is_a_list(ws):
+    (ws.run / "config.yaml").write_text("- trainer\n- guard\n")
     return _metrics(ws, [_good(s) for s in (1, 2, 3)])
 
 

@@ -69,6 +69,18 @@ def ppo_row5_gsm8k_row_without_ground_truth(ws):
     return ws.ppo(bad_row(reward_model=None))
 
 
+@case("data.train_files, ", "train.parquet row 5", "'Natalia sold 48 clips", "no answer can equal",
+      "give the final number alone")
+def ppo_row5_gsm8k_ground_truth_is_the_whole_solution(ws):
+    return ws.ppo(bad_row(reward_model={"style": "rule", "ground_truth": "Natalia sold 48 clips. #### 72"}))
+
+
+@case("data.val_files, ", "val.parquet row 2", "'eight'", "no answer can equal")
+def ppo_val_row2_gsm8k_ground_truth_is_a_word(ws):
+    val = ws.parquet(rows(ppo_row, 2, reward_model={"style": "rule", "ground_truth": "eight"}), "val.parquet")
+    return ws.ppo(None, {"data.val_files": str(val)})
+
+
 @case(f"{ROW5} 'responses'", "non-empty list of strings, got None", "one per recorded response")
 def ppo_row5_offline_responses_null(ws):
     return ws.ppo(bad_row(responses=None))
@@ -182,6 +194,18 @@ def ppo_plain_text_prompt_that_is_empty(ws):
         row["prompt"] = row["prompt"][0]["content"]
     table[5]["prompt"] = ""
     return ws.ppo(ws.parquet(table, "plain.parquet"))
+
+
+@case(f"{ROW5} 'prompt'", "chat messages written as JSON", "json.loads it before writing the file")
+def ppo_row5_prompt_is_chat_messages_as_json_text(ws):
+    return ws.ppo(json_text_prompts(rows(ppo_row), 5))
+
+
+def json_text_prompts(table: list[dict], bad_at: int) -> list[dict]:
+    """Plain-text prompts (a column of strings), row ``bad_at``'s being its messages as JSON text."""
+    for i, row in enumerate(table):
+        row["prompt"] = json.dumps(row["prompt"]) if i == bad_at else row["prompt"][0]["content"]
+    return table
 
 
 # ---- the prompt files themselves ----
@@ -372,6 +396,118 @@ def ppo_tokenizer_far_smaller_than_the_model(ws):
     return ws.ppo(None, {"actor_rollout_ref.model.path": str(model)})
 
 
+@case("actor_rollout_ref.model.path", "has eos_token '<|end|>' at id 385", "384 embedding rows",
+      "resize_token_embeddings")
+def ppo_tokenizer_eos_token_past_the_embedding_rows(ws):
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(ws.model_with_new_special_tokens(eos_token="<|end|>"))})
+
+
+@case("actor_rollout_ref.model.path", "has token 'calculate' at id 385", "384 embedding rows")
+def ppo_tokenizer_with_an_added_word_past_the_embedding_rows(ws):
+    from transformers import AutoTokenizer
+
+    model = ws.model_copy()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_tokens(["calculate"])
+    tokenizer.save_pretrained(model)
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(model)})
+
+
+@case("critic.model.path", "has pad_token '<|padding|>' at id 385", "ids 0 to 383")
+def ppo_critic_tokenizer_pad_token_past_the_embedding_rows(ws):
+    critic = ws.model_with_new_special_tokens(pad_token="<|padding|>")
+    return ws.ppo(None, {"algorithm.adv_estimator": "gae", "critic.model.path": str(critic)})
+
+
+# ---- broken side files of a model folder: the error blames the file, not a data row ----
+
+GENERATION = "generation_config.json' cannot be read"
+
+
+def with_side_file(ws: Workspace, name: str, text: str, *overrides: str, changes: dict | None = None):
+    model = ws.model_copy()
+    (model / name).write_text(text)
+    return ws.ppo(None, {"actor_rollout_ref.model.path": str(model), **(changes or {})}, *overrides)
+
+
+@case("actor_rollout_ref.model.path", GENERATION, "Expecting property name enclosed in double quotes: line 1",
+      "remove it to use the model config's")
+def ppo_generation_config_that_is_not_json(ws):
+    return with_side_file(ws, "generation_config.json", '{"eos_token_id": 1,')
+
+
+@case("actor_rollout_ref.model.path", GENERATION, "Expecting property name enclosed in double quotes")
+def ppo_generation_config_that_is_not_json_on_a_sharded_actor(ws):
+    """bf16 makes a process group of one: the sharded loading path, with the same rule."""
+    return with_side_file(ws, "generation_config.json", '{"eos_token_id": 1,',
+                          changes={"actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16"})
+
+
+@case("actor_rollout_ref.model.path", GENERATION, "`max_new_tokens` must be greater than 0")
+def ppo_generation_config_with_an_invalid_value(ws):
+    return with_side_file(ws, "generation_config.json", '{"eos_token_id": 1, "max_new_tokens": -5}',
+                          changes={"actor_rollout_ref.rollout.name": "hf"})
+
+
+@case("actor_rollout_ref.model.path", "generation_config.json' holds a list, not a mapping of settings")
+def ppo_generation_config_that_is_a_list(ws):
+    return with_side_file(ws, "generation_config.json", "[1, 2]")
+
+
+@case("actor_rollout_ref.model.path", "chat_template.jinja' cannot render even one user message",
+      "Unexpected end of template", "fix the template")
+def ppo_chat_template_with_a_jinja_syntax_error(ws):
+    return with_side_file(ws, "chat_template.jinja", "{% for m in messages %}{{ m['content'] }}")
+
+
+# ---- one rule on one process and on ranks (bf16 shards over a process group of one) ----
+
+def with_reshaped_weight(ws: Workspace, name: str, shape: tuple[int, ...]) -> str:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = ws.model_copy()
+    weights = load_file(model / "model.safetensors")
+    weights[name] = torch.zeros(shape)
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    return str(model)
+
+
+@case("actor_rollout_ref.model.path", "'model.layers.1.mlp.up_proj.weight'", "has shape [64, 32]", "needs [128, 32]")
+def ppo_model_weight_of_the_wrong_shape(ws):
+    return ws.ppo(None, {"actor_rollout_ref.model.path": with_reshaped_weight(ws, "model.layers.1.mlp.up_proj.weight",
+                                                                              (64, 32))})
+
+
+@case("actor_rollout_ref.model.path", "'model.layers.1.mlp.up_proj.weight'", "has shape [64, 32]", "needs [128, 32]")
+def ppo_model_weight_of_the_wrong_shape_on_a_sharded_actor(ws):
+    path = with_reshaped_weight(ws, "model.layers.1.mlp.up_proj.weight", (64, 32))
+    return ws.ppo(None, {"actor_rollout_ref.model.path": path, "actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16"})
+
+
+def two_label_reward_model(ws: Workspace) -> str:
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    out = ws.root / "two_labels"
+    AutoModelForSequenceClassification.from_pretrained(ws.model, num_labels=2).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ws.model / name, out / name)
+    return str(out)
+
+
+@case("reward_model.model.path", "'score.weight'", "has shape [2, 32]", "one output (num_labels=1)")
+def ppo_reward_model_with_two_labels(ws):
+    return ws.ppo(None, {"reward_model.enable": True, "reward_model.model.path": two_label_reward_model(ws)})
+
+
+@case("reward_model.model.path", "'score.weight'", "has shape [2, 32]", "one output (num_labels=1)")
+def ppo_reward_model_with_two_labels_sharded(ws):
+    return ws.ppo(None, {"reward_model.enable": True, "reward_model.model.path": two_label_reward_model(ws),
+                         "reward_model.model.fsdp_config.dtype": "bfloat16"})
+
+
 # ---- the reward file ----
 
 @case("custom_reward_function.path", "SyntaxError", "line 3", "fix the file")
@@ -400,3 +536,124 @@ def ppo_output_folder_below_a_file(ws):
     ws.write("taken", "a file")
     return ws.ppo(None, {"trainer.default_local_dir": str(ws.root / "taken" / "run")})
 
+
+
+# ---- the user's reward function: cannot take verl's call, raises, or returns no number ----
+
+SCORE = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+IN_ORDER = {"data.train_batch_size": 8, "data.shuffle": False}  # row 5 is scored at step 1
+
+
+def with_reward(ws: Workspace, body: str, changes: dict | None = None, header: str = SCORE):
+    reward = ws.write("reward.py", header + body)
+    return ws.ppo(None, {"custom_reward_function.path": str(reward), **(changes or {})})
+
+
+@case("custom_reward_function.name 'compute_score'", "takes (data_source, solution_str, ground_truth)",
+      "extra_info=...", "give it those four parameters")
+def ppo_reward_function_without_extra_info(ws):
+    return with_reward(ws, "    return 0.0\n", header="def compute_score(data_source, solution_str, ground_truth):\n")
+
+
+@case("custom_reward_function.name 'compute_score'", "takes (solution, answer)",
+      "missing a required argument: 'solution'")
+def ppo_reward_function_with_its_own_parameter_names(ws):
+    return with_reward(ws, "    return 0.0\n", header="def compute_score(solution, answer):\n")
+
+
+@case("custom_reward_function.name 'compute_score'", "takes ()", "or add **kwargs")
+def ppo_reward_function_is_a_class_without_parameters(ws):
+    return with_reward(ws, "    pass\n", header="class compute_score:\n")
+
+
+@case("train.parquet row 5: reward function custom_reward_function compute_score in", "raised KeyError: 'answer'",
+      "fix the function")
+def ppo_reward_function_raises_on_row_5(ws):
+    return with_reward(ws, "    if extra_info['index'] == 5:\n        raise KeyError('answer')\n    return 0.0\n",
+                       IN_ORDER)
+
+
+@case("train.parquet row 5: reward function", "returned 'high' (str); return a number")
+def ppo_reward_function_returns_a_string_for_row_5(ws):
+    return with_reward(ws, "    return 'high' if extra_info['index'] == 5 else 1.0\n", IN_ORDER)
+
+
+@case("train.parquet row 5: reward function", "returned a dict without a 'score' key (keys: acc)")
+def ppo_reward_function_returns_a_dict_without_score_for_row_5(ws):
+    return with_reward(ws, "    return {'acc': 1.0} if extra_info['index'] == 5 else {'score': 1.0}\n", IN_ORDER)
+
+
+@case("train.parquet row 5: reward function", "returned [1.0, 0.0] (list)")
+def ppo_reward_function_returns_a_list_for_row_5(ws):
+    return with_reward(ws, "    return [1.0, 0.0] if extra_info['index'] == 5 else 1.0\n", IN_ORDER)
+
+
+@case("custom_reward_function.name 'compute_score'", "is an async function", "make it a plain function")
+def ppo_reward_function_is_async(ws):
+    return with_reward(ws, "    return 1.0\n", header=SCORE.replace("def ", "async def "))
+
+
+@case("custom_reward_function.name 'compute_score'", "is a generator function", "returns the score")
+def ppo_reward_function_yields_its_score(ws):
+    return with_reward(ws, "    yield 1.0\n")
+
+
+@case("custom_reward_function.path", "failed to import (SystemExit: needs a GPU)", "fix the file")
+def ppo_reward_file_that_exits_when_imported(ws):
+    return with_reward(ws, "    return 0.0\n", header="import sys\nsys.exit('needs a GPU')\n" + SCORE)
+
+
+@case("train.parquet row 5: reward function", "raised SystemExit: 3")
+def ppo_reward_function_that_exits_on_row_5(ws):
+    return with_reward(ws, "    if extra_info['index'] == 5:\n        raise SystemExit(3)\n    return 0.0\n", IN_ORDER)
+
+
+@case("reward function custom_reward_function compute_score in", "raised ZeroDivisionError: division by zero")
+def ppo_reward_function_raises_in_validation_before_training(ws):
+    table = rows(ppo_row)
+    for row in table:
+        row["extra_info"] = {"index": row["extra_info"]["index"], "split": "val"}
+    val = ws.parquet(table, "val.parquet")
+    return with_reward(ws, "    return 1 / 0 if extra_info.get('split') == 'val' else 0.0\n", {"data.val_files": str(val)})
+
+
+# ---- resuming: the checkpoint's state is restored before the run writes anything ----
+
+@case("data position", "does not fit 2 batches per epoch", "data.train_batch_size and data files the checkpoint")
+def ppo_auto_resume_whose_data_position_does_not_fit_the_data(ws):
+    run = ws.trained("ppo", into="run")
+    ws.shift_data_position(run / "global_step_1", 5)
+    return ws.ppo(None, {"trainer.total_training_steps": 2})
+
+
+@case("train.parquet row 5: reward function", "raised KeyError: 'answer'")
+def ppo_auto_resume_whose_next_step_the_reward_function_fails(ws):
+    ws.trained("ppo", into="run")
+    return with_reward(ws, "    if extra_info['index'] == 5:\n        raise KeyError('answer')\n    return 0.0\n",
+                       {"trainer.total_training_steps": 2, **IN_ORDER})
+
+
+# ---- reward models: a folder without a trained score head would score at random ----
+
+@case("reward_model.model.path", "holds Qwen2ForCausalLM with no trained score head", "'score.weight'",
+      "klppo rm trains one from this folder")
+def ppo_reward_model_folder_is_a_causal_lm(ws):
+    return ws.ppo(None, {"reward_model.enable": True, "reward_model.model.path": str(ws.model_copy())})
+
+
+@case("reward_model.model.extra_paths[0]", "no trained score head")
+def ppo_second_reward_model_is_a_causal_lm(ws):
+    trained = ws.trained("rm") / "hf"
+    return ws.ppo(None, {"reward_model.enable": True, "reward_model.model.path": str(trained),
+                         "reward_model.model.extra_paths": [str(ws.model_copy())]})
+
+
+@case("trainer_state.pt' 'guard' holds events that are not guard events", "resume from another checkpoint")
+def ppo_auto_resume_whose_guard_events_were_rewritten(ws):
+    import torch
+
+    state_file = ws.trained("ppo", into="run") / "global_step_1" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    state["guard"]["events"] = [{"step": 1, "kind": "rollback", "text": "written by another tool"}]
+    torch.save(state, state_file)
+    return ws.ppo(None, {"trainer.total_training_steps": 2})

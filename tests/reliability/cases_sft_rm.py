@@ -320,3 +320,93 @@ def rm_auto_resume_with_a_non_numeric_pointer(ws):
 def rm_resume_from_a_file(ws):
     ws.write("global_step_3", "not a folder")
     return ws.rm(None, {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(ws.root / "global_step_3")})
+
+
+# ---- resuming: the checkpoint's state is restored before the run writes anything ----
+
+@sft("data position", "does not fit 2 batches per epoch", "data.train_batch_size and data files the checkpoint")
+def sft_auto_resume_whose_data_position_does_not_fit_the_data(ws):
+    run = ws.trained("sft", into="run")
+    ws.shift_data_position(run / "global_step_1", 5)
+    return ws.sft(None, {"trainer.total_training_steps": 2})
+
+
+@rm("data position", "does not fit 2 batches per epoch", "data.train_batch_size and data files the checkpoint")
+def rm_resume_path_whose_data_position_does_not_fit_the_data(ws):
+    other = ws.trained("rm")
+    ws.shift_data_position(other / "global_step_1", 7)
+    return ws.rm(None, {"trainer.total_training_steps": 2, "trainer.resume_mode": "resume_path",
+                        "trainer.resume_from_path": str(other / "global_step_1")})
+
+
+# ---- regex-valued keys ----
+
+@sft("model.target_modules", "is not a valid regular expression", "unterminated character set")
+def sft_lora_target_modules_regex_that_does_not_compile(ws):
+    return ws.sft(None, {"model.lora_rank": 8, "model.target_modules": "[qv]_proj|[o_proj"})
+
+
+@rm("model.exclude_modules", "is not a valid regular expression", "give a list of module names")
+def rm_lora_exclude_modules_regex_that_does_not_compile(ws):
+    return ws.rm(None, {"model.lora_rank": 8, "model.exclude_modules": "score)"})
+
+
+# ---- tokenizers whose special tokens have no embedding row ----
+
+@sft("model.partial_pretrain", "has pad_token '<|padding|>' at id 385", "use the model's own tokenizer")
+def sft_tokenizer_pad_token_past_the_embedding_rows(ws):
+    return ws.sft(None, {"model.partial_pretrain": str(ws.model_with_new_special_tokens(pad_token="<|padding|>"))})
+
+
+@rm("model.partial_pretrain", "has bos_token '<|begin|>' at id 385", "384 embedding rows")
+def rm_tokenizer_bos_token_past_the_embedding_rows(ws):
+    return ws.rm(None, {"model.partial_pretrain": str(ws.model_with_new_special_tokens(bos_token="<|begin|>"))})
+
+
+# ---- broken chat templates: the error blames the template's file, not row 0 ----
+
+@sft("model.partial_pretrain", "chat_template.jinja' cannot render even one user message",
+     "'str object' has no attribute 'title_case'")
+def sft_chat_template_that_fails_on_every_conversation(ws):
+    model = ws.model_copy()
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'].title_case() }}{% endfor %}")
+    return ws.sft(None, {"model.partial_pretrain": str(model)})
+
+
+@rm("model.partial_pretrain", "tokenizer_config.json' cannot render even one user message", "'mesages' is undefined")
+def rm_chat_template_in_tokenizer_config_with_an_undefined_name(ws):
+    """The older layout: the template inside tokenizer_config.json."""
+    import json
+
+    model = ws.model_copy()
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in mesages %}{{ m['content'] }}{% endfor %}{{ mesages[0]['role'] }}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return ws.rm(None, {"model.partial_pretrain": str(model)})
+
+
+# ---- weights of the wrong shape: one rule on one process and on ranks ----
+
+@rm("model.partial_pretrain", "'model.embed_tokens.weight'", "has shape [300, 32]", "needs [384, 32]")
+def rm_model_embeddings_of_the_wrong_shape_sharded(ws):
+    from cases_ppo import with_reshaped_weight
+
+    path = with_reshaped_weight(ws, "model.embed_tokens.weight", (300, 32))
+    return ws.rm(None, {"model.partial_pretrain": path, "model.fsdp_config.dtype": "bfloat16"})
+
+
+# ---- content that would be misread ----
+
+@sft(f"{SFT_ROW6} 'prompt'", "chat messages written as JSON", "write the list of messages itself")
+def sft_row6_prompt_is_chat_messages_as_json_text(ws):
+    from cases_ppo import json_text_prompts
+
+    return ws.sft(json_text_prompts(rows(sft_row), 6))
+
+
+@rm(f"{RM_ROW4} 'prompt'", "chat messages written as JSON")
+def rm_row4_prompt_is_chat_messages_as_json_text(ws):
+    from cases_ppo import json_text_prompts
+
+    return ws.rm(json_text_prompts(rows(ranked_row), 4))

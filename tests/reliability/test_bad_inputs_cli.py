@@ -32,7 +32,19 @@ CLASSES = {  # class of bad input -> corpus cases run through the executable
                                          "rm_auto_resume_from_a_truncated_shard"],
     "output folder unusable": ["ppo_output_folder_is_a_file", "sft_output_folder_below_a_file",
                                "rm_output_folder_not_writable"],
+    # (warnings such as "coroutine was never awaited" would show here, not in the in-process corpus)
+    "user code that fails": ["ppo_reward_function_is_async", "ppo_reward_function_raises_on_row_5",
+                             "ppo_reward_function_without_extra_info"],
+    "broken side file of a model folder": ["ppo_generation_config_that_is_not_json",
+                                           "sft_chat_template_that_fails_on_every_conversation"],
+    "token ids past the embedding rows": ["ppo_tokenizer_eos_token_past_the_embedding_rows",
+                                          "rm_tokenizer_bos_token_past_the_embedding_rows"],
+    "checkpoint refused once restored": ["ppo_auto_resume_whose_data_position_does_not_fit_the_data",
+                                         "sft_auto_resume_whose_data_position_does_not_fit_the_data"],
+    "one rule on one process and on ranks": ["ppo_model_weight_of_the_wrong_shape_on_a_sharded_actor",
+                                             "rm_model_embeddings_of_the_wrong_shape_sharded"],
 }
+ONE_COMMAND = {"user code that fails"}  # the reward function is PPO's alone
 NAMES = [name for names in CLASSES.values() for name in names]
 
 
@@ -69,5 +81,6 @@ def test_the_klppo_executable_refuses_a_bad_input_in_at_most_3_lines_and_changes
 
 
 def test_every_class_has_several_cases_from_at_least_two_commands():
-    for names in CLASSES.values():
-        assert len(names) >= 2 and len({CORPUS[n].command for n in names}) >= 2, names
+    for name, names in CLASSES.items():
+        commands = {CORPUS[n].command for n in names}
+        assert len(names) >= 2 and (len(commands) >= 2 or name in ONE_COMMAND), names

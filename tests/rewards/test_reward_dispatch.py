@@ -84,3 +84,87 @@ def test_score_responses_gives_one_score_per_response():
     scores = score_responses(make_reward_fn(None), ["openai/gsm8k"] * 3,
                              ["#### 12", "#### 13", "no answer"], ["12", "12", "12"], [{}, None, {}])
     assert scores == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("header", ["def compute_score(solution, truth):",
+                                    "def compute_score(data_source, solution_str, ground_truth):",
+                                    "def compute_score(data_source, solution_str, ground_truth, extra_info, /):",
+                                    "def compute_score(data_source, solution_str, ground_truth, extra_info, mode):"])
+def test_a_function_that_cannot_take_verls_four_keywords_is_refused_when_it_loads(tmp_path, header):
+    path = write_module(tmp_path, f"{header}\n    return 0.0\n")
+    with pytest.raises(UserError) as err:
+        make_reward_fn(path, "compute_score")
+    message = str(err.value)
+    assert "custom_reward_function.name 'compute_score'" in message and path in message
+    assert "data_source=..., solution_str=..., ground_truth=..., extra_info=..." in message
+    assert "\n" not in message
+
+
+def test_a_class_without_those_parameters_is_refused_when_it_loads(tmp_path):
+    path = write_module(tmp_path, "class compute_score:\n    pass\n")
+    with pytest.raises(UserError, match=r"takes \(\), but klppo calls it as verl does"):
+        make_reward_fn(path, "compute_score")
+
+
+@pytest.mark.parametrize("header", ["def compute_score(**kwargs):",
+                                    "def compute_score(data_source, solution_str, ground_truth, extra_info=None, "
+                                    "*, scale=1.0):",
+                                    "def compute_score(*args, **kwargs):"])
+def test_functions_that_take_verls_keywords_in_any_form_load(tmp_path, header):
+    path = write_module(tmp_path, f"{header}\n    return 0.5\n")
+    assert make_reward_fn(path, "compute_score")("d", "s", "g", {}) == 0.5
+
+
+def test_an_exception_in_the_function_is_one_user_error_naming_the_function_its_file_and_the_row(tmp_path):
+    path = write_module(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                  "    if extra_info['index'] == 5:\n"
+                                  "        raise KeyError('answer')\n"
+                                  "    return 1.0\n")
+    fn = make_reward_fn(path, "compute_score")
+    infos = [{"index": 4}, {"index": 5}]
+    with pytest.raises(UserError) as err:
+        score_responses(fn, ["d", "d"], ["a", "b"], [None, None], infos, ["t.parquet row 4", "t.parquet row 5"])
+    message = str(err.value)
+    assert message.startswith("t.parquet row 5: reward function custom_reward_function compute_score in ")
+    assert f"'{path}' raised KeyError: 'answer'" in message and "fix the function" in message
+    assert isinstance(err.value.__cause__, KeyError)  # kept for a debugger
+
+
+def test_a_wrong_return_value_names_the_row_it_was_scoring(tmp_path):
+    path = write_module(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                  "    return extra_info['value']\n")
+    with pytest.raises(UserError, match=r"^v.parquet row 2: reward function .* returned 'b' \(str\); return a number"):
+        score_responses(make_reward_fn(path), ["d", "d"], ["x", "y"], [None, None], [{"value": 1.0}, {"value": "b"}],
+                        ["v.parquet row 1", "v.parquet row 2"])
+
+
+@pytest.mark.parametrize("body, kind", [("async def compute_score(**kw):\n    return 1.0\n", "an async"),
+                                        ("def compute_score(**kw):\n    yield 1.0\n", "a generator")])
+def test_async_and_generator_functions_are_refused_when_they_load(tmp_path, body, kind):
+    with pytest.raises(UserError, match=f"is {kind} function, but klppo calls it and uses what it returns"):
+        make_reward_fn(write_module(tmp_path, body), "compute_score")
+
+
+def test_an_exit_in_the_file_or_the_function_is_a_user_error_not_an_exit(tmp_path):
+    with pytest.raises(UserError, match=r"failed to import \(SystemExit: no GPU\)"):
+        make_reward_fn(write_module(tmp_path, "raise SystemExit('no GPU')\n", name="exits.py"))
+    path = write_module(tmp_path, "def compute_score(**kw):\n    raise SystemExit(0)\n")
+    with pytest.raises(UserError, match=r"raised SystemExit: 0"):
+        make_reward_fn(path)("d", "s", "g", {})
+
+
+@pytest.mark.parametrize("truth", ["Natalia sold 48 clips in April. #### 72", "seventy-two", "1/2", ""])
+def test_a_gsm8k_ground_truth_no_answer_can_equal_is_refused_up_front_naming_the_row(truth):
+    from klppo.rewards.score import check_scorable
+
+    rows = [("openai/gsm8k", "72"), ("openai/gsm8k", truth)]
+    with pytest.raises(UserError, match=r"^data.train_files, t.parquet row 1: .*which no answer can equal; give the "
+                                        r"final number alone"):
+        check_scorable(make_reward_fn(None), rows, "data.train_files", ["t.parquet row 0", "t.parquet row 1"])
+
+
+@pytest.mark.parametrize("truth", ["72", 72, 72.0, "1,000", "$5", "-3", "0.25"])
+def test_gsm8k_ground_truths_that_an_answer_can_equal_pass(truth):
+    from klppo.rewards.score import check_scorable
+
+    check_scorable(make_reward_fn(None), [("openai/gsm8k", truth)], "data.train_files", ["t.parquet row 0"])
