@@ -67,3 +67,16 @@ def test_the_config_layer_loads_without_torch():
     code = "import sys, klppo.config, klppo.cli; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_vllm_is_imported_by_rollout_vllm_alone_and_only_inside_functions():
+    """klppo runs without vLLM: nothing imports it at module level, and only ``rollout/vllm.py`` at all."""
+    importers = {}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            modules = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if any(m == "vllm" or m.startswith("vllm.") for m in modules):
+                importers.setdefault(str(path.relative_to(PACKAGE)), []).append(node in tree.body)
+    assert set(importers) == {"rollout/vllm.py"} and not any(importers["rollout/vllm.py"])

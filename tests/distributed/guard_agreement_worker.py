@@ -70,8 +70,8 @@ def _patch() -> None:
 
     score_batch = ppo_trainer.score_batch
 
-    def scores_of_this_rank(parts, batch, shards, timer):
-        score_batch(parts, batch, shards, timer)
+    def scores_of_this_rank(parts, batch, shards, timer, *args, **kwargs):
+        score_batch(parts, batch, shards, timer, *args, **kwargs)
         if "nan_scores" in _perturbed():
             batch.token_level_scores[0, 0] = math.nan
 
