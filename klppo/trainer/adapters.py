@@ -57,7 +57,7 @@ def export_model(model: torch.nn.Module, tokenizer, hf_dir: Path, adapter_dir: P
 
 
 @torch.no_grad()
-def merged_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
+def merged_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, *, copies: bool = True
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) of every parameter and persistent buffer of the plain model that
     ``model`` computes, for an inference engine that takes weights by name (the fp32 generation
@@ -66,12 +66,13 @@ def merged_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     update away); every other parameter cast to ``dtype``, buffers in their own dtype. A model
     without adapters gives its own weights, cast.
 
-    On every rank, on ``device``, each a tensor of its own; collective (every rank iterates to the
-    end); one decoder block's whole tensors at a time besides those already yielded.
+    On every rank, on ``device``, each a tensor of its own (``copies=False``: the model's own
+    where nothing changes it, for a consumer that copies them itself); collective (every rank
+    iterates to the end); one decoder block's whole tensors at a time besides those already yielded.
     """
     merges = lora_merges(model) if has_adapters(model) else {}
     buffers = set(model.state_dict()) - {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    for group in whole_tensor_groups(model, device):  # collective
+    for group in whole_tensor_groups(model, device, copies=copies):  # collective
         for name, tensor in merged_state(group, merges).items():
             yield name, tensor if name in buffers else tensor.to(dtype)  # buffers keep their own dtype
 

@@ -110,7 +110,7 @@ def engine_weights(actor: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     engine's start-up weights (log-probs off by up to 1.1 nats on the tiny model).
     """
     aliases = tied_aliases(actor)
-    for name, tensor in merged_weights(actor, dtype, device):
+    for name, tensor in merged_weights(actor, dtype, device, copies=False):  # the engine copies them in
         yield name, tensor
         for alias in aliases.get(name, ()):
             yield alias, tensor
