@@ -26,6 +26,7 @@ import importlib.util
 import os
 import random
 import struct
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional
@@ -167,7 +168,8 @@ class VLLMEngine:
         if kwargs["kv_cache_memory_bytes"] is None:
             del kwargs["kv_cache_memory_bytes"]
         self.kv_cache_bytes = kwargs.get("kv_cache_memory_bytes")
-        with process_state_kept(device):
+        with process_state_kept(device), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # vLLM's own deprecation notices, not the user's
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
