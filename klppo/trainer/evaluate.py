@@ -63,8 +63,8 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
     s, metrics = parts.settings, {}
     if parts.val_records:
 
-        def scorer(batch: RolloutBatch) -> torch.Tensor:
-            return token_scores(s.reward, batch, response_scores(parts, batch), validation=True)
+        def scorer(batch: RolloutBatch, places: list[str]) -> torch.Tensor:
+            return token_scores(s.reward, batch, response_scores(parts, batch, places), validation=True)
 
         with validation_sampler(parts) as (sample, group_size):  # as training samples (responses.py)
             metrics.update(validate(None, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
@@ -109,7 +109,7 @@ def validate(
     actor,
     records: list[PromptRecord],
     tokenizer,
-    scorer: Callable[[RolloutBatch], torch.Tensor],
+    scorer: Callable[[RolloutBatch, list[str]], torch.Tensor],
     params: SamplingParams,
     *,
     batch_size: int | None = None,
@@ -125,7 +125,8 @@ def validate(
     ``val-aux/bleu`` and ``val-aux/rougeL``. Sampling uses a private generator seeded per call
     (and rank), so validation never shifts the training run's random streams (CPU and the
     device's). Each rank validates its share of the records; the results are gathered. The
-    scorer gets its batch on ``env.device`` (where every phase's batch lives). ``sharded``:
+    scorer gets its batch on ``env.device`` (where every phase's batch lives) and where each of its
+    prompts came from (for the reward function's errors). ``sharded``:
     whether ``actor`` is sharded over the ranks (default: when there is a process group).
     ``sample`` (instead of ``actor``): how this rank samples (``validation_sampler``), with
     ``group_size`` ranks sampling each part together.
@@ -138,7 +139,7 @@ def validate(
             lengths = batch.response_mask.sum(-1).tolist()  # read on the CPU batch hf_rollout returns
             refs = [reference_of(r) for r in part for _ in range(params.n)]
             texts = decode_responses(batch, tokenizer) if any(refs) else [None] * len(refs)
-            scores = scorer(batch.to(env.device)).sum(-1).tolist()  # (B,) from (B, T) token scores; host sync
+            scores = scorer(batch.to(env.device), [r.where for r in part]).sum(-1).tolist()  # (B,) host sync
             real = n_real * params.n
             rows += [(src, score, length, text if ref else None, ref) for src, score, length, text, ref
                      in zip(batch.data_sources[:real], scores[:real], lengths[:real], texts[:real], refs[:real])]

@@ -608,7 +608,8 @@ def ppo_reward_function_that_exits_on_row_5(ws):
     return with_reward(ws, "    if extra_info['index'] == 5:\n        raise SystemExit(3)\n    return 0.0\n", IN_ORDER)
 
 
-@case("reward function custom_reward_function compute_score in", "raised ZeroDivisionError: division by zero")
+@case("val.parquet row 0: reward function custom_reward_function compute_score in",
+      "raised ZeroDivisionError: division by zero")
 def ppo_reward_function_raises_in_validation_before_training(ws):
     table = rows(ppo_row)
     for row in table:

@@ -30,7 +30,7 @@ def test_validation_scores_the_batch_on_the_runs_device_not_where_the_rollout_le
         ids = torch.tensor([[3, 4, 1]] * len(part) * params.n)
         return assemble_batch(part, params.n, 0, ids, torch.tensor([[True, True, False]] * len(ids)))
 
-    def scorer(batch):
+    def scorer(batch, places):
         scored_devices.append({t.device for t in (batch.input_ids, batch.attention_mask, batch.group_index)})
         return torch.ones(len(batch), batch.response_length)
 
@@ -52,7 +52,7 @@ def test_validation_leaves_the_training_random_stream_where_it_was(monkeypatch):
         return assemble_batch(part, params.n, 0, ids, torch.ones_like(ids, dtype=torch.bool))
 
     monkeypatch.setattr(evaluate, "hf_rollout", fake_rollout)
-    scorer = lambda batch: torch.zeros(len(batch), batch.response_length)  # noqa: E731
+    scorer = lambda batch, places: torch.zeros(len(batch), batch.response_length)  # noqa: E731
     torch.manual_seed(11)
     expected = torch.rand(4)
     torch.manual_seed(11)
