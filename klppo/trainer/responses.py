@@ -83,10 +83,10 @@ def engine_responses(parts: PPOParts, records: list[PromptRecord], params: Sampl
     local = parts.engine.generate(mine, params, engine_seeds(parts, mine, params.n, step), tokenizer)
     if not env.is_distributed:
         return local
-    pad = tokenizer.pad_token_id
-    log_probs = None
-    if local.rollout_log_probs is not None:
-        log_probs = (all_gather_groups(local.rollout_log_probs, 0.0, tp), torch.ones(len(records) * params.n, dtype=torch.bool))
+    pad, log_probs = tokenizer.pad_token_id, None
+    if local.rollout_log_probs is not None:  # every row has them
+        log_probs = (all_gather_groups(local.rollout_log_probs, 0.0, tp),
+                     torch.ones(len(records) * params.n, dtype=torch.bool))
     return assemble_batch(records, params.n, pad, all_gather_groups(local.response_ids, pad, tp),
                           all_gather_groups(local.response_mask, 0, tp), rollout_log_probs=log_probs)
 
