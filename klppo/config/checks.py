@@ -17,7 +17,7 @@ from typing import Optional
 
 from klppo.config.lora import lora_enabled, lora_problems
 from klppo.config.rollout import engine_problems, resolve_rollout_engine, rollout_notes
-from klppo.config.rollout_correction import parse_is_threshold, parse_rs
+from klppo.config.rollout_correction import parse_is_threshold, parse_rs, rollout_correction_active
 from klppo.config.schema import (
     ActorConfig,
     CriticConfig,
@@ -101,12 +101,6 @@ def _follow_actor_budgets(cfg: PPOConfig) -> None:
 def resolve_sft(cfg: SFTConfig | RMConfig, notes: Optional[list[str]] = None) -> None:
     """Fill, in place, every SFT (or reward-model training) field whose ``None`` means "derive"."""
     _resolve_output_dir(cfg.trainer)
-
-
-def rollout_correction_active(cfg: PPOConfig) -> bool:
-    """Whether algorithm.rollout_correction changes the update (weights, rejection or bypass)."""
-    rc = cfg.algorithm.rollout_correction
-    return rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode
 
 
 def _note_rollout_correction(cfg: PPOConfig, notes: list[str]) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
+from klppo.config.rollout_correction import rollout_correction_active
+
 if TYPE_CHECKING:
     from klppo.config.schema import PPOConfig
 
@@ -142,9 +144,7 @@ def engine_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
         value = getattr(rollout, key)
         if value is not None and value < 1:
             out.append(((f"{ROLLOUT}.{key}",), f"{ROLLOUT}.{key} = {value} must be >= 1"))
-    rc = cfg.algorithm.rollout_correction
-    correcting = rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode
-    if rollout.name == "vllm" and correcting and not rollout.calculate_log_probs:
+    if rollout.name == "vllm" and rollout_correction_active(cfg) and not rollout.calculate_log_probs:
         out.append(((f"{ROLLOUT}.calculate_log_probs", "algorithm.rollout_correction"),
                     f"algorithm.rollout_correction needs the engine's log-probs of the sampled tokens; set "
                     f"{ROLLOUT}.calculate_log_probs=true, or switch the correction off"))
@@ -192,9 +192,7 @@ def _truncated_sampling_notes(cfg: PPOConfig) -> list[str]:
             "on them (in the reward, for the controller and the guards) is biased")
     notes = [f"warning: {ROLLOUT}.{', '.join(truncated)}: responses are not sampled from softmax(logits / T), the "
              f"distribution the trainer scores; {what}"]
-    rc = cfg.algorithm.rollout_correction
-    correcting = rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode
-    if correcting and rollout.name == "vllm" and rollout.do_sample:
+    if rollout_correction_active(cfg) and rollout.name == "vllm" and rollout.do_sample:
         notes.append("warning: algorithm.rollout_correction with truncated sampling: the engine's log-probs are "
                      "renormalised over the tokens top_p / top_k keep, while the trainer's pi_old spans the whole "
                      "vocabulary, so every weight pi_old / mu is biased below 1 by the probability mass cut off")

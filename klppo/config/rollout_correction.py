@@ -11,13 +11,22 @@ config checks report it against its key, and ``compile_ppo`` uses the parsed val
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    from klppo.config.schema import PPOConfig
 
 KEY = "algorithm.rollout_correction"
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
               "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
 Threshold = Union[float, str]
+
+
+def rollout_correction_active(cfg: PPOConfig) -> bool:
+    """Whether algorithm.rollout_correction changes the update (weights, rejection or bypass)."""
+    rc = cfg.algorithm.rollout_correction
+    return rc.rollout_is is not None or rc.rollout_rs is not None or rc.bypass_mode
 
 
 def _number(text: str, key: str) -> float:

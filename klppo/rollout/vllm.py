@@ -163,11 +163,11 @@ class VLLMEngine:
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization,
                           enable_sleep_mode=s.sleep_between_generations)
-        kwargs["kv_cache_memory_bytes"] = (s.kv_cache_memory_bytes if s.kv_cache_memory_bytes is not None or self.on_gpu
-                                           else cpu_kv_cache_bytes(model_config, s, free_bytes))
-        if kwargs["kv_cache_memory_bytes"] is None:
-            del kwargs["kv_cache_memory_bytes"]
-        self.kv_cache_bytes = kwargs.get("kv_cache_memory_bytes")
+        kv_bytes = s.kv_cache_memory_bytes
+        if kv_bytes is None and not self.on_gpu:  # a GPU sizes it from gpu_memory_utilization
+            kv_bytes = cpu_kv_cache_bytes(model_config, s, free_bytes)
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_bytes
         with process_state_kept(device), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # vLLM's own deprecation notices, not the user's
             from vllm import LLM
@@ -180,18 +180,14 @@ class VLLMEngine:
     # ---- weights ----
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Put the actor's whole tensors (Hugging Face names) into the engine, in its dtype, and
-        forget the KV it cached for prompt prefixes under the old weights."""
-        dtype = self.settings.dtype
-
-        def cast() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in tensors:
-                yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor)
-
+        """Put the actor's whole tensors (Hugging Face names, in the engine's dtype:
+        ``responses.engine_weights``) into the engine, and forget the KV it cached for prompt
+        prefixes under the old weights."""
         with process_state_kept(self.device):
             if self.asleep:
                 self.llm.wake_up(tags=["weights"])
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast(), "is_checkpoint_format": True})
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": iter(tensors), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
 
     # ---- generation ----

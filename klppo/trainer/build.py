@@ -15,7 +15,7 @@ import torch
 
 from klppo.algo import AdaptiveKLController, FixedKLController
 from klppo.config import PPOConfig
-from klppo.config.checks import rollout_correction_active
+from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.schema import FSDPConfig
 from klppo.data.parquet import parquet_columns
 from klppo.data.ranked import RankedRecord, load_ranked_dataset

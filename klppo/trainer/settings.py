@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from klppo.config import PPOConfig
-from klppo.config.checks import rollout_correction_active
+from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
 from klppo.config.schema import FSDPConfig

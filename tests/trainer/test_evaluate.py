@@ -5,6 +5,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
+from offload_kit import RecordingLinear
 
 from klppo.data.rl_dataset import PromptRecord
 from klppo.distributed import SINGLE_PROCESS, DistEnv
@@ -61,18 +62,6 @@ def test_validation_leaves_the_training_random_stream_where_it_was(monkeypatch):
     assert torch.equal(torch.rand(4), expected)
     assert torch.equal(drawn[0], drawn[1])  # seeded per call (and rank): the same draw each validation
     assert torch.equal(drawn[0], torch.rand(1, generator=torch.Generator().manual_seed(1)))
-
-
-class RecordingLinear(torch.nn.Linear):
-    """Records where ``.to()`` sends it (this CPU-only machine cannot really move to an accelerator)."""
-
-    def __init__(self):
-        super().__init__(2, 2)
-        self.moves = []
-
-    def to(self, device, *args, **kwargs):
-        self.moves.append(torch.device(device).type)
-        return self
 
 
 def test_the_offline_kl_probe_samples_and_scores_with_actor_and_reference_on_the_device(monkeypatch):

@@ -1,20 +1,9 @@
 """param_offload / optimizer_offload: models and optimiser state visit the device only for their phases."""
 
 import torch
+from offload_kit import RecordingLinear
 
 from klppo.trainer.offload import Offloader, move_optimizer_state
-
-
-class RecordingLinear(torch.nn.Linear):
-    """Records where ``.to()`` sends it (this CPU-only machine cannot really move to an accelerator)."""
-
-    def __init__(self):
-        super().__init__(2, 2)
-        self.moves = []
-
-    def to(self, device, *args, **kwargs):
-        self.moves.append(torch.device(device).type)
-        return self
 
 
 def _stepped(model):
