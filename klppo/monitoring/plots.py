@@ -18,6 +18,12 @@ EVENT_COLORS = {
     "stop_nonfinite": "tab:purple",
     "warn_entropy": "tab:olive",
     "warn_clipfrac": "tab:cyan",
+    "skip_grad_spike": "tab:orange",
+    "rollback_grad_spike": "tab:red",
+    "stop_grad_spike": "black",
+    "entropy_collapse": "tab:olive",
+    "entropy_surge": "tab:pink",
+    "reward_divergence": "tab:brown",
 }
 MAX_EVENT_LABELS = 12  # beyond this the lines stay, their text labels would only overlap
 
@@ -28,6 +34,23 @@ class Series:
     steps: list[int]
     values: list[float]  # non-finite values are NaN (a gap in the line)
     marker: str = ""
+    linestyle: str = "-"  # "" draws the markers alone (the steps a guard acted on, over their curve)
+
+
+@dataclass
+class Band:
+    label: str
+    steps: list[int]
+    low: list[float]
+    high: list[float]
+
+
+@dataclass
+class Span:
+    label: str
+    start: int
+    end: int
+    color: str = "tab:gray"
 
 
 @dataclass
@@ -37,6 +60,8 @@ class Axis:
     hlines: list[tuple[str, float]] = field(default_factory=list)  # (label, y): targets, thresholds
     stacked: bool = False  # stacked areas (phase timings) instead of lines
     overlay: list[Series] = field(default_factory=list)  # lines over the stacked areas (the step's total)
+    bands: list[Band] = field(default_factory=list)  # shaded ranges around a curve (a window's median +- spread)
+    spans: list[Span] = field(default_factory=list)  # shaded step windows (an entropy collapse's window)
 
 
 @dataclass
@@ -44,6 +69,7 @@ class Panel:
     name: str  # the PNG's file stem
     title: str
     axes: list[Axis]
+    event_kinds: tuple[str, ...] | None = None  # the guard events drawn on it; None: all of them
 
 
 def series(records: Sequence[Mapping], key: str, label: str | None = None, marker: str = "") -> Series:
@@ -85,14 +111,19 @@ def build_panels(records: Sequence[Mapping], lines: Mapping[str, list[tuple[str,
                                                            for k in phases], stacked=True,
                                                overlay=[series(records, "timing_s/step", "step (total)")])]),
     ]
-    panels = []
-    for panel in wanted:
+    return drawable(wanted)
+
+
+def drawable(panels: Sequence[Panel]) -> list[Panel]:
+    """The panels with a finite point to draw, each without the series and axes that have none."""
+    kept = []
+    for panel in panels:
         for axis in panel.axes:
             axis.series = [s for s in axis.series if _has_data(s)]
         panel.axes = [a for a in panel.axes if a.series]
         if panel.axes:
-            panels.append(panel)
-    return panels
+            kept.append(panel)
+    return kept
 
 
 def _draw_stacked(ax, axis: Axis) -> None:
@@ -116,8 +147,26 @@ def _draw_events(ax, events: Sequence[Mapping], with_labels: bool) -> None:
                         va="top", ha="right", fontsize=7, color=color)
 
 
+def _draw_lines(ax, axis: Axis) -> None:
+    """An axis's shaded windows, bands, curves (or bare markers) and horizontal lines, back to front."""
+    for span in axis.spans:
+        ax.axvspan(span.start, span.end, color=span.color, alpha=0.15, label=span.label or None)
+    for band in axis.bands:
+        ax.fill_between(band.steps, band.low, band.high, color="tab:gray", alpha=0.25, linewidth=0, label=band.label)
+    for ser in axis.series:
+        ax.plot(ser.steps, ser.values, marker=ser.marker or None, markersize=4 if ser.linestyle else 7,
+                linestyle=ser.linestyle or "none", linewidth=1.4, label=ser.label)
+    for label, y in axis.hlines:
+        ax.axhline(y, color="gray", linestyle=":", linewidth=1.2)
+        if label:
+            ax.annotate(f"{label} {y:g}", xy=(0.0, y), xycoords=("axes fraction", "data"), va="bottom", fontsize=7,
+                        color="dimgray")
+
+
 def save_panel(panel: Panel, events: Sequence[Mapping], path: Path) -> Path:
     """Draw ``panel`` (one row per axis, shared step axis) with the guard events; write a PNG."""
+    if panel.event_kinds is not None:
+        events = [e for e in events if e["kind"] in panel.event_kinds]
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -129,13 +178,8 @@ def save_panel(panel: Panel, events: Sequence[Mapping], path: Path) -> Path:
     for i, (ax, axis) in enumerate(zip(axes, panel.axes)):
         if axis.stacked:
             _draw_stacked(ax, axis)
-        for ser in ([] if axis.stacked else axis.series):
-            ax.plot(ser.steps, ser.values, marker=ser.marker or None, markersize=4, linewidth=1.4, label=ser.label)
-        for label, y in axis.hlines:
-            ax.axhline(y, color="gray", linestyle=":", linewidth=1.2)
-            if label:
-                ax.annotate(f"{label} {y:g}", xy=(0.0, y), xycoords=("axes fraction", "data"), va="bottom", fontsize=7,
-                            color="dimgray")
+        else:
+            _draw_lines(ax, axis)
         _draw_events(ax, events, with_labels=i == 0)
         handles, labels = ax.get_legend_handles_labels()
         if axis.stacked:  # the legend lists the layers top-down, as they are stacked

@@ -14,7 +14,6 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -25,6 +24,8 @@ from klppo.errors import UserError, reading
 from klppo.monitoring.jsonl import EVENTS_FILE
 from klppo.monitoring.logger import METRICS_FILE
 from klppo.monitoring.plots import build_panels, save_panel, series
+from klppo.monitoring.report_common import Run, step_ranges  # noqa: F401 (step_ranges: the report's API)
+from klppo.monitoring.report_common import config_value as _get, steps_word as _steps_word, training as _training
 
 # What the "rolled back at 12" part of a diagnosis sentence says for each kind of guard event.
 EVENT_VERBS = {
@@ -38,14 +39,6 @@ EVENT_VERBS = {
 STOP_KINDS = ("early_stop", "stop_nonfinite")
 SUMMARY_KEYS = ("critic/score/mean", "actor/kl_to_ref", "actor/reward_kl_penalty_coeff", "actor/pg_clipfrac",
                 "actor/entropy", "critic/vf_loss", "critic/vf_explained_var", "perf/throughput", "perf/time_per_step")
-
-
-@dataclass
-class Run:
-    path: Path
-    records: list[dict]  # metrics.jsonl, in step order
-    events: list[dict]  # events.jsonl: {"step", "kind", "message", ...numbers}
-    config: dict  # config.yaml, {} when absent
 
 
 def _read_text(path: Path) -> str:
@@ -126,14 +119,6 @@ def load_run(run_dir: str | Path) -> Run:
     return Run(path, records, events, _read_config(path / "config.yaml"))
 
 
-def _get(config: dict, dotted: str):
-    for part in dotted.split("."):
-        if not isinstance(config, dict) or part not in config:
-            return None
-        config = config[part]
-    return config
-
-
 def threshold_lines(config: dict) -> dict[str, list[tuple[str, float]]]:
     """Horizontal lines by panel: the adaptive KL target and the guard's thresholds, when configured."""
     kl = []
@@ -152,31 +137,10 @@ def threshold_lines(config: dict) -> dict[str, list[tuple[str, float]]]:
 # ---- diagnosis ----
 
 
-def step_ranges(steps: Sequence[int], most: int = 8) -> str:
-    """[10, 11, 12, 30] -> '10-12, 30' (consecutive integers form a range); ranges past ``most`` are counted."""
-    parts, start = [], None
-    for i, s in enumerate(steps):
-        start = s if start is None else start
-        if i + 1 == len(steps) or steps[i + 1] != s + 1:
-            parts.append(f"{start}-{s}" if s != start else f"{s}")
-            start = None
-    more = f" and {len(parts) - most} more" if len(parts) > most else ""
-    return ", ".join(parts[:most]) + more
-
-
-def _steps_word(steps: Sequence[int]) -> str:
-    return f"step{'s' if len(steps) > 1 else ''} {step_ranges(steps)}"
-
-
 def _event_suffix(events: Sequence[dict], steps: Sequence[int], kinds: Sequence[str]) -> str:
     inside = set(steps)
     hits = [e for e in events if e["kind"] in kinds and e["step"] in inside]
     return "".join(f"; {EVENT_VERBS.get(e['kind'], e['kind'])} at {e['step']}" for e in hits)
-
-
-def _training(run: Run, key: str) -> tuple[list[int], list[float]]:
-    s = series([r for r in run.records if r["step"] >= 1], key)
-    return s.steps, s.values
 
 
 def _kl_sentences(run: Run, lines: list[tuple[str, float]]) -> list[str]:
