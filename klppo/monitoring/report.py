@@ -22,6 +22,7 @@ import yaml
 from klppo.cli_support import run_cli
 from klppo.errors import UserError, reading
 from klppo.monitoring.jsonl import EVENTS_FILE
+from klppo.monitoring.health_report import health_blocks, health_panels, health_summary
 from klppo.monitoring.logger import METRICS_FILE
 from klppo.monitoring.plots import build_panels, save_panel, series
 from klppo.monitoring.report_common import Run, step_ranges  # noqa: F401 (step_ranges: the report's API)
@@ -261,7 +262,7 @@ def diagnose(run: Run) -> list[str]:
     lines = threshold_lines(run.config)
     if not any(r["step"] >= 1 for r in run.records):
         return ["no training step was logged.", _event_summary(run.events)]
-    out = _ending(run) + _kl_sentences(run, lines["kl"]) + _nonfinite(run)
+    out = _ending(run) + health_summary(run) + _kl_sentences(run, lines["kl"]) + _nonfinite(run)
     out += _trend(run, "critic/score/mean", "reward") + _validation(run)
     for label, limit in lines["entropy"]:
         out += _entropy_floor(run, label, limit)
@@ -293,8 +294,9 @@ def _event_rows(events: Sequence[dict]) -> list[list[str]]:
     return rows
 
 
-def build_blocks(run: Run, images: list[tuple[str, str]]) -> list[tuple]:
-    """The report as blocks: ("h1"|"h2"|"p", text), ("ul", items), ("table", header, rows), ("img", alt, file)."""
+def build_blocks(run: Run, images: list[tuple[str, str]], health_images: Sequence[tuple[str, str]] = ()) -> list:
+    """The report as blocks: ("h1"|"h2"|"p", text), ("ul", items), ("table", header, rows), ("img", alt, file);
+    ``health_images``: the health section's plots (``images``: the rest)."""
     steps = [r["step"] for r in run.records]
     names = [_get(run.config, f"trainer.{k}") for k in ("project_name", "experiment_name")]
     where = f"{run.path.resolve()}" + (f" ({names[0]}/{names[1]})" if all(names) else "")
@@ -305,7 +307,7 @@ def build_blocks(run: Run, images: list[tuple[str, str]]) -> list[tuple]:
     ]
     if not run.config:
         blocks.append(("p", "config.yaml not found: no KL target or guard thresholds are drawn."))
-    blocks += [("h2", "Diagnosis"), ("ul", diagnose(run)), ("h2", "Guard events")]
+    blocks += [("h2", "Diagnosis"), ("ul", diagnose(run))] + health_blocks(run, health_images) + [("h2", "Guard events")]
     rows = _event_rows(run.events)
     blocks.append(("table", ["step", "kind", "message", "values"], rows) if rows else ("p", "No guard events."))
     summary = _summary_rows(run)
@@ -382,6 +384,13 @@ def _check_writable_folder(folder: Path) -> None:
                         "folder (or a .md / .html file) whose parents are folders")
 
 
+def _save_panels(panels, events: Sequence[dict], folder: Path) -> list[tuple[str, str]]:
+    """Each panel as ``folder/<name>.png``; their (title, file name)."""
+    for panel in panels:
+        save_panel(panel, events, folder / f"{panel.name}.png")
+    return [(panel.title, f"{panel.name}.png") for panel in panels]
+
+
 def write_report(run_dir: str | Path, out: str | None = None, fmt: str | None = None) -> Path:
     """Write the report (and its PNGs beside it); returns the report's path."""
     run = load_run(run_dir)
@@ -389,11 +398,8 @@ def write_report(run_dir: str | Path, out: str | None = None, fmt: str | None = 
     _check_writable_folder(path.parent)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        images = []
-        for panel in build_panels(run.records, threshold_lines(run.config)):
-            save_panel(panel, run.events, path.parent / f"{panel.name}.png")
-            images.append((panel.title, f"{panel.name}.png"))
-        blocks = build_blocks(run, images)
+        images = _save_panels(build_panels(run.records, threshold_lines(run.config)), run.events, path.parent)
+        blocks = build_blocks(run, images, _save_panels(health_panels(run), run.events, path.parent))
         path.write_text(render_html(blocks) if fmt == "html" else render_markdown(blocks))
     except OSError as exc:
         raise UserError(f"cannot write the report to {path.parent} ({(exc.strerror or str(exc)).lower()}); pass --out "
