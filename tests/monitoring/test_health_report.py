@@ -188,3 +188,19 @@ def test_an_older_run_without_the_health_metrics_renders_html_without_health_plo
     assert "<p>No health problem found; this run logged none of the health metrics" in html
     assert health_panels(bare) == [] and not list((bare.path / "report").glob("health_*.png"))
     assert "health_" not in html
+
+
+def test_a_grad_guard_action_with_no_skip_near_it_is_a_finding_of_its_own(tmp_path):
+    records = [healthy_record(s) for s in range(1, 21)]
+    events = [event(9, "stop_grad_spike", skips=3, window=5)]
+    (found,) = grad_findings(write_run(tmp_path / "run", records, events))
+    assert (found.topic, found.first) == ("grad_action", 9)
+    assert found.text == "Grad-norm spikes: Stopped the run at step 9 (3 skips within 5 steps)."
+
+
+def test_without_the_detectors_k_the_grad_band_is_the_window_median_plus_or_minus_one_scale(tmp_path):
+    run = write_run(tmp_path / "run", [healthy_record(s) for s in range(1, 6)])
+    (axis,) = next(p for p in health_panels(run) if p.name == "health_grad_norm").axes  # no critic logged
+    (band,) = axis.bands
+    assert (band.label, band.low[0], band.high[0]) == ("median +- scale", 2.5, 3.5)
+    assert [s.label for s in axis.series] == ["actor/grad_norm", "window median"]  # no skip: no markers
