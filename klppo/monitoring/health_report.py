@@ -29,7 +29,7 @@ FILTER_BATCHES_WARN = 2.0  # filter_groups generating twice the batch it keeps d
 LENGTH_CLIP_WARN = 0.1  # one response in ten cut at the limit: its reward scores an unfinished answer
 # The detector's threshold k (skip when grad_norm > median + k * scale), for the plot's band; read
 # from the config where the run wrote it, else the band shows the window's median +- one scale.
-GRAD_SPIKE_K_KEY = "trainer.guard.grad_spike_k"
+GRAD_SPIKE_KEY = "trainer.guard.grad_spike"
 GRAD_KINDS = ("skip_grad_spike", "rollback_grad_spike", "stop_grad_spike")
 HEALTH_METRICS = {  # what the healthy sentence says was looked at, by the prefix of the metrics that show it
     "actor/grad_norm": "gradient norms", "actor/entropy": "entropy",
@@ -408,7 +408,7 @@ def _gold_axis(run: Run) -> Axis:
 def health_panels(run: Run) -> list[Panel]:
     """The health section's plots, each only where the run logged its metrics (the entropy one only
     with an entropy event, the gold one only with a gold reward: the report's plots hold the rest)."""
-    k = config_value(run.config, GRAD_SPIKE_K_KEY)
+    k = config_value(run.config, GRAD_SPIKE_KEY)
     k = float(k) if isinstance(k, (int, float)) and not isinstance(k, bool) else None
     train = [r for r in run.records if r["step"] >= 1]
     keys = {key for r in run.records for key in r}

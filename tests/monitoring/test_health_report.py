@@ -50,7 +50,7 @@ def spike_run(tmp_path):
     spikes = [event(s, "skip_grad_spike", model="actor", grad_norm=g, median=3.0, scale=3.0, ratio=(g - 3.0) / 3.0)
               for s, g in ((12, 30.0), (13, 42.0), (13, 40.0), (15, 33.0))]
     rollback = event(15, "rollback_grad_spike", skips=4, window=10, to_step=10)
-    return write_run(tmp_path / "run", records, spikes + [rollback], {"trainer": {"guard": {"grad_spike_k": 3.0}}})
+    return write_run(tmp_path / "run", records, spikes + [rollback], {"trainer": {"guard": {"grad_spike": 3.0}}})
 
 
 def test_a_grad_spike_episode_names_its_peak_skips_and_rollback(tmp_path):
@@ -159,7 +159,7 @@ def test_the_report_holds_the_health_paragraphs_and_plots_in_markdown(tmp_path):
     panels = {p.name: p for p in health_panels(run)}
     assert sorted(panels) == ["health_gold", "health_grad_norm", "health_length", "health_zero_spread"]
     actor_axis, critic_axis = panels["health_grad_norm"].axes
-    (band,) = actor_axis.bands  # median + k * scale with the run's grad_spike_k = 3: 3 + 3 * 0.5
+    (band,) = actor_axis.bands  # median + k * scale with the run's grad_spike = 3: 3 + 3 * 0.5
     assert band.label == "median + 3 x scale" and band.high[0] == 4.5 and band.low[0] == 3.0
     skipped = next(s for s in actor_axis.series if s.label.startswith("skipped"))
     assert (skipped.label, skipped.steps, skipped.values) == ("skipped (4)", [12, 13, 15], [42.0, 42.0, 42.0])
