@@ -100,6 +100,7 @@ class BatchPlan:
     old_log_prob: ForwardBatches
     ref: Optional[ForwardBatches]  # None: no KL term, so no reference forward
     lengths_note: str
+    lengths_are_bounds: bool = False  # the sample's lengths are the configured maxima: the mean is the bound
 
 
 def batch_problems(cfg: PPOConfig, world_size: int) -> list[str]:
@@ -136,6 +137,7 @@ def plan_batches(cfg: PPOConfig, world_size: int, lengths: LengthSample) -> Batc
         tokens_per_step_bound=samples * (data.max_prompt_length + arf.rollout.response_length),
         steps_per_epoch=per_epoch, total_steps=run_length(trainer.total_training_steps, trainer.total_epochs, per_epoch),
         actor=actor, critic=critic[0] if critic else None, old_log_prob=old, ref=ref, lengths_note=lengths.note,
+        lengths_are_bounds=lengths.bounds,
     )
 
 
@@ -260,7 +262,8 @@ def format_batches(plan: BatchPlan) -> str:
         f"Batches on {p.world_size} rank{'s' if p.world_size != 1 else ''} (rollout.n = {p.n})",
         f"  per step    {p.prompts_per_step} prompts, {p.samples_per_step} samples "
         f"({p.prompts_per_rank} prompts, {p.samples_per_rank} samples per rank)",
-        f"  tokens      {round(p.tokens_per_step_mean):,} per step (mean of the length sample), "
+        f"  tokens      at most {p.tokens_per_step_bound:,} per step" if p.lengths_are_bounds else
+        f"  tokens      {round(p.tokens_per_step_mean):,} per step (the length sample's mean), "
         f"at most {p.tokens_per_step_bound:,}",
         f"  run         {p.steps_per_epoch} steps per epoch, {p.total_steps} steps in total",
         "",
