@@ -80,6 +80,13 @@ def update_sizes(cfg: PPOConfig) -> list[UpdateSizes]:
     return roles
 
 
+def shard_chunk_rows(cfg: PPOConfig) -> int:
+    """Global rows the trainer deals to the ranks at a time: the gcd of the actor's and critic's
+    mini-batch rows, so each rank's k-th mini-batch is its share of the global k-th one."""
+    n = cfg.actor_rollout_ref.rollout.n
+    return math.gcd(*(role.mini_batch_size * n for role in update_sizes(cfg)))
+
+
 def divisor_below(n: int, limit: int) -> int:
     """The largest divisor of ``n`` that is <= ``limit`` (1 at worst)."""
     best = 1

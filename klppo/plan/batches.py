@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from klppo.config.batch_sizes import UpdateSizes, batch_size_problems, update_sizes, uses_reference
+from klppo.config.batch_sizes import UpdateSizes, batch_size_problems, shard_chunk_rows, update_sizes, uses_reference
 from klppo.config.schema import PPOConfig
 from klppo.data.batching import MicroBatching, micro_batch_plan, rank_shards
 from klppo.data.parquet import parquet_num_rows, read_parquet_sample
@@ -121,10 +121,9 @@ def plan_batches(cfg: PPOConfig, world_size: int, lengths: LengthSample) -> Batc
         raise UserError("\n".join(problems))
     data, arf, trainer = cfg.data, cfg.actor_rollout_ref, cfg.trainer
     n, prompts = arf.rollout.n, data.train_batch_size
-    roles = update_sizes(cfg)
-    layout = _Layout(world_size, math.gcd(*(role.mini_batch_size * n for role in roles)), trainer.balance_batch)
+    layout = _Layout(world_size, shard_chunk_rows(cfg), trainer.balance_batch)
     seqs = lengths.sequence_tokens
-    actor, *critic = [_role(role, prompts, n, seqs, layout) for role in roles]
+    actor, *critic = [_role(role, prompts, n, seqs, layout) for role in update_sizes(cfg)]
     samples = prompts * n
     old = _forward("old_log_prob", arf.rollout, samples, seqs, layout, "actor_rollout_ref.rollout")
     ref = _forward("ref", arf.ref, samples, seqs, layout, "actor_rollout_ref.ref") if uses_reference(cfg) else None
@@ -146,7 +145,7 @@ class _Layout:
     """How the trainer deals a step's rows to the ranks (``PPOSettings.shard_chunk_rows``, ``balance_batch``)."""
 
     world: int
-    chunk_rows: int  # gcd of the actor's and critic's global mini-batch rows
+    chunk_rows: int  # config.batch_sizes.shard_chunk_rows
     balance: bool
 
 
@@ -201,13 +200,13 @@ def bound_lengths(cfg: PPOConfig, num_prompts: int, why: str) -> LengthSample:
     """Every sample at the configured maxima: upper bounds where nothing can be measured."""
     data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
     longest = data.max_prompt_length + rollout.response_length
-    note = (f"{why}: every sequence counted at data.max_prompt_length + {rollout_key('response_length')} = "
+    note = (f"{why}: every sequence counted at data.max_prompt_length + {_rollout_key('response_length')} = "
             f"{longest} tokens, so tokens and token-budget micro-batches are upper bounds")
     return LengthSample((data.max_prompt_length,) * rollout.n, (rollout.response_length,) * rollout.n, num_prompts,
                         note, bounds=True)
 
 
-def rollout_key(name: str) -> str:
+def _rollout_key(name: str) -> str:
     return f"actor_rollout_ref.rollout.{name}"
 
 
@@ -238,7 +237,7 @@ def sample_lengths(cfg: PPOConfig, tokenizer, rows: int = 256) -> LengthSample:
         return bound_lengths(cfg, num_prompts, f"all {len(sample)} sampled prompts are over data.max_prompt_length")
     kept = len(prompt_tokens) // rollout.n
     responses = ("their recorded responses" if offline else
-                 f"responses at {rollout_key('response_length')} = {rollout.response_length} tokens, the bound "
+                 f"responses at {_rollout_key('response_length')} = {rollout.response_length} tokens, the bound "
                  "generation stops at (so tokens and token-budget micro-batches are upper bounds)")
     note = f"prompts: {kept} sampled from data.train_files, tokenised; {responses}"
     return LengthSample(tuple(prompt_tokens), tuple(response_tokens), num_prompts, note, bounds=False)

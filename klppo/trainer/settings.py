@@ -9,7 +9,6 @@ budgets are set only where ``use_dynamic_bsz`` switches them on.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -17,7 +16,7 @@ from typing import Optional
 import torch
 
 from klppo.config import PPOConfig
-from klppo.config.batch_sizes import batch_size_problems, uses_critic, uses_reference
+from klppo.config.batch_sizes import batch_size_problems, shard_chunk_rows, update_sizes, uses_critic, uses_reference
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
@@ -187,9 +186,9 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
     """The frozen settings of a validated PPO config on ``world_size`` ranks."""
     arf, trainer = cfg.actor_rollout_ref, cfg.trainer
     check_batch_sizes(cfg, world_size)
-    global_rows = global_mini_batch_rows(cfg)
-    actor = _actor(cfg, global_rows["actor_rollout_ref.actor.ppo_mini_batch_size"] // world_size)
-    critic = _critic(cfg, global_rows["critic.ppo_mini_batch_size"] // world_size) if uses_critic(cfg) else None
+    rows = {role.prefix: role.mini_batch_size * arf.rollout.n // world_size for role in update_sizes(cfg)}
+    actor = _actor(cfg, rows["actor_rollout_ref.actor"])
+    critic = _critic(cfg, rows["critic"]) if uses_critic(cfg) else None
     rm, algo, kl = cfg.reward_model, cfg.algorithm, cfg.algorithm.kl_ctrl
     return PPOSettings(
         run_dir=Path(trainer.default_local_dir), world_size=world_size, rollout=arf.rollout.name, n=arf.rollout.n,
@@ -204,7 +203,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         uses_reference=uses_reference(cfg), actor_lora=lora_enabled(arf.model),
         ref_in_actor=uses_reference(cfg) and lora_enabled(arf.model),
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
-        guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=math.gcd(*global_rows.values()), balance_batch=trainer.balance_batch,
+        guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=shard_chunk_rows(cfg), balance_batch=trainer.balance_batch,
         save_freq=trainer.save_freq, test_freq=trainer.test_freq, val_before_train=trainer.val_before_train,
         val_only=trainer.val_only,
         max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep, resume_mode=trainer.resume_mode,
@@ -212,15 +211,6 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         logger=LoggerSettings(tuple(trainer.logger), trainer.project_name, trainer.experiment_name,
                               dataclasses.asdict(cfg)),
     )
-
-
-def global_mini_batch_rows(cfg: PPOConfig) -> dict[str, int]:
-    """Rows (prompts x rollout.n) of one global mini-batch of the actor and, with a critic, the critic."""
-    n = cfg.actor_rollout_ref.rollout.n
-    rows = {"actor_rollout_ref.actor.ppo_mini_batch_size": cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n}
-    if uses_critic(cfg):
-        rows["critic.ppo_mini_batch_size"] = cfg.critic.ppo_mini_batch_size * n
-    return rows
 
 
 def check_batch_sizes(cfg: PPOConfig, world_size: int) -> None:
