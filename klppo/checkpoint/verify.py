@@ -158,6 +158,8 @@ def _check_shared_values(path: Path, shared: dict) -> None:
         problems.append("'guard' is not a guard record")
     elif "guard" in shared and not _are_events(shared["guard"].get("events", [])):
         problems.append("'guard' holds events that are not guard events")
+    elif "guard" in shared and "health" in shared["guard"] and not _is_health_record(shared["guard"]["health"]):
+        problems.append("'guard' holds a health record that is not one")
     if problems:
         raise _not_a_checkpoint(path, problems[0])
 
@@ -167,6 +169,23 @@ def _are_events(events: Any) -> bool:
     return isinstance(events, list) and all(
         isinstance(e, dict) and set(e) <= set(_EVENT_FIELDS) and all(k in e for k in ("step", "kind", "message"))
         and all(isinstance(v, _EVENT_FIELDS[k]) for k, v in e.items()) for e in events)
+
+
+def _numbers(values: Any) -> bool:
+    return isinstance(values, list) and all(type(v) in (int, float) for v in values)
+
+
+def _is_health_record(health: Any) -> bool:
+    """The run-health detectors' state (klppo/trainer/health.py): per model, gradient norms and
+    the steps of skipped spikes; the entropy trend's values and its open episode (or None)."""
+    if not (isinstance(health, dict) and isinstance(health.get("grads"), dict) and "entropy" in health):
+        return False
+    grads_ok = all(isinstance(g, dict) and _numbers(g.get("norms")) and _numbers(g.get("skipped_at"))
+                   and all(_is_int(s) for s in g["skipped_at"]) for g in health["grads"].values())
+    entropy = health["entropy"]
+    entropy_ok = (isinstance(entropy, dict) and _numbers(entropy.get("values"))
+                  and entropy.get("active", 0) in (None, "entropy_collapse", "entropy_surge"))
+    return grads_ok and entropy_ok
 
 
 def _check_rank_files(folder: Path, world_size: int, rank: int | None) -> None:

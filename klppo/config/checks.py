@@ -261,12 +261,27 @@ def _check_critic_warmup(cfg: PPOConfig, out: list[Problem]) -> None:
                            "set trainer.critic_warmup=0"))
 
 
+# The shortest trainer.guard.window: the entropy trend compares the mean of its newest 3 steps
+# with the median of at least 3 earlier ones (klppo/trainer/health.py, RECENT_STEPS).
+MIN_GUARD_WINDOW = 6
+
+
 def _check_guard(guard, out: list[Problem]) -> None:
     key = "trainer.guard"
     for name in ("early_stop_kl", "rollback_kl", "rollback_lr", "entropy_floor", "clipfrac_max"):
         _positive(out, f"{key}.{name}", getattr(guard, name))
     _at_least(out, f"{key}.max_rollbacks", guard.max_rollbacks, 0)
     _at_least(out, f"{key}.max_nonfinite_steps", guard.max_nonfinite_steps, 1)
+    for name in ("grad_spike", "entropy_collapse", "entropy_surge"):
+        value = getattr(guard, name)
+        if value is not None and not value > 0:  # NaN too: every comparison with it would be False
+            out.append(Problem((f"{key}.{name}",), f"{key}.{name} = {value!r} must be > 0; set it to a positive "
+                               "number, or to null to switch this detector off"))
+    _at_least(out, f"{key}.max_grad_skips", guard.max_grad_skips, 0)
+    if guard.window < MIN_GUARD_WINDOW:
+        out.append(Problem((f"{key}.window",), f"{key}.window = {guard.window} is too short: the entropy trend "
+                           f"compares its newest 3 steps with at least 3 earlier ones; set it to {MIN_GUARD_WINDOW} "
+                           "or more (default 20)"))
     if guard.rollback_kl is not None and guard.early_stop_kl is not None and guard.rollback_kl > guard.early_stop_kl:
         out.append(Problem(
             (f"{key}.rollback_kl", f"{key}.early_stop_kl"),

@@ -378,6 +378,21 @@ class GuardConfig:
     entropy_floor: Optional[float] = 0.01
     # Warn when the fraction of clipped tokens exceeds this; null disables.
     clipfrac_max: Optional[float] = 0.3
+    # Run health. History the detectors judge by: the last this many applied optimiser steps'
+    # gradient norms, and the last this many PPO steps' skips and entropies (at least 6).
+    window: int = 20
+    # Skip an optimiser step whose gradient norm is more than this many robust scales
+    # (1.4826 x MAD, at least 0.2 x the median) above the window's median norm; null disables.
+    grad_spike: Optional[float] = 10.0
+    # Skipped gradient spikes of one model within the window before a rollback (a stop when none is left).
+    max_grad_skips: int = 3
+    # An event when the actor's entropy (mean of the last 3 steps) falls by more than this
+    # fraction of the window's earlier level; null disables.
+    entropy_collapse: Optional[float] = 0.5
+    # An event when it rises by more than this fraction (1.0 = doubles); null disables.
+    entropy_surge: Optional[float] = 1.0
+    # What an entropy collapse or surge does: warn, stop the run, or roll back (as a KL excess).
+    entropy_action: Literal["warn", "stop", "rollback"] = "warn"
 
 
 @dataclass

@@ -5,7 +5,13 @@ used, non-finite steps in a row, which checkpoints are known to be good, the lea
 a rollback) is part of every checkpoint, so a resumed run guards exactly as the original would.
 
 A checkpoint saved after step t holds the weights that step t + 1 samples with, so it is
-certified good (or bad) by the KL measured at step t + 1, not by the KL of step t.
+certified good (or bad) by the KL measured at step t + 1, not by the KL of step t; with the KL
+guards off (rollback_kl and early_stop_kl null, or no reference), by the gradients of step t + 1
+(no optimiser step skipped). A checkpoint of a step that skipped a gradient spike is never good.
+
+After an update the health detectors (``health``) look at each optimiser step's gradient norm
+and at the actor's entropy trend: a gradient spike skips its optimiser step, too many skips in a
+window roll back like a KL excess, and an entropy collapse or surge warns, stops or rolls back.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Optional
 
+from klppo.trainer.health import EntropyShift, EntropyTrend, GradSpikeDetector, SkippedStep
+
+GRAD_MODELS = ("actor", "critic")
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,14 @@ class GuardSettings:
     max_nonfinite_steps: int  # non-finite steps in a row before the run stops
     entropy_floor: Optional[float]  # warn below this entropy
     clipfrac_max: Optional[float]  # warn above this clipped fraction
+    # Run health (None switches a detector off; the defaults here are off, the config's are on).
+    window: int = 20  # applied optimiser steps of gradient history; PPO steps of skips and entropy
+    grad_spike: Optional[float] = None  # skip an optimiser step this many scales above the median norm
+    max_grad_skips: int = 3  # skipped spikes within the window's PPO steps before a rollback
+    entropy_collapse: Optional[float] = None  # relative entropy drop over the window that is an event
+    entropy_surge: Optional[float] = None  # relative entropy rise over the window that is an event
+    entropy_action: str = "warn"  # warn | stop | rollback
+    initial_weights: bool = True  # a rollback can restore the initial weights (a reference or LoRA)
 
 
 class Action(Enum):
@@ -40,7 +57,9 @@ class Action(Enum):
 @dataclass
 class GuardEvent:
     step: int
-    kind: str  # rollback | early_stop | skip_nonfinite | stop_nonfinite | warn_entropy | warn_clipfrac
+    # rollback | early_stop | skip_nonfinite | stop_nonfinite | warn_entropy | warn_clipfrac |
+    # skip_grad_spike | rollback_grad_spike | stop_grad_spike | entropy_collapse | entropy_surge
+    kind: str
     message: str
     values: dict = field(default_factory=dict)
 
@@ -59,6 +78,9 @@ class RunGuard:
         self.pending_checkpoint: Optional[int] = None
         self.lr_override: Optional[float] = None
         self.events: list[GuardEvent] = []  # new since the loop last drained them
+        on = settings.grad_spike is not None
+        self.grads = {m: GradSpikeDetector(settings.window, settings.grad_spike) for m in GRAD_MODELS if on}
+        self.entropy = EntropyTrend(settings.window, settings.entropy_collapse, settings.entropy_surge)
 
     def _event(self, step: int, kind: str, message: str, **values) -> None:
         self.events.append(GuardEvent(step, kind, message, values))
@@ -72,13 +94,13 @@ class RunGuard:
 
         ``existing``: the checkpoint steps still on disk (rollback targets must exist).
         """
-        limit = self.s.rollback_kl if self.s.rollback_kl is not None else self.s.early_stop_kl
-        if self.pending_checkpoint is not None and (limit is None or kl <= limit):
-            self.good_checkpoints.append(self.pending_checkpoint)
-        self.pending_checkpoint = None
+        limit = self._kl_limit()
+        if limit is not None:  # without a KL guard the gradients certify (``check_update``)
+            if self.pending_checkpoint is not None and kl <= limit:
+                self.good_checkpoints.append(self.pending_checkpoint)
+            self.pending_checkpoint = None
         if self.s.rollback_kl is not None and kl > self.s.rollback_kl and self.rollbacks < self.s.max_rollbacks:
-            self.rollbacks += 1
-            self.lr_override = self.s.rollback_lr
+            self._spend_rollback()
             target = self.rollback_target(existing)
             where = f"checkpoint of step {target}" if target is not None else "the initial weights"
             self._event(step, "rollback", f"KL {kl:.4g} > rollback_kl {self.s.rollback_kl}: rolled back to {where}, "
@@ -116,8 +138,113 @@ class RunGuard:
             self._event(step, "warn_clipfrac", f"clipped fraction {clipfrac:.4g} > clipfrac_max {self.s.clipfrac_max}",
                         clipfrac=clipfrac)
 
+    def grad_limit(self, model: str) -> float:
+        """The largest gradient norm ``model``'s optimiser steps may apply in the coming update."""
+        detector = self.grads.get(model)
+        return detector.limit() if detector is not None else math.inf
+
+    def check_update(self, step: int, grads: dict[str, tuple[list[float], list[bool]]], entropy: Optional[float],
+                     existing: Optional[set[int]] = None) -> tuple[Action, dict[str, float]]:
+        """After an update: each model's optimiser-step norms and whether each was applied, and the
+        actor's entropy (None during the critic's warm-up). Returns the action and the step's
+        ``<model>/grad_norm_skipped``, ``_median`` and ``_scale`` (the window the steps were judged by)."""
+        metrics, skipped = {}, 0
+        for model, (norms, applied) in grads.items():
+            metrics[f"{model}/grad_norm_skipped"] = float(applied.count(False))
+            skipped += applied.count(False)
+            if model in self.grads:
+                metrics.update(self._record_grads(step, model, norms, applied))
+        if self.pending_checkpoint is not None and self._kl_limit() is None:
+            if skipped == 0:
+                self.good_checkpoints.append(self.pending_checkpoint)
+            self.pending_checkpoint = None
+        action = Action.CONTINUE
+        shift = self.entropy.observe(entropy) if entropy is not None else None
+        if shift is not None:
+            action = self._entropy_shift(step, shift, existing)
+        if action is Action.CONTINUE:
+            action = self._too_many_skips(step, existing)
+        return action, metrics
+
+    def _record_grads(self, step: int, model: str, norms: list[float], applied: list[bool]) -> dict[str, float]:
+        detector, metrics = self.grads[model], {}
+        center = detector.center_scale()
+        if center is not None:
+            metrics[f"{model}/grad_norm_median"], metrics[f"{model}/grad_norm_scale"] = center
+        for skip in detector.record(step, norms, applied):
+            self._skip_event(step, model, skip)
+        return metrics
+
+    def _skip_event(self, step: int, model: str, skip: SkippedStep) -> None:
+        self._event(step, "skip_grad_spike", f"{model} gradient norm {skip.grad_norm:.4g} is {skip.ratio:.1f} scales "
+                    f"above the median {skip.median:.4g} of its last {self.s.window} steps (scale {skip.scale:.4g}, "
+                    f"grad_spike {self.s.grad_spike}): optimiser step skipped", model=model, grad_norm=skip.grad_norm,
+                    median=skip.median, scale=skip.scale, ratio=skip.ratio)
+
+    def _too_many_skips(self, step: int, existing: Optional[set[int]]) -> Action:
+        """More than max_grad_skips skipped spikes of one model within the window: roll back (or stop)."""
+        counts = {m: len(d.skipped_at) for m, d in self.grads.items()}
+        model = max(counts, key=counts.get, default=None)
+        if model is None or counts[model] <= self.s.max_grad_skips:
+            return Action.CONTINUE
+        why = (f"{counts[model]} {model} optimiser steps skipped for gradient spikes in the last {self.s.window} "
+               f"steps (max_grad_skips={self.s.max_grad_skips})")
+        values = {"model": model, "skips": counts[model], "window": self.s.window}
+        action, target, where = self._roll_back_or_stop(existing)
+        if action is Action.STOP:
+            self._event(step, "stop_grad_spike", f"{why}, and {where}: run stopped", **values)
+        else:
+            self._event(step, "rollback_grad_spike", f"{why}: rolled back to {where}, actor lr now "
+                        f"{self.s.rollback_lr} (rollback {self.rollbacks}/{self.s.max_rollbacks})",
+                        **values, to_step=target if target is not None else 0)
+        return action
+
+    def _entropy_shift(self, step: int, shift: EntropyShift, existing: Optional[set[int]]) -> Action:
+        """An entropy collapse or surge: an event, and entropy_action (a rollback when one is left)."""
+        what = "fell" if shift.kind == "entropy_collapse" else "rose"
+        threshold = self.s.entropy_collapse if shift.kind == "entropy_collapse" else self.s.entropy_surge
+        why = (f"actor entropy {what} by {abs(shift.change):.0%} (more than {threshold:.0%}) to {shift.entropy:.4g} "
+               f"over the last {self.s.window} steps (earlier {shift.reference:.4g})")
+        action, target, where = Action.CONTINUE, None, "warning only (entropy_action=warn)"
+        if self.s.entropy_action == "stop":
+            action, where = Action.STOP, "run stopped (entropy_action=stop)"
+        elif self.s.entropy_action == "rollback":
+            action, target, where = self._roll_back_or_stop(existing)
+            where = f"rolled back to {where}" if action is Action.ROLLBACK else f"{where}: run stopped"
+        values = {"entropy": shift.entropy, "reference": shift.reference, "change": shift.change,
+                  "window": self.s.window, "action": action.value if action is not Action.CONTINUE else "warn"}
+        if action is Action.ROLLBACK:
+            values["to_step"] = target if target is not None else 0
+        self._event(step, shift.kind, f"{why}: {where}", **values)
+        return action
+
+    def _roll_back_or_stop(self, existing: Optional[set[int]]) -> tuple[Action, Optional[int], str]:
+        """Spend a rollback: (ROLLBACK, target step or None for the initial weights, where to), or
+        (STOP, None, why none is possible)."""
+        if self.rollbacks >= self.s.max_rollbacks:
+            return Action.STOP, None, f"no rollback is left ({self.rollbacks}/{self.s.max_rollbacks} used)"
+        target = self.rollback_target(existing)
+        if target is None and not self.s.initial_weights:
+            return Action.STOP, None, "no checkpoint is certified good and the initial weights are not kept"
+        self._spend_rollback()
+        return Action.ROLLBACK, target, f"checkpoint of step {target}" if target is not None else "the initial weights"
+
+    def _spend_rollback(self) -> None:
+        """One rollback used; the detectors' skips and entropy trend belong to the weights left behind."""
+        self.rollbacks += 1
+        self.lr_override = self.s.rollback_lr
+        for detector in self.grads.values():
+            detector.forget_skips()
+        self.entropy.restart()
+
+    def _kl_limit(self) -> Optional[float]:
+        return self.s.rollback_kl if self.s.rollback_kl is not None else self.s.early_stop_kl
+
     def checkpoint_saved(self, step: int) -> None:
-        self.pending_checkpoint = step
+        """Called as step ``step``'s checkpoint is written (before, so the checkpoint holds it too).
+        A checkpoint of a step that skipped a gradient spike is never a rollback target."""
+        spiked = any(step in detector.skipped_at for detector in self.grads.values())
+        self.pending_checkpoint = None if spiked else step
 
     def rollback_target(self, existing: Optional[set[int]] = None) -> Optional[int]:
         """The newest checkpoint certified good (and still on disk, if ``existing`` is given)."""
@@ -125,11 +252,25 @@ class RunGuard:
         return good[-1] if good else None
 
     def state_dict(self) -> dict:
-        state = {k: v for k, v in vars(self).items() if k not in ("s", "events")}
+        state = {k: v for k, v in vars(self).items() if k not in ("s", "events", "grads", "entropy")}
         state["events"] = [asdict(e) for e in self.events]
+        state["health"] = {"grads": {m: d.state_dict() for m, d in self.grads.items()},
+                           "entropy": self.entropy.state_dict()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("rollbacks", "nonfinite_in_a_row", "good_checkpoints", "pending_checkpoint", "lr_override"):
             setattr(self, key, state[key])
         self.events = [GuardEvent(**e) for e in state.get("events", [])]
+        health = state.get("health")  # absent from checkpoints saved before the detectors: they start afresh
+        if health is not None:
+            for model, detector in self.grads.items():
+                if model in health["grads"]:
+                    detector.load_state_dict(health["grads"][model])
+            self.entropy.load_state_dict(health["entropy"])
+
+
+def most_severe(*actions: Action) -> Action:
+    """The action that wins when several checks of one step disagree."""
+    order = (Action.CONTINUE, Action.SKIP, Action.ROLLBACK, Action.STOP)
+    return max(actions, key=order.index)

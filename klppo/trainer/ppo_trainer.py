@@ -34,10 +34,10 @@ from klppo.trainer.adapters import export_model
 from klppo.trainer.build import PPOParts
 from klppo.trainer.evaluate import offline_policy_kl, validation_metrics
 from klppo.trainer.forwards import StepShards, reward_model_roles, score_batch
-from klppo.trainer.guards import Action, RunGuard
+from klppo.trainer.guards import GRAD_MODELS, Action, RunGuard, most_severe
 from klppo.trainer.responses import step_responses
 from klppo.trainer.run_folder import RunFolder
-from klppo.trainer.update import update_actor, update_critic
+from klppo.trainer.update import OptimizerSteps, update_actor, update_critic
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
 # Distributed runs profile the first micro-batch of the updates of step 1 and every this many steps
@@ -160,8 +160,9 @@ class PPOTrainer:
             action = self._guard_before_update(batch, kl)
             # step 7. update: critic, then actor (once trainer.critic_warmup critic-only steps are done)
             if action is Action.CONTINUE:
-                metrics.update(self._update(batch.select(shards.mine), timer))
-                action = self._guard_after_update(metrics)
+                steps = {m: OptimizerSteps(self.guard.grad_limit(m)) for m in GRAD_MODELS}  # spike limits
+                metrics.update(self._update(batch.select(shards.mine), timer, steps))
+                action = self._guard_after_update(metrics, steps)
         # step 8. metrics
         data_metrics = compute_data_metrics(batch, self.s.response_length)
         if self.s.rollout == "offline" and "actor/kl_to_ref" in data_metrics:  # recorded: not a KL of the policy
@@ -216,7 +217,8 @@ class PPOTrainer:
             self.p.kl_ctrl.update(current_kl=current, n_steps=len(batch))
         return stats
 
-    def _update(self, batch: RolloutBatch, timer: PhaseTimer) -> dict[str, torch.Tensor | float]:
+    def _update(self, batch: RolloutBatch, timer: PhaseTimer,
+                steps: dict[str, OptimizerSteps]) -> dict[str, torch.Tensor | float]:
         # Losses normalised by global counts, metric shares summed, equal micro-batch counts: the
         # ranks together make the update one process would make on the whole batch (``update``).
         p, metrics = self.p, {}
@@ -225,13 +227,15 @@ class PPOTrainer:
         if p.critic is not None:
             with (timer.phase("update_critic"), p.offloader.resident("critic"),
                   profiled(p.device, overlap, measured) as micro_done):
-                metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.s.critic, micro_done))
+                metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.s.critic, micro_done,
+                                             steps["critic"]))
             metrics["critic/lr"] = p.critic_scheduler.get_last_lr()[0]
             p.critic_scheduler.step()
         if self.step > self.s.critic_warmup:
             with (timer.phase("update_actor"), p.offloader.resident("actor"),
                   profiled(p.device, overlap, measured) as micro_done):
-                metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.s.actor, micro_done))
+                metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.s.actor, micro_done,
+                                            steps["actor"]))
             metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]
             p.actor_scheduler.step()
         if measured:
@@ -250,14 +254,20 @@ class PPOTrainer:
             return Action.CONTINUE
         return self.guard.check_finite(self.step, {"critic/score": math.nan})
 
-    def _guard_after_update(self, metrics: dict) -> Action:
+    def _guard_after_update(self, metrics: dict, steps: dict[str, OptimizerSteps]) -> Action:
+        """Finite numbers, then each optimiser step's gradient norm and the entropy trend (adds the
+        grad-norm window's metrics). Every rank has the same full gradient norms (FSDP2)."""
         watched = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
         health = ("actor/entropy", "actor/pg_clipfrac")  # not during the critic's warm-up
         agreed = mean_over_ranks({k: float(metrics[k]) for k in watched + health if k in metrics})
         action = self.guard.check_finite(self.step, {k: agreed[k] for k in watched if k in agreed})
         if "actor/entropy" in agreed:
             self.guard.check_health(self.step, agreed["actor/entropy"], agreed["actor/pg_clipfrac"])
-        return action
+        grads = {m: s.on_host() for m, s in steps.items() if s.norms}  # host sync
+        after, grad_metrics = self.guard.check_update(self.step, grads, agreed.get("actor/entropy"),
+                                                      existing=set(checkpoint_steps(self.s.run_dir)))
+        metrics.update(grad_metrics)
+        return most_severe(action, after)
 
     def _memory_metrics(self, timer: PhaseTimer) -> dict[str, float]:
         """Each phase's peak memory, the largest over ranks; ``perf/max_memory_allocated_gb`` the step's."""
@@ -289,10 +299,9 @@ class PPOTrainer:
     # ---- checkpoints, resume, rollback ----
 
     def save(self) -> Path:
+        self.guard.checkpoint_saved(self.step)  # first: a run resumed from this checkpoint certifies it too
         with self.p.offloader.resident("actor", "critic"):
-            folder = run_state.save(self.p, self.step, self.guard, keep=self.s.max_ckpt_to_keep)
-        self.guard.checkpoint_saved(self.step)
-        return folder
+            return run_state.save(self.p, self.step, self.guard, keep=self.s.max_ckpt_to_keep)
 
     def _rollback(self) -> None:
         target = self.guard.rollback_target(set(checkpoint_steps(self.s.run_dir)))

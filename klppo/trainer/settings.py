@@ -344,8 +344,10 @@ def head_settings(cfg: PPOConfig) -> HeadSettings:
 
 
 def _guard(cfg: PPOConfig) -> GuardSettings:
-    """The guard's thresholds; KL guards need a reference model and are off without one."""
-    settings = GuardSettings(**dataclasses.asdict(cfg.trainer.guard))
+    """The guard's thresholds; KL guards need a reference model and are off without one. A
+    rollback restores the initial weights from the reference, or a LoRA actor's starting adapters."""
+    initial = uses_reference(cfg) or lora_enabled(cfg.actor_rollout_ref.model)
+    settings = GuardSettings(**dataclasses.asdict(cfg.trainer.guard), initial_weights=initial)
     if uses_reference(cfg):
         return settings
     return dataclasses.replace(settings, early_stop_kl=None, rollback_kl=None)

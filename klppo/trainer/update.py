@@ -17,12 +17,19 @@ each rank's loss is its share of the global mini-batch's loss and FSDP2's summed
 the global gradient (torchtitan's global token normalisation); metric shares are summed the
 same way, and every rank runs the largest micro-batch count any rank needs. In one process
 these collectives are the identity.
+
+Each optimiser step applies only a finite gradient norm within the spike guard's limit
+(``OptimizerSteps.limit``, from ``RunGuard.grad_limit``): the limit is fixed for the whole update,
+so every step decides on the device, and the host reads the steps' norms once, after the update.
+FSDP2's norm is the full norm, the same on every rank, so every rank skips the same steps.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
@@ -43,8 +50,31 @@ def _counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mask.sum(), (mask.sum(-1) > 0).sum()
 
 
-def optimizer_step(model, optimizer, grad_clip: float) -> torch.Tensor:
-    """Clip, then step unless the gradient norm is not finite (the step is skipped then).
+@dataclass
+class OptimizerSteps:
+    """One update's optimiser steps: the largest norm they may apply, and what each measured."""
+
+    limit: float = math.inf  # the gradient-spike guard's limit (inf: only non-finite norms are skipped)
+    norms: list[torch.Tensor] = field(default_factory=list)  # each step's pre-clip norm, () on the device
+    applied: list[torch.Tensor] = field(default_factory=list)  # each step's verdict, () bool
+
+    def on_host(self) -> tuple[list[float], list[bool]]:
+        """The norms and verdicts as Python values (one host sync for the whole update)."""
+        if not self.norms:
+            return [], []
+        norms, applied = torch.stack([torch.stack(self.norms).float(), torch.stack(self.applied).float()]).tolist()
+        return norms, [a > 0 for a in applied]
+
+
+def step_allowed(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Whether an optimiser step applies: a finite norm no larger than ``max_norm`` (a bool tensor)."""
+    return torch.isfinite(grad_norm) & (grad_norm <= max_norm)
+
+
+def optimizer_step(model, optimizer, grad_clip: float, max_norm: float = math.inf,
+                   steps: Optional[OptimizerSteps] = None) -> torch.Tensor:
+    """Clip, then step unless the gradient norm is not finite or above ``max_norm`` (the step is
+    skipped then); ``steps``, when given, records the norm and the verdict.
 
     A fused AdamW (``build_optimizer`` makes one for CUDA parameters) gets the verdict as a
     device tensor, ``found_inf``, the way torch's GradScaler hands it over: the kernel skips
@@ -54,15 +84,19 @@ def optimizer_step(model, optimizer, grad_clip: float) -> torch.Tensor:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of per-rank partial norms
         grad_norm = grad_norm.full_tensor()
+    allowed = step_allowed(grad_norm, max_norm)
     if all(group.get("fused") for group in optimizer.param_groups):
-        optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        optimizer.found_inf = (~allowed).float()
         try:
             optimizer.step()
         finally:
             del optimizer.found_inf
-    elif torch.isfinite(grad_norm):  # host sync
+    elif allowed:  # host sync
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if steps is not None:
+        steps.norms.append(grad_norm.detach())
+        steps.applied.append(allowed)
     return grad_norm.detach()
 
 
@@ -84,15 +118,18 @@ def _nothing() -> None:
 
 def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro: MicroBatching, epochs: int,
                  grad_clip: float, micro_loss: MicroLoss, prefix: str,
-                 after_micro_batch: Callable[[], None] = _nothing) -> dict[str, torch.Tensor]:
+                 after_micro_batch: Callable[[], None] = _nothing,
+                 steps: Optional[OptimizerSteps] = None) -> dict[str, torch.Tensor]:
     """ppo_epochs x mini-batches x micro-batches of ``micro_loss``, one optimiser step per mini-batch.
 
     ``micro_loss(micro, tokens, seqs) -> (loss, sums, means)``: ``sums`` are the micro-batch's
     shares of mini-batch losses (they add up), ``means`` are its own token means (weighted here
     by its token share). Returns every metric averaged over the optimiser steps.
     ``after_micro_batch``: called after each micro-batch's backward (``monitoring.overlap.profiled``).
+    ``steps``: the optimiser steps' limit, and where their norms and verdicts go.
     """
     model.train()
+    steps = steps if steps is not None else OptimizerSteps()
     per_update: dict[str, list[torch.Tensor]] = defaultdict(list)
     plans = micro_plans(batch, mini_rows, micro)
     for _ in range(epochs):
@@ -111,20 +148,22 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
                 for k, v in means.items():
                     stats[k] = stats[k] + v * weight
             stats = reduce_stats(stats)
-            stats[f"{prefix}/grad_norm"] = optimizer_step(model, optimizer, grad_clip)
+            stats[f"{prefix}/grad_norm"] = optimizer_step(model, optimizer, grad_clip, steps.limit, steps)
             for k, v in stats.items():
                 per_update[k].append(v)
     return {k: torch.stack(v).mean() for k, v in per_update.items()}
 
 
 def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings,
-                 after_micro_batch: Callable[[], None] = _nothing) -> dict[str, torch.Tensor]:
+                 after_micro_batch: Callable[[], None] = _nothing,
+                 steps: Optional[OptimizerSteps] = None) -> dict[str, torch.Tensor]:
     """One PPO actor update over ``batch`` (this rank's shard); returns metrics averaged over optimiser
-    steps, and the step's ``rollout_corr/`` metrics when the batch carries behaviour log-probs."""
+    steps, and the step's ``rollout_corr/`` metrics when the batch carries behaviour log-probs.
+    ``steps``: the optimiser steps' gradient limit and record (``OptimizerSteps``)."""
     batch, correction = with_rollout_correction(batch, s.rollout_correction)
     metrics = _run_updates(
         actor, optimizer, batch, mini_rows=s.mini_batch_rows, micro=s.micro, epochs=s.ppo_epochs,
-        grad_clip=s.grad_clip, prefix="actor", after_micro_batch=after_micro_batch,
+        grad_clip=s.grad_clip, prefix="actor", after_micro_batch=after_micro_batch, steps=steps,
         micro_loss=lambda micro, tokens, seqs: _actor_micro_loss(actor, micro, s, tokens, seqs),
     )
     return {**metrics, **correction}
@@ -157,7 +196,8 @@ def _actor_micro_loss(actor, micro: RolloutBatch, s: ActorUpdateSettings, tokens
 
 
 def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSettings,
-                  after_micro_batch: Callable[[], None] = _nothing) -> dict[str, torch.Tensor]:
+                  after_micro_batch: Callable[[], None] = _nothing,
+                  steps: Optional[OptimizerSteps] = None) -> dict[str, torch.Tensor]:
     """One clipped value-loss update of the critic over ``batch`` (this rank's shard)."""
 
     def micro_loss(micro: RolloutBatch, tokens, seqs):
@@ -173,4 +213,4 @@ def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSetting
 
     return _run_updates(critic, optimizer, batch, mini_rows=s.mini_batch_rows, micro=s.micro, epochs=s.ppo_epochs,
                         grad_clip=s.grad_clip, micro_loss=micro_loss, prefix="critic",
-                        after_micro_batch=after_micro_batch)
+                        after_micro_batch=after_micro_batch, steps=steps)

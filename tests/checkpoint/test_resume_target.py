@@ -214,3 +214,30 @@ def test_an_explicit_resume_path_is_checked_and_never_replaced(save, tmp_path):
     truncate(ckpt.step_dir(tmp_path, 2) / ckpt.STATE_FILE)
     with pytest.raises(UserError, match="global_step_2/trainer_state.pt' cannot be read"):
         _find(tmp_path, "resume_path", str(ckpt.step_dir(tmp_path, 2)))
+
+
+@pytest.mark.parametrize("health", [
+    {"grads": {"actor": {"norms": ["1.0"], "skipped_at": []}}, "entropy": {"values": [], "active": None}},
+    {"grads": {"actor": {"norms": [1.0], "skipped_at": [2.5]}}, "entropy": {"values": [], "active": None}},
+    {"grads": {}, "entropy": {"values": [1.0], "active": "run"}},
+    {"grads": {}},
+])
+def test_a_guard_health_record_that_is_not_one_is_refused_before_anything_is_restored(save, tmp_path, health):
+    folder = save(tmp_path, 2)
+    state = torch.load(folder / ckpt.STATE_FILE, weights_only=True)
+    torch.save({**state, "guard": {**state["guard"], "health": health}}, folder / ckpt.STATE_FILE)
+    with pytest.raises(UserError, match="'guard' holds a health record that is not one"):
+        check_resume_target(folder, kind="ppo", world_size=1)
+
+
+def test_the_health_record_a_guard_saves_passes(save, tmp_path):
+    from klppo.trainer.guards import GuardSettings, RunGuard
+
+    guard = RunGuard(GuardSettings(early_stop_kl=None, rollback_kl=None, rollback_lr=1e-6, max_rollbacks=1,
+                                   max_nonfinite_steps=2, entropy_floor=None, clipfrac_max=None, grad_spike=10.0,
+                                   entropy_collapse=0.5))
+    guard.check_update(1, {"actor": ([1.0, 2.0], [True, True]), "critic": ([3.0], [True])}, 2.5)
+    folder = save(tmp_path, 2)
+    state = torch.load(folder / ckpt.STATE_FILE, weights_only=True)
+    torch.save({**state, "guard": guard.state_dict()}, folder / ckpt.STATE_FILE)
+    assert check_resume_target(folder, kind="ppo", world_size=1) == 2

@@ -44,8 +44,17 @@ def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 240.0) -> No
     raise AssertionError(f"step {step} never logged")
 
 
+# Run-health detectors at thresholds this run crosses (the tiny run's entropy moves by ~1e-5 a step,
+# its gradient norms by ~10%): their windows, skip counts, entropy episodes and certified checkpoints
+# must come back from the checkpoint exactly for the resumed run to repeat the uninterrupted one.
+FIRING_DETECTORS = {"actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.guard.window": 6,
+                    "trainer.guard.grad_spike": 0.5, "trainer.guard.max_grad_skips": 5,
+                    "trainer.guard.entropy_collapse": 1e-5, "trainer.guard.entropy_surge": 1e-5}
+
+
 def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_overrides, tmp_path):
-    changes = {"trainer.total_training_steps": 6, "trainer.save_freq": 1, "actor_rollout_ref.rollout.name": "offline"}
+    changes = {"trainer.total_training_steps": 7, "trainer.save_freq": 1, "actor_rollout_ref.rollout.name": "offline",
+               **FIRING_DETECTORS}
     full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
     full = _train_cli(ppo_overrides(full_dir, **changes))
     assert full.wait(timeout=300) == 0, full.stderr.read()
@@ -55,7 +64,7 @@ def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_o
     victim.send_signal(signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL  # it died by the signal, not by finishing first
     checkpoint = int((killed_dir / LATEST_FILE).read_text())
-    assert 1 <= checkpoint < 6
+    assert 1 <= checkpoint < 7
     resumed = _train_cli(ppo_overrides(killed_dir, **changes), stdout=subprocess.PIPE)
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
@@ -64,6 +73,10 @@ def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_o
     assert f"resumed from {killed_dir / f'global_step_{checkpoint}'} at step {checkpoint}" in out, out
     expected = [_comparable(r) for r in read_metrics(full_dir)]
     assert [_comparable(r) for r in read_metrics(killed_dir)] == expected, f"killed at step {kill_at}"
+    events = read_jsonl(full_dir / EVENTS_FILE)
+    fired = {e["kind"] for e in events}
+    assert {"skip_grad_spike", "rollback_grad_spike"} <= fired and fired & {"entropy_collapse", "entropy_surge"}, fired
+    assert read_jsonl(killed_dir / EVENTS_FILE) == events, f"killed at step {kill_at}"
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_for_resume(ppo_overrides, tmp_path, monkeypatch):
@@ -112,6 +125,33 @@ def test_a_kl_blow_up_is_rolled_back_and_the_run_ends_under_target(ppo_overrides
     assert "rollback" in text and f"rolled back at {rollbacks[0]['step']}" in text
     pngs = sorted(p.name for p in report.parent.glob("*.png"))
     assert any("kl" in name for name in pngs) and any("reward" in name for name in pngs)
+
+
+def test_a_gradient_blow_up_skips_its_optimiser_steps_then_rolls_back(ppo_overrides, tmp_path):
+    """A learning-rate warm-up to a rate far too large: within a few steps the actor's gradient
+    norm blows up. The KL guards are off, so the gradient guard alone acts: it skips the spikes
+    (four optimiser steps a PPO step), then rolls back to a checkpoint it certified."""
+    changes = {
+        "actor_rollout_ref.actor.optim.lr": 3.0, "actor_rollout_ref.actor.optim.lr_warmup_steps": 6,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.total_training_steps": 5, "trainer.save_freq": 1,
+        "trainer.guard.rollback_kl": "null", "trainer.guard.early_stop_kl": "null",
+        "trainer.guard.max_grad_skips": 1, "trainer.guard.rollback_lr": 1e-7,
+    }
+    records = run_ppo(None, ppo_overrides(**changes), print_fn=quiet)
+    events = read_jsonl(tmp_path / "run" / EVENTS_FILE)
+    rollback = next((e for e in events if e["kind"] == "rollback_grad_spike"), None)
+    assert rollback is not None, [(r["step"], r.get("actor/grad_norm"), r.get("critic/grad_norm")) for r in records]
+    model, at = rollback["model"], rollback["step"]
+    skips = [e for e in events if e["kind"] == "skip_grad_spike" and e["model"] == model and e["step"] <= at]
+    assert len(skips) == rollback["skips"] >= 2 and skips[0]["step"] < at  # a skip alone first, within max_grad_skips
+    for e in skips:  # each more than grad_spike = 10 scales above the window's median
+        assert e["ratio"] > 10.0 and e["grad_norm"] == pytest.approx(e["median"] + e["ratio"] * e["scale"])
+    counted = sum(r.get(f"{model}/grad_norm_skipped", 0) for r in records if r["step"] <= at)
+    assert counted == len(skips)
+    # The target is a checkpoint saved before the first skip; the run goes on at the rollback rate.
+    assert 1 <= rollback["to_step"] < skips[0]["step"]
+    after = [r for r in records if r["step"] > at]
+    assert after and all(r["actor/lr"] == pytest.approx(1e-7) and r["guard/rollbacks"] == 1 for r in after)
 
 
 def _nan_reward_file(tmp_path: Path) -> Path:

@@ -1,0 +1,174 @@
+"""Run-health detectors: a model's gradient norm against its own recent history, and the trend
+of the actor's entropy.
+
+They hold plain Python numbers only (their ``state_dict`` goes into every checkpoint through the
+guard's record, so a resumed run detects exactly what the uninterrupted one would) and decide
+nothing about the run: ``guards.RunGuard`` owns them and turns what they see into actions.
+
+Gradient spikes are judged robustly: the median of the last ``window`` applied optimiser steps'
+norms and their median absolute deviation (MAD), scaled by 1.4826 so that it estimates the
+standard deviation of a normal stream (Rousseeuw and Croux 1993). A blown-up step is skipped and
+never enters the window, else a blow-up would become the new normal.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Optional
+
+MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): MAD * this = sigma for normally distributed values
+# The scale is at least this fraction of the median: on a flat stream the MAD is ~0 and every
+# wobble would be a spike. With trainer.guard.grad_spike = 10 a step is skipped no earlier than at
+# (1 + 10 * 0.2) = 3x the median norm.
+SCALE_FLOOR = 0.2
+MIN_NORMS = 5  # applied norms in the window before any step is called a spike
+RECENT_STEPS = 3  # the entropy trend compares the mean of this many newest steps with the window's earlier ones
+
+
+def robust_center_scale(values: list[float]) -> tuple[float, float]:
+    """(median, max(1.4826 * MAD, SCALE_FLOOR * |median|)) of a non-empty list."""
+    median = statistics.median(values)
+    mad = statistics.median(abs(v - median) for v in values)
+    return median, max(MAD_TO_SIGMA * mad, SCALE_FLOOR * abs(median))
+
+
+def spike_ratio(norm: float, median: float, scale: float) -> float:
+    """How many scales ``norm`` lies above the median (negative below it)."""
+    return (norm - median) / scale if scale > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """An optimiser step whose gradient norm was too large (finite) to apply."""
+
+    grad_norm: float
+    median: float
+    scale: float
+    ratio: float
+
+
+class GradSpikeDetector:
+    """One model's gradient norms: the largest norm a step may apply, and the steps it skipped.
+
+    ``window``: applied optimiser steps whose norms set the median and scale, and also the PPO
+    steps over which skipped optimiser steps are counted. ``threshold``: ``trainer.guard.grad_spike``.
+    """
+
+    def __init__(self, window: int, threshold: float) -> None:
+        self.window, self.threshold = window, threshold
+        self.norms: list[float] = []  # the newest ``window`` applied, positive norms, oldest first
+        self.skipped_at: list[int] = []  # the PPO step of each finite spike skipped in the last ``window`` steps
+
+    def center_scale(self) -> Optional[tuple[float, float]]:
+        """The window's (median, scale), or None before it holds anything."""
+        return robust_center_scale(self.norms) if self.norms else None
+
+    def limit(self) -> float:
+        """The largest norm an optimiser step may be applied with; inf while the window warms up."""
+        if len(self.norms) < MIN_NORMS:
+            return math.inf
+        median, scale = robust_center_scale(self.norms)
+        return median + self.threshold * scale
+
+    def record(self, step: int, norms: list[float], applied: list[bool]) -> list[SkippedStep]:
+        """The optimiser steps of PPO step ``step``: their norms and whether each was applied (as
+        the update decided, against ``limit()`` taken before it). Applied norms join the window;
+        returns the finite norms that were skipped. A zero norm (nothing to learn from the batch)
+        says nothing about the gradients' scale and stays out; non-finite norms belong to the
+        non-finite guard (``RunGuard.check_finite``) and are neither kept nor counted here."""
+        before = self.center_scale()
+        skipped = []
+        for norm, ok in zip(norms, applied):
+            if ok and norm > 0:
+                self.norms.append(norm)
+            elif not ok and math.isfinite(norm):
+                assert before is not None, "a step was skipped before the window had a limit"
+                skipped.append(SkippedStep(norm, *before, spike_ratio(norm, *before)))
+        del self.norms[:-self.window]
+        self.skipped_at = [s for s in self.skipped_at if s > step - self.window] + [step] * len(skipped)
+        return skipped
+
+    def forget_skips(self) -> None:
+        """After a rollback the skips that caused it are dealt with; the norms stay the reference."""
+        self.skipped_at = []
+
+    def state_dict(self) -> dict:
+        return {"norms": list(self.norms), "skipped_at": list(self.skipped_at)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.norms = [float(v) for v in state["norms"]][-self.window:]
+        self.skipped_at = [int(s) for s in state["skipped_at"]]
+
+
+@dataclass(frozen=True)
+class EntropyShift:
+    """A collapse or surge of the actor's entropy: the recent mean against the earlier level."""
+
+    kind: str  # entropy_collapse | entropy_surge
+    entropy: float  # the mean of the newest RECENT_STEPS steps
+    reference: float  # the median of the window's earlier steps
+    change: float  # (entropy - reference) / reference
+
+
+def relative_change(values: list[float]) -> Optional[tuple[float, float, float]]:
+    """(recent mean, earlier median, relative change) of a window, or None while it is too short
+    (fewer than RECENT_STEPS earlier values) or the earlier level is not positive."""
+    if len(values) < 2 * RECENT_STEPS:
+        return None
+    earlier, recent = values[:-RECENT_STEPS], values[-RECENT_STEPS:]
+    reference, entropy = statistics.median(earlier), statistics.fmean(recent)
+    if not reference > 0:
+        return None
+    return entropy, reference, (entropy - reference) / reference
+
+
+class EntropyTrend:
+    """The actor's entropy over the last ``window`` PPO steps; a drop by more than ``collapse``
+    (a fraction of the earlier level) or a rise by more than ``surge`` is reported once per
+    episode, and re-armed when the change comes back within half its threshold (so a trend that
+    hovers at the threshold does not report every other step). None switches a direction off."""
+
+    def __init__(self, window: int, collapse: Optional[float], surge: Optional[float]) -> None:
+        self.window, self.collapse, self.surge = window, collapse, surge
+        self.values: list[float] = []
+        self.active: Optional[str] = None  # the kind reported and not yet recovered from
+
+    def observe(self, entropy: float) -> Optional[EntropyShift]:
+        """Add one PPO step's entropy (non-finite values are the non-finite guard's); a new episode or None."""
+        if not math.isfinite(entropy):
+            return None
+        self.values = (self.values + [entropy])[-self.window:]
+        measured = relative_change(self.values)
+        if measured is None:
+            return None
+        entropy_now, reference, change = measured
+        kind = None
+        if self.collapse is not None and change < -self.collapse:
+            kind = "entropy_collapse"
+        elif self.surge is not None and change > self.surge:
+            kind = "entropy_surge"
+        if self.active is not None and kind is None and self._recovered(change):
+            self.active = None
+        if kind is None or kind == self.active:
+            return None
+        self.active = kind
+        return EntropyShift(kind, entropy_now, reference, change)
+
+    def _recovered(self, change: float) -> bool:
+        if self.active == "entropy_collapse":
+            return self.collapse is None or change >= -self.collapse / 2
+        return self.surge is None or change <= self.surge / 2
+
+    def restart(self) -> None:
+        """After a rollback the weights are earlier ones: comparing their entropy with the
+        entropies before the rollback would report a surge (or collapse) that is not one."""
+        self.values, self.active = [], None
+
+    def state_dict(self) -> dict:
+        return {"values": list(self.values), "active": self.active}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = [float(v) for v in state["values"]][-self.window:]
+        self.active = state["active"] if state["active"] in ("entropy_collapse", "entropy_surge") else None

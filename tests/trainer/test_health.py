@@ -1,0 +1,226 @@
+"""Run-health detectors on hand-made streams: gradient spikes against a robust window, entropy
+collapse and surge, and what the guard makes of them (skip, roll back, stop, certify)."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from klppo.config.checks import MIN_GUARD_WINDOW
+from klppo.trainer.guards import Action, GuardSettings, RunGuard, most_severe
+from klppo.trainer.health import (
+    MIN_NORMS, RECENT_STEPS, EntropyTrend, GradSpikeDetector, SkippedStep, relative_change, robust_center_scale,
+)
+from klppo.trainer.update import OptimizerSteps, optimizer_step
+
+# KL guards off: these tests are about the health detectors alone.
+SETTINGS = GuardSettings(early_stop_kl=None, rollback_kl=None, rollback_lr=1e-6, max_rollbacks=1,
+                         max_nonfinite_steps=2, entropy_floor=None, clipfrac_max=None, window=20, grad_spike=10.0,
+                         max_grad_skips=1, entropy_collapse=0.5, entropy_surge=1.0, entropy_action="warn")
+
+
+def test_median_and_scale_of_a_window_are_worked_by_hand():
+    # [1, 2, 3, 4, 10]: median 3; |x - 3| = [2, 1, 0, 1, 7], median 1; scale 1.4826 * 1 (floor 0.2 * 3 = 0.6)
+    assert robust_center_scale([1.0, 2.0, 3.0, 4.0, 10.0]) == (3.0, pytest.approx(1.4826))
+    # A flat stream has MAD 0: the scale is the floor, 0.2 * 2
+    assert robust_center_scale([2.0] * 5) == (2.0, pytest.approx(0.4))
+
+
+def test_no_limit_until_the_window_holds_enough_norms_then_median_plus_threshold_scales():
+    detector = GradSpikeDetector(window=20, threshold=10.0)
+    detector.record(1, [1.0, 2.0, 3.0, 4.0], [True] * 4)
+    assert MIN_NORMS == 5 and detector.limit() == math.inf
+    detector.record(2, [10.0], [True])
+    assert detector.limit() == pytest.approx(3.0 + 10 * 1.4826)  # 17.826
+    flat = GradSpikeDetector(window=20, threshold=10.0)
+    flat.record(1, [2.0] * 5, [True] * 5)
+    assert flat.limit() == pytest.approx(2.0 + 10 * 0.4)  # the floor keeps a wobble to 3.0 from being a spike
+
+
+def test_a_skipped_spike_is_reported_against_the_window_before_it_and_stays_out_of_it():
+    detector = GradSpikeDetector(window=20, threshold=10.0)
+    detector.record(1, [1.0, 2.0, 3.0, 4.0, 10.0], [True] * 5)
+    skipped = detector.record(2, [18.0, 5.0], [False, True])  # 18 > 17.826: the update skipped it
+    # ratio (18 - 3) / 1.4826 = 10.117
+    assert skipped == [SkippedStep(18.0, 3.0, pytest.approx(1.4826), pytest.approx(10.117, abs=1e-3))]
+    assert detector.norms == [1.0, 2.0, 3.0, 4.0, 10.0, 5.0] and detector.skipped_at == [2]
+
+
+def test_non_finite_and_zero_norms_neither_enter_the_window_nor_count_as_spikes():
+    detector = GradSpikeDetector(window=20, threshold=10.0)
+    detector.record(1, [1.0] * 5, [True] * 5)
+    assert detector.record(2, [math.nan, math.inf, 0.0], [False, False, True]) == []
+    assert detector.norms == [1.0] * 5 and detector.skipped_at == []
+
+
+def test_the_window_keeps_the_newest_norms_and_skips_of_its_last_steps():
+    detector = GradSpikeDetector(window=6, threshold=10.0)
+    detector.record(1, [float(i) for i in range(1, 9)], [True] * 8)
+    assert detector.norms == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    detector.record(3, [100.0], [False])
+    detector.record(8, [100.0], [False])
+    assert detector.skipped_at == [3, 8]
+    detector.record(9, [5.0], [True])  # step 3 is 6 steps back: out of the window
+    assert detector.skipped_at == [8]
+
+
+def test_entropy_window_rules_match_the_config_check():
+    assert MIN_GUARD_WINDOW == 2 * RECENT_STEPS
+
+
+def test_entropy_change_compares_the_recent_mean_with_the_earlier_median():
+    assert relative_change([2.0] * 5) is None  # too short: 3 recent need 3 earlier
+    # earlier [2, 2, 4] -> median 2; recent [1, 1, 4] -> mean 2: no change
+    assert relative_change([2.0, 2.0, 4.0, 1.0, 1.0, 4.0]) == (2.0, 2.0, 0.0)
+    assert relative_change([0.0, 0.0, 0.0, 1.0, 1.0, 1.0]) is None  # no level to be relative to
+
+
+def test_an_entropy_collapse_is_reported_once_then_re_armed_after_recovery():
+    trend = EntropyTrend(window=6, collapse=0.5, surge=None)
+    seen = [trend.observe(v) for v in [2.0, 2.0, 2.0, 0.5, 0.5]]
+    # the 5th: earlier [2, 2, 2], recent [2, 0.5, 0.5] -> mean 1.0, change -0.5: not beyond 0.5
+    assert seen == [None] * 5
+    shift = trend.observe(0.5)  # recent [0.5, 0.5, 0.5]: change -0.75
+    assert (shift.kind, shift.entropy, shift.reference, shift.change) == ("entropy_collapse", 0.5, 2.0, -0.75)
+    assert trend.observe(0.5) is None  # earlier [2, 2, 0.5] -> median 2: still collapsed, not reported again
+    assert trend.observe(0.5) is None and trend.active is None  # earlier median 0.5: change 0, recovered
+    # a new drop from the new level: 0.2 against 0.5 is -0.6 once the recent 3 are all 0.2
+    assert [trend.observe(0.2) for _ in range(2)] == [None, None]
+    assert trend.observe(0.2).change == pytest.approx(-0.6)
+
+
+def test_a_collapse_that_hovers_near_its_threshold_is_not_reported_twice():
+    trend = EntropyTrend(window=20, collapse=0.5, surge=None)
+    for v in [1.0] * 6 + [0.4] * 3:  # recent 0.4 against 1.0: -0.6, reported
+        shift = trend.observe(v)
+    assert shift is not None
+    # back to 0.7 (-0.3: within the threshold, not within half of it), then down to 0.4 again
+    assert [trend.observe(v) for v in [0.7] * 3 + [0.4] * 3] == [None] * 6 and trend.active == "entropy_collapse"
+
+
+def test_an_entropy_surge_is_reported_and_non_finite_entropies_are_ignored():
+    trend = EntropyTrend(window=6, collapse=0.5, surge=1.0)
+    assert [trend.observe(v) for v in [1.0, 1.0, 1.0, 3.0, 3.0, math.nan]] == [None] * 6
+    shift = trend.observe(3.0)  # recent mean 3 against 1: +2.0
+    assert (shift.kind, shift.change) == ("entropy_surge", 2.0)
+
+
+def test_detectors_resume_from_their_state_dicts_exactly():
+    detector, trend = GradSpikeDetector(window=6, threshold=3.0), EntropyTrend(window=6, collapse=0.2, surge=0.2)
+    detector.record(4, [1.0, 1.5, 1.2, 0.9, 1.1, 1.3], [True] * 6)
+    detector.record(5, [9.0], [False])
+    for v in [3.0, 3.0, 3.0, 1.0, 1.0, 1.0]:
+        trend.observe(v)
+    detector2, trend2 = GradSpikeDetector(window=6, threshold=3.0), EntropyTrend(window=6, collapse=0.2, surge=0.2)
+    detector2.load_state_dict(detector.state_dict())
+    trend2.load_state_dict(trend.state_dict())
+    assert detector2.state_dict() == detector.state_dict() and trend2.state_dict() == trend.state_dict()
+    assert detector2.limit() == detector.limit()
+    assert detector2.record(6, [20.0], [False]) == detector.record(6, [20.0], [False])
+    assert [trend2.observe(v) for v in (3.0, 3.0, 3.0)] == [trend.observe(v) for v in (3.0, 3.0, 3.0)]
+
+
+# ---- what the guard makes of them ----
+
+
+def _update(guard: RunGuard, step: int, norms: list[float], entropy=None, existing=None):
+    """One PPO step's actor optimiser steps, applied the way ``update.optimizer_step`` decides."""
+    limit = guard.grad_limit("actor")
+    applied = [math.isfinite(n) and n <= limit for n in norms]
+    return guard.check_update(step, {"actor": (norms, applied)}, entropy, existing)
+
+
+def test_a_spike_is_an_event_with_its_numbers_and_the_window_metrics_are_logged():
+    guard = RunGuard(SETTINGS)
+    assert _update(guard, 1, [1.0, 2.0, 3.0, 4.0, 10.0]) == (Action.CONTINUE, {"actor/grad_norm_skipped": 0.0})
+    action, metrics = _update(guard, 2, [18.0, 5.0])
+    assert action is Action.CONTINUE
+    assert metrics == {"actor/grad_norm_skipped": 1.0, "actor/grad_norm_median": 3.0,
+                       "actor/grad_norm_scale": pytest.approx(1.4826)}
+    [event] = guard.drain_events()
+    assert (event.step, event.kind, event.values["model"], event.values["grad_norm"]) == (2, "skip_grad_spike", "actor", 18.0)
+    assert event.values["ratio"] == pytest.approx((18.0 - 3.0) / 1.4826)
+
+
+def test_too_many_skips_in_the_window_roll_back_to_the_last_good_checkpoint_then_stop():
+    guard = RunGuard(SETTINGS)
+    _update(guard, 1, [1.0] * 5)
+    guard.checkpoint_saved(1)
+    _update(guard, 2, [1.0])  # no skip in the step after checkpoint 1: it is good (KL guards off)
+    guard.checkpoint_saved(2)
+    assert _update(guard, 3, [50.0])[0] is Action.CONTINUE  # one skip: max_grad_skips = 1 allows it
+    guard.checkpoint_saved(3)  # a checkpoint of a step that skipped a spike is never good
+    assert _update(guard, 4, [60.0])[0] is Action.ROLLBACK  # two skips in 20 steps
+    assert guard.good_checkpoints == [1] and guard.rollbacks == 1 and guard.lr_override == 1e-6
+    kinds = [(e.kind, e.values.get("to_step"), e.values.get("skips")) for e in guard.drain_events()]
+    assert kinds == [("skip_grad_spike", None, None), ("skip_grad_spike", None, None), ("rollback_grad_spike", 1, 2)]
+    # The rollback forgot the skips; two more with no rollback left stop the run.
+    assert _update(guard, 5, [70.0])[0] is Action.CONTINUE
+    assert _update(guard, 6, [70.0])[0] is Action.STOP
+    assert guard.drain_events()[-1].kind == "stop_grad_spike"
+
+
+def test_a_rollback_without_a_good_checkpoint_or_initial_weights_stops_instead():
+    guard = RunGuard(dataclasses.replace(SETTINGS, initial_weights=False))
+    _update(guard, 1, [1.0] * 5)
+    _update(guard, 2, [50.0, 50.0])
+    assert guard.rollbacks == 0 and guard.drain_events()[-1].kind == "stop_grad_spike"
+
+
+def test_the_kl_guard_certifies_checkpoints_when_it_is_on():
+    guard = RunGuard(dataclasses.replace(SETTINGS, rollback_kl=0.1, early_stop_kl=0.2))
+    _update(guard, 1, [1.0] * 5)
+    guard.checkpoint_saved(1)
+    assert guard.check_kl(2, 0.5) is Action.ROLLBACK  # the KL decides, and it says no
+    guard.checkpoint_saved(3)
+    guard.check_kl(4, 0.01)
+    assert guard.good_checkpoints == [3]
+
+
+@pytest.mark.parametrize("choice, expected", [("warn", Action.CONTINUE), ("stop", Action.STOP),
+                                              ("rollback", Action.ROLLBACK)])
+def test_an_entropy_collapse_takes_the_configured_action(choice, expected):
+    guard = RunGuard(dataclasses.replace(SETTINGS, entropy_action=choice))
+    actions = [_update(guard, step, [1.0], entropy=e)[0] for step, e in enumerate([2.0] * 3 + [0.5] * 3, start=1)]
+    assert actions == [Action.CONTINUE] * 5 + [expected]
+    [event] = guard.drain_events()
+    assert event.kind == "entropy_collapse"
+    assert {k: event.values[k] for k in ("entropy", "reference", "change", "window", "action")} == {
+        "entropy": 0.5, "reference": 2.0, "change": -0.75, "window": 20, "action": choice}
+    # A rollback's weights are earlier ones: the trend starts again rather than report a surge back.
+    assert guard.entropy.values == ([] if choice == "rollback" else [2.0] * 3 + [0.5] * 3)
+
+
+def test_the_guard_record_with_its_detectors_round_trips_and_old_records_load():
+    guard = RunGuard(SETTINGS)
+    _update(guard, 1, [1.0, 1.2, 0.8, 1.1, 0.9], entropy=2.0)
+    _update(guard, 2, [40.0], entropy=2.1)
+    restored = RunGuard(SETTINGS)
+    restored.load_state_dict(guard.state_dict())
+    assert restored.state_dict() == guard.state_dict() and restored.grad_limit("actor") == guard.grad_limit("actor")
+    old = {k: v for k, v in guard.state_dict().items() if k != "health"}  # saved before the detectors existed
+    fresh = RunGuard(SETTINGS)
+    fresh.load_state_dict(old)
+    assert fresh.grad_limit("actor") == math.inf and fresh.rollbacks == guard.rollbacks
+
+
+def test_the_most_severe_action_wins():
+    assert most_severe(Action.SKIP, Action.CONTINUE) is Action.SKIP
+    assert most_severe(Action.ROLLBACK, Action.SKIP, Action.STOP) is Action.STOP
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_optimiser_step_above_the_limit_leaves_the_weights_and_is_recorded(fused):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1, fused=fused)
+    steps = OptimizerSteps(limit=1.0)
+    for scale in (0.1, 100.0):  # a norm below the limit, then one far above it
+        before = [p.detach().clone() for p in net.parameters()]
+        (scale * net(torch.ones(1, 3)).sum()).backward()
+        optimizer_step(net, opt, grad_clip=1.0, max_norm=steps.limit, steps=steps)
+        changed = [not torch.equal(p, b) for p, b in zip(net.parameters(), before)]
+        assert changed == [scale < 1.0] * 2
+    norms, applied = steps.on_host()
+    assert applied == [True, False] and norms[1] > 1.0 > norms[0]
