@@ -93,8 +93,8 @@ def test_offline_data_with_too_few_groups_with_spread_stops_after_one_epoch(grpo
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    # Most groups tie: odd prompts always score 0; even ones score the parity of the response's length.
-    return float(len(solution_str) % 2) if extra_info["index"] % 2 == 0 else 0.0
+    # About half the groups of two tie: the parity of the response's length.
+    return float(len(solution_str) % 2)
 '''
 
 
@@ -110,13 +110,14 @@ def test_online_filter_groups_resumes_exactly_as_the_uninterrupted_run(ppo_overr
                "custom_reward_function.path": reward, "algorithm.adv_estimator": "grpo",
                "algorithm.use_kl_in_reward": "false", "actor_rollout_ref.actor.use_kl_loss": "true",
                f"{FG}.enable": "true", f"{FG}.metric": "seq_reward", f"{FG}.max_num_gen_batches": 30,
-               "data.train_batch_size": 2, "data.gen_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 1,
-               "trainer.total_training_steps": 3, "trainer.save_freq": 1}
+               "data.train_batch_size": 2, "data.gen_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 1,
+               "data.max_response_length": 4, "trainer.total_training_steps": 3, "trainer.save_freq": 1}
     full = run_ppo(None, ppo_overrides(tmp_path / "full", **changes), print_fn=quiet)
     for r in full:  # every trained group has spread; draws are counted
         assert r["critic/score/zero_std_frac"] == 0.0 and r["training/filter_groups/kept_groups"] >= 2
         assert r["training/filter_groups/kept_groups"] + r["training/filter_groups/dropped_groups"] == \
-            4 * r["training/filter_groups/gen_batches"]
+            2 * r["training/filter_groups/gen_batches"]
+    assert max(r["training/filter_groups/gen_batches"] for r in full[1:]) > 1  # a resumed step draws again
 
     from klppo.monitoring.logger import MetricsLogger
 
