@@ -73,6 +73,7 @@ class PromptBatches:
         if epoch < 0 or not 0 <= position <= self.steps_per_epoch:
             raise UserError(
                 f"data position {state} does not fit {self.steps_per_epoch} batches per epoch; "
-                "resume with the data.train_batch_size (data.gen_batch_size) and data files the checkpoint was made with"
+                "resume with the data.train_batch_size (data.gen_batch_size) and data files the checkpoint "
+                "was made with"
             )
         self._epoch, self._position = epoch, position

@@ -188,13 +188,16 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
 
 
 def _with_rollout_log_probs_everywhere(batches: list[RolloutBatch]) -> list[RolloutBatch]:
+    """``batches``, those without behaviour log-probs given rows that say they have none, where another has them
+    (offline data where only some prompts recorded them: one generation batch may hold none)."""
     if all(b.rollout_log_probs is None for b in batches) or all(b.rollout_log_probs is not None for b in batches):
         return batches
     filled = []
     for b in batches:
         if b.rollout_log_probs is None:
-            b = dataclasses.replace(b, rollout_log_probs=torch.zeros(b.response_mask.shape, device=b.response_mask.device),
-                                    has_rollout_log_probs=torch.zeros(len(b), dtype=torch.bool, device=b.response_mask.device))
+            device = b.response_mask.device
+            b = dataclasses.replace(b, rollout_log_probs=torch.zeros(b.response_mask.shape, device=device),
+                                    has_rollout_log_probs=torch.zeros(len(b), dtype=torch.bool, device=device))
         filled.append(b)
     return filled
 

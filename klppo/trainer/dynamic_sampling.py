@@ -38,6 +38,8 @@ from klppo.trainer.responses import step_responses
 if TYPE_CHECKING:
     from klppo.trainer.build import PPOParts
 
+# training/filter_groups/gen_batches: generation batches the step drew; kept_groups: prompts with spread
+# they held (the first train_batch_size of them are trained on); dropped_groups: prompts that tied.
 METRICS = "training/filter_groups"
 
 

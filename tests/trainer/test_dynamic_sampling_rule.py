@@ -42,9 +42,9 @@ def verl_dapo_rows(draws: list[list[float]], n: int, train_batch_size: int, max_
 def fake_parts(draws: list[list[float]], n: int, prompts: int, gen: int, limit):
     """Parts whose responses are nothing and whose draw d's rewards are ``draws[d]``; each row remembers (draw, row)."""
     def responses(parts, records, timer, step, draw=0):
-        rows = len(records) * n
+        rows, width = len(records) * n, 1 + draw % 2  # prompts of two widths: concatenation pads them
         return RolloutBatch(
-            prompt_ids=torch.ones(rows, 1 + draw % 2, dtype=torch.long), prompt_mask=torch.ones(rows, 1 + draw % 2, dtype=torch.bool),
+            prompt_ids=torch.ones(rows, width, dtype=torch.long), prompt_mask=torch.ones(rows, width, dtype=torch.bool),
             response_ids=torch.ones(rows, 2, dtype=torch.long), response_mask=torch.ones(rows, 2, dtype=torch.bool),
             group_index=torch.arange(len(records)).repeat_interleave(n), data_sources=["s"] * rows,
             ground_truths=[None] * rows, extra_infos=[{"draw": draw, "row": i} for i in range(rows)])
