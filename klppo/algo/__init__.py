@@ -1,5 +1,5 @@
 """Pure tensor math for KL-regularised PPO: masked stats, KL, advantages, losses, rankings,
-rollout correction.
+rollout correction, groups without spread.
 
 Imports only torch and the standard library; takes tensors and plain numbers, returns
 tensors (stats as 0-dim tensors). Names follow verl's `trainer/ppo/core_algos.py`.
@@ -13,6 +13,12 @@ from klppo.algo.advantages import (
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_rloo_outcome_advantage,
+)
+from klppo.algo.groups import (
+    dynamic_sampling_keep,
+    group_has_spread,
+    zero_advantage_fraction,
+    zero_std_group_fraction,
 )
 from klppo.algo.kl import (
     KL_PENALTY_NAMES,
@@ -76,8 +82,10 @@ __all__ = [
     "rollout_probs_diff_metrics",
     "compute_rollout_rejection_mask",
     "compute_value_loss",
+    "dynamic_sampling_keep",
     "entropy_from_logits",
     "explained_variance",
+    "group_has_spread",
     "importance_weighted_kl",
     "kl_loss",
     "kl_penalty",
@@ -90,4 +98,6 @@ __all__ = [
     "plackett_luce_strengths",
     "rankings_to_comparisons",
     "scalar_rewards_from_strengths",
+    "zero_advantage_fraction",
+    "zero_std_group_fraction",
 ]

@@ -115,6 +115,11 @@ def batch_size_problems(cfg: PPOConfig, world: int) -> Found:
         out.append((("data.train_batch_size", "trainer.n_gpus_per_node", "trainer.nnodes"),
                     f"data.train_batch_size = {data.train_batch_size} prompts do not split evenly over the "
                     f"{_ranks(world)} (trainer.n_gpus_per_node x trainer.nnodes); make it a multiple of {world}"))
+    gen = data.gen_batch_size  # dynamic sampling's generation batches split over the ranks too
+    if world >= 1 and gen is not None and gen > 0 and gen != data.train_batch_size and gen % world:
+        out.append((("data.gen_batch_size", "trainer.n_gpus_per_node", "trainer.nnodes"),
+                    f"data.gen_batch_size = {gen} prompts do not split evenly over the {_ranks(world)} "
+                    f"(trainer.n_gpus_per_node x trainer.nnodes); make it a multiple of {world}"))
     for role in update_sizes(cfg):
         out += _update_problems(role, data.train_batch_size, arf.rollout.n, world)
     _positive(out, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", arf.rollout.log_prob_micro_batch_size_per_gpu,

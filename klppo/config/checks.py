@@ -62,10 +62,13 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
     resolve_rollout_engine(arf.rollout, cfg.data.max_prompt_length, notes)
     _note_rollout_correction(cfg, notes)
     notes += rollout_notes(cfg)
+    notes += filter_groups_notes(cfg)
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:
         actor.clip_ratio_high = actor.clip_ratio
+    if cfg.data.gen_batch_size is None:
+        cfg.data.gen_batch_size = cfg.data.train_batch_size
     if arf.rollout.n is None:  # ranking needs several responses per prompt
         arf.rollout.n = 4 if cfg.reward_model.rank_responses else 1
     if critic.ppo_mini_batch_size is None:
@@ -177,6 +180,7 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
         _check_critic(cfg.critic, cfg.actor_rollout_ref.actor, out)
         _check_optim(cfg.critic.optim, "critic.optim", out)
     _check_algorithm(cfg, out)
+    _check_filter_groups(cfg, out)
     _check_rollout_correction(cfg, out)
     out += [Problem(keys, message) for keys, message in engine_problems(cfg)]
     _check_trainer(cfg.trainer, out)
@@ -400,6 +404,49 @@ def _check_algorithm(cfg: PPOConfig, out: list[Problem]) -> None:
             f"responses to the same prompt as the baseline, and a group of one has no baseline; set {ROLLOUT}.n=4 "
             "or more, or use algorithm.adv_estimator=gae",
         ))
+
+
+FILTER = "algorithm.filter_groups"
+
+
+def _check_filter_groups(cfg: PPOConfig, out: list[Problem]) -> None:
+    """Dynamic sampling needs groups, a metric klppo computes, and a generation batch of prompts."""
+    fg, data, algo = cfg.algorithm.filter_groups, cfg.data, cfg.algorithm
+    _positive(out, "data.gen_batch_size", data.gen_batch_size, "number of prompts")
+    _at_least(out, f"{FILTER}.max_inflight_gen_batches", fg.max_inflight_gen_batches, 1)
+    if not fg.enable:
+        if data.gen_batch_size != data.train_batch_size:
+            out.append(Problem(("data.gen_batch_size", f"{FILTER}.enable"), (
+                f"data.gen_batch_size = {data.gen_batch_size} differs from data.train_batch_size = "
+                f"{data.train_batch_size} but {FILTER}.enable is false: a step draws exactly its "
+                f"train_batch_size prompts then; set {FILTER}.enable=true or remove data.gen_batch_size")))
+        return
+    if algo.adv_estimator not in GROUP_ESTIMATORS:
+        out.append(Problem((f"{FILTER}.enable", "algorithm.adv_estimator"), (
+            f"{FILTER}.enable needs a group estimator ({', '.join(GROUP_ESTIMATORS)}), not "
+            f"algorithm.adv_estimator = '{algo.adv_estimator}': only there does a prompt whose responses' "
+            f"rewards tie get advantages of 0; set algorithm.adv_estimator=grpo or {FILTER}.enable=false")))
+    if fg.metric is None or fg.metric == "acc":
+        got = "null" if fg.metric is None else "'acc'"
+        out.append(Problem((f"{FILTER}.metric",), (
+            f"{FILTER}.metric = {got}: klppo compares each response's score (reward, score, seq_reward) or its "
+            "reward after the KL penalty (seq_final_reward); its reward functions return one score per response "
+            "(verl's 'acc' comes from a dict's extra keys, which klppo does not keep); where the score is a function "
+            f"of correctness alone, 'score' keeps the same groups; set {FILTER}.metric=score")))
+    if fg.metric == "seq_final_reward" and algo.use_kl_in_reward:
+        out.append(Problem((f"{FILTER}.metric", "algorithm.use_kl_in_reward"), (
+            f"{FILTER}.metric = 'seq_final_reward' with algorithm.use_kl_in_reward: the KL penalty needs the "
+            "old and reference log-probs, which klppo (as verl) computes only for the kept responses; filter by "
+            f"{FILTER}.metric=score, or use the KL loss (actor_rollout_ref.actor.use_kl_loss) instead")))
+
+
+def filter_groups_notes(cfg: PPOConfig) -> list[str]:
+    """verl's keys of dynamic sampling that have no effect in klppo's synchronous loop, said once."""
+    inflight = cfg.algorithm.filter_groups.max_inflight_gen_batches
+    if inflight == 1:
+        return []
+    return [f"warning: {FILTER}.max_inflight_gen_batches = {inflight} has no effect: klppo draws, generates and "
+            "scores one generation batch at a time, as verl's DAPO recipe does; remove the key"]
 
 
 def _check_rollout_correction(cfg: PPOConfig, out: list[Problem]) -> None:

@@ -32,6 +32,10 @@ class DataConfig:
     max_response_length: int = 512
     # Prompts per PPO step (before rollout.n responses each).
     train_batch_size: int = 1024
+    # Prompts per generation batch of dynamic sampling (algorithm.filter_groups): each step draws
+    # batches of this many until train_batch_size prompts have rewards with spread. null =
+    # train_batch_size; another value needs algorithm.filter_groups.enable.
+    gen_batch_size: Optional[int] = None
     # Prompts per validation batch (over all ranks); None = the whole validation set at once.
     val_batch_size: Optional[int] = None
     # What to do with an over-long prompt (as verl): error, `left` cuts its start, `right` its end.
@@ -341,6 +345,28 @@ class RolloutCorrectionConfig:
     loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
 
 
+# What dynamic sampling compares within a group: the response's score ("reward", verl 0.9.1's
+# default, "score" and "seq_reward" name it), or its reward after the KL penalty ("seq_final_reward").
+FilterMetric = Literal["reward", "score", "seq_reward", "seq_final_reward", "acc"]
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476; verl's recipe/dapo), for group estimators."""
+
+    # Drop the prompts whose responses' rewards all tie (their advantages are 0) and draw further
+    # batches of data.gen_batch_size prompts until data.train_batch_size prompts with spread are kept.
+    enable: bool = False
+    # What must differ within a group: reward / score / seq_reward (the response's score, the sum of
+    # its token-level scores) or seq_final_reward (its reward after the KL penalty, the same unless
+    # algorithm.use_kl_in_reward). verl's "acc" is refused: klppo keeps one score per response.
+    metric: Optional[FilterMetric] = "reward"
+    # Most generation batches one step may draw; 0 or less: no limit (offline: one epoch of the data).
+    max_num_gen_batches: int = 0
+    # verl's cap on generation batches in flight at once; klppo draws one at a time, so it has no effect.
+    max_inflight_gen_batches: int = 1
+
+
 @dataclass
 class AlgorithmConfig:
     # Discount factor of GAE.
@@ -356,6 +382,8 @@ class AlgorithmConfig:
     # KL estimator used in the reward.
     kl_penalty: KLPenalty = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    # DAPO's dynamic sampling: train only on prompts whose responses' rewards differ.
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     # Off-policy correction for responses sampled by another policy mu (offline data's rollout_log_probs).
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 

@@ -39,7 +39,6 @@ RULES: tuple[tuple, ...] = (
     # -- changes what is trained: refused when set to anything but verl's default --
     (("*.policy_loss.loss_mode",), "klppo implements verl's vanilla (dual-clip) PPO policy loss only", REFUSE),
     (("actor_rollout_ref.rollout.multi_turn.enable",), "multi-turn / tool rollouts are not implemented in klppo", REFUSE),
-    (("algorithm.filter_groups.enable",), "DAPO dynamic sampling (filter_groups) is not implemented in klppo", REFUSE),
     (("algorithm.use_pf_ppo",), "preference-feedback PPO reweighting is not implemented in klppo", REFUSE),
     (("algorithm.rollout_correction.rollout_token_veto_threshold",), "verl 0.6-0.7's token veto, gone from verl "
      "0.9.1 and not in klppo; reject outlier tokens with algorithm.rollout_correction.rollout_rs=token_k1", REFUSE),
@@ -151,7 +150,6 @@ RULES: tuple[tuple, ...] = (
     (("data.tokenizer",), "klppo loads the tokenizer saved next to actor_rollout_ref.model.path"),
     (("data.return_raw_input_ids", "data.return_raw_chat", "data.return_full_prompt"), _DATA_IO),
     (("data.val_max_samples",), "klppo validates on every row of data.val_files"),
-    (("data.gen_batch_size",), "generation batch of DAPO dynamic sampling (not implemented in klppo)"),
     (("data.validation_shuffle",), "klppo validates in file order"),
     (("data.trust_remote_code",), "klppo loads tokenizers without remote code"),
     (("data.custom_cls.name", "data.datagen.*", "data.sampler.*"), "klppo reads its Parquet files in (shuffled) order, "
@@ -161,6 +159,6 @@ RULES: tuple[tuple, ...] = (
     (("trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load", "trainer.checkpoint_callback_class",
       "trainer.max_critic_ckpt_to_keep"), _CHECKPOINT),
     (("skip.*",), "verl's rollout caching for debugging"),
-    (("algorithm.filter_groups.*", "algorithm.pf_ppo.*"),
+    (("algorithm.pf_ppo.*",),
      "parameter of a verl algorithm variant klppo does not implement"),
 )

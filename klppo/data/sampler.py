@@ -27,13 +27,15 @@ def run_length(total_training_steps: int | None, total_epochs: int, steps_per_ep
 class PromptBatches:
     """Hands out the dataset indices of successive batches, epoch after epoch."""
 
-    def __init__(self, num_items: int, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool = True):
+    def __init__(self, num_items: int, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool = True,
+                 key: str = "data.train_batch_size"):
+        # key: the config key of batch_size (dynamic sampling draws batches of data.gen_batch_size)
         if batch_size <= 0:
-            raise UserError(f"data.train_batch_size is {batch_size}; set it to a positive number of prompts")
+            raise UserError(f"{key} is {batch_size}; set it to a positive number of prompts")
         if batch_size > num_items:
             raise UserError(
-                f"data.train_batch_size={batch_size} is larger than the dataset ({num_items} prompts after "
-                f"filtering); lower data.train_batch_size to at most {num_items} or add data"
+                f"{key}={batch_size} is larger than the dataset ({num_items} prompts after "
+                f"filtering); lower {key} to at most {num_items} or add data"
             )
         self.num_items, self.batch_size = num_items, batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -80,6 +82,7 @@ class PromptBatches:
         if epoch < 0 or not 0 <= position <= self.steps_per_epoch:
             raise UserError(
                 f"data position {state} does not fit {self.steps_per_epoch} batches per epoch; "
-                "resume with the data.train_batch_size and data files the checkpoint was made with"
+                "resume with the data.train_batch_size (data.gen_batch_size) and data files the checkpoint "
+                "was made with"
             )
         self._epoch, self._position = epoch, position

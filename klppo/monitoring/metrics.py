@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from klppo.algo import explained_variance, masked_mean, rollout_probs_diff_metrics
+from klppo.algo import (
+    explained_variance, masked_mean, rollout_probs_diff_metrics, zero_advantage_fraction, zero_std_group_fraction,
+)
 from klppo.rollout.batch import RolloutBatch
 
 
@@ -13,20 +15,31 @@ def _summary(prefix: str, values: torch.Tensor) -> dict[str, torch.Tensor]:
     return {f"{prefix}/mean": values.mean(), f"{prefix}/max": values.max(), f"{prefix}/min": values.min()}
 
 
-def compute_data_metrics(batch: RolloutBatch, max_response_length: int) -> dict[str, torch.Tensor]:
-    """Scores, rewards, advantages, returns, values and lengths of a scored batch."""
+def compute_data_metrics(batch: RolloutBatch, max_response_length: int, grouped: bool = False
+                         ) -> dict[str, torch.Tensor]:
+    """Scores, rewards, advantages, returns, values and lengths of a scored batch.
+
+    ``grouped`` (a group estimator: GRPO, RLOO, REINFORCE++ with a baseline): also the fraction of
+    prompts whose responses' scores all tie (``critic/score/zero_std_frac``), which teach nothing
+    there. The fraction of response tokens whose advantage is exactly 0 (``critic/advantages/zero_frac``)
+    is logged for every estimator.
+    """
     mask = batch.response_mask
     response_length = mask.sum(-1).float()  # (B,)
+    scores = batch.token_level_scores.sum(-1)  # (B,)
     metrics = {
-        **_summary("critic/score", batch.token_level_scores.sum(-1)),
+        **_summary("critic/score", scores),
         **_summary("critic/rewards", batch.token_level_rewards.sum(-1)),
         **_summary("critic/advantages", batch.advantages[mask]),
+        "critic/advantages/zero_frac": zero_advantage_fraction(batch.advantages, mask),
         **_summary("critic/returns", batch.returns[mask]),
         **_summary("response_length", response_length),
         **_summary("prompt_length", batch.prompt_mask.sum(-1)),
         # Fraction of responses cut at the length limit (verl: response_length/clip_ratio).
         "response_length/clip_ratio": (response_length >= max_response_length).float().mean(),
     }
+    if grouped:
+        metrics["critic/score/zero_std_frac"] = zero_std_group_fraction(scores, batch.group_index)
     if batch.values is not None:
         metrics.update(_summary("critic/values", batch.values[mask]))
         metrics["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, mask)

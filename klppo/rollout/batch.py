@@ -156,3 +156,70 @@ def assemble_batch(
         rollout_log_probs=None if rollout_log_probs is None else rollout_log_probs[0],
         has_rollout_log_probs=None if rollout_log_probs is None else rollout_log_probs[1],
     )
+
+
+# Fields padded on the left (prompts are left-padded); every other (B, W) field is padded on the right.
+LEFT_PADDED = ("prompt_ids", "prompt_mask")
+
+
+def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """The rows of ``batches``, one batch after another, as one batch (dynamic sampling's kept groups).
+
+    Prompts and responses are padded to the widest batch's P and T (token ids with
+    ``pad_token_id``, masks with False, numbers with 0); each batch's ``group_index`` is moved past
+    the groups before it, so groups stay apart even when a prompt was drawn twice. A batch without
+    behaviour log-probs gets rows without them (0, ``has_rollout_log_probs`` False) where another has them.
+    """
+    assert batches, "nothing to concatenate"
+    batches = _with_rollout_log_probs_everywhere(batches)
+    joined: dict[str, Any] = {}
+    for field in dataclasses.fields(RolloutBatch):
+        parts = [getattr(b, field.name) for b in batches]
+        if all(part is None for part in parts):
+            joined[field.name] = None
+        elif isinstance(parts[0], list):
+            joined[field.name] = [value for part in parts for value in part]
+        elif field.name == "group_index":
+            joined[field.name] = torch.cat(_renumbered_groups(parts))
+        else:
+            assert all(part is not None for part in parts), f"{field.name} is set in some batches only"
+            joined[field.name] = torch.cat(_padded_to_widest(parts, field.name, pad_token_id))
+    return RolloutBatch(**joined)
+
+
+def _with_rollout_log_probs_everywhere(batches: list[RolloutBatch]) -> list[RolloutBatch]:
+    """``batches``, those without behaviour log-probs given rows that say they have none, where another has them
+    (offline data where only some prompts recorded them: one generation batch may hold none)."""
+    if all(b.rollout_log_probs is None for b in batches) or all(b.rollout_log_probs is not None for b in batches):
+        return batches
+    filled = []
+    for b in batches:
+        if b.rollout_log_probs is None:
+            device = b.response_mask.device
+            b = dataclasses.replace(b, rollout_log_probs=torch.zeros(b.response_mask.shape, device=device),
+                                    has_rollout_log_probs=torch.zeros(len(b), dtype=torch.bool, device=device))
+        filled.append(b)
+    return filled
+
+
+def _renumbered_groups(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each batch's (B,) group ids made dense and moved past the previous batches' groups."""
+    out, offset = [], 0
+    for index in parts:
+        uniques, dense = torch.unique(index, return_inverse=True)
+        out.append(dense + offset)
+        offset += uniques.numel()
+    return out
+
+
+def _padded_to_widest(parts: list[torch.Tensor], name: str, pad_token_id: int) -> list[torch.Tensor]:
+    """(B_i,) parts as they are; (B_i, W_i) parts padded to the widest W (left for prompts)."""
+    if parts[0].dim() == 1:
+        return parts
+    width = max(part.shape[1] for part in parts)
+    value = pad_token_id if name.endswith("_ids") else (False if parts[0].dtype == torch.bool else 0)
+    padded = []
+    for part in parts:
+        extra = part.new_full((part.shape[0], width - part.shape[1]), value)
+        padded.append(torch.cat([extra, part] if name in LEFT_PADDED else [part, extra], dim=1))
+    return padded

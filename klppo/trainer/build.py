@@ -90,6 +90,17 @@ def start_processes(cfg: PPOConfig) -> DistEnv:
                       timeout_s=cfg.actor_rollout_ref.nccl_timeout)
 
 
+def prompt_batches(cfg: PPOConfig, num_prompts: int) -> PromptBatches:
+    """The resumable order of the training prompts, handed out a step's batch at a time, or with dynamic
+    sampling (algorithm.filter_groups) a generation batch (data.gen_batch_size) at a time, as verl's
+    dataloader; an epoch's steps then count generation batches, so a step drawing several reads more."""
+    data = cfg.data
+    if not cfg.algorithm.filter_groups.enable:
+        return PromptBatches(num_prompts, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    return PromptBatches(num_prompts, data.gen_batch_size, shuffle=data.shuffle, seed=data.seed,
+                         key="data.gen_batch_size")
+
+
 def build_kl_controller(kl: KLSettings) -> FixedKLController | AdaptiveKLController:
     if kl.controller == "adaptive":
         return AdaptiveKLController(init_kl_coef=kl.coef, target_kl=kl.target, horizon=kl.horizon)
@@ -253,7 +264,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     reward_fn = make_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
     train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log)
-    batches = PromptBatches(len(train), cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    batches = prompt_batches(cfg, len(train))
     total_steps = run_length(trainer.total_training_steps, trainer.total_epochs, batches.steps_per_epoch)
     actor, ref = _load_actor_and_ref(cfg, env, sharder)
     actor_optimizer, actor_scheduler = build_optimizer_and_scheduler(actor, cfg.actor_rollout_ref.actor.optim, total_steps)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
-from klppo.data.batching import MicroBatching, micro_batch_plan, restore_order, row_chunks
+from klppo.data.batching import MicroBatching, micro_batch_plan, rank_shards, restore_order, row_chunks
 from klppo.distributed import all_gather_rows, all_reduce_max_int
 from klppo.models.forward import HeadSettings, response_logprobs, response_values, sequence_scores
 from klppo.monitoring.timer import PhaseTimer
@@ -45,6 +45,13 @@ class StepShards:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's per-row ``local`` results (for its ``mine`` rows) in the global batch's order."""
         return restore_order(all_gather_rows(local), [i for rows in self.rows for i in rows])
+
+
+def step_shards(parts: PPOParts, batch: RolloutBatch) -> StepShards:
+    """Each rank's rows of the step's batch: whole mini-batches dealt out (balanced with ``balance_batch``)."""
+    s, env = parts.settings, parts.env
+    lengths = batch.attention_mask.sum(-1).tolist()  # host sync
+    return StepShards(rank_shards(lengths, env.world_size, s.shard_chunk_rows, s.balance_batch), env.rank)
 
 
 # ---- the no-grad forwards ----
@@ -161,6 +168,12 @@ def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer:
     rollout correction's bypass mode the old log-probs are the recorded behaviour log-probs.
     ``prompt_places``: the file and row of each prompt (``compute_scores``).
     """
+    score_log_probs(parts, batch, shards, timer)
+    score_rewards(parts, batch, shards, timer, prompt_places)
+
+
+def score_log_probs(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer) -> None:
+    """Fill ``batch``'s old and reference log-probs and values (``score_batch`` without the rewards)."""
     f, mine, resident = parts.settings.forwards, batch.select(shards.mine), parts.offloader.resident
     if f.old_log_prob_from_rollout:  # rollout correction's bypass mode: pi_old is the recorded mu
         assert batch.rollout_log_probs is not None, "the reader requires rollout_log_probs in bypass mode"
@@ -176,8 +189,13 @@ def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer:
     if parts.critic is not None:
         with timer.phase("values"), resident("critic"):
             batch.values = shards.gather(compute_values(parts.critic, mine, f.values))
-    with timer.phase("reward"), resident(*reward_model_roles(parts)):
-        scores = shards.gather(response_scores(parts, mine, prompt_places))
+
+
+def score_rewards(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer,
+                  prompt_places: Sequence[str] | None = None) -> None:
+    """Fill ``batch``'s token-level scores, each rank scoring its rows (``score_batch``'s last part)."""
+    with timer.phase("reward"), parts.offloader.resident(*reward_model_roles(parts)):
+        scores = shards.gather(response_scores(parts, batch.select(shards.mine), prompt_places))
         batch.token_level_scores = token_scores(parts.settings.reward, batch, scores)
 
 

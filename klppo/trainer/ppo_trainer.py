@@ -18,7 +18,7 @@ import torch
 
 from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
 from klppo.checkpoint.state import checkpoint_steps, step_dir
-from klppo.data.batching import rank_shards, seqlen_balance_metrics
+from klppo.data.batching import seqlen_balance_metrics
 from klppo.distributed import max_over_ranks, mean_over_ranks, on_rank_zero
 from klppo.monitoring.flops import UpdateWork, update_efficiency_metrics
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl
@@ -33,9 +33,9 @@ from klppo.trainer import run_state
 from klppo.trainer.adapters import export_model
 from klppo.trainer.build import PPOParts
 from klppo.trainer.evaluate import offline_policy_kl, validation_metrics
-from klppo.trainer.forwards import StepShards, reward_model_roles, score_batch
+from klppo.trainer.dynamic_sampling import scored_step_batch
+from klppo.trainer.forwards import reward_model_roles
 from klppo.trainer.guards import GRAD_MODELS, Action, RunGuard, most_severe
-from klppo.trainer.responses import step_responses
 from klppo.trainer.run_folder import RunFolder
 from klppo.trainer.update import OptimizerSteps, update_actor, update_critic
 
@@ -139,15 +139,14 @@ class PPOTrainer:
     def train_step(self) -> tuple[dict[str, float | torch.Tensor], Action]:
         p, adv, timer = self.p, self.s.advantage, PhaseTimer(self.progress, self.memory)
         with timer.phase("step"):
-            # step 1. batch: the next prompts, in a resumable order
-            records = [p.train_records[i] for i in p.batches.next_batch()]
-            # step 2. responses (with vLLM: the actor's weights streamed into the engine first)
-            batch = step_responses(p, records, timer, self.step).to(p.device)
-            # Every rank holds the whole batch; each scores and trains on its own rows.
-            shards = self._shards(batch)
-            # step 3. score: old and reference log-probs, values, rewards; the sampling policy's KL
-            score_batch(p, batch, shards, timer, [r.where for r in records])
+            # steps 1-3. batch, responses, score: the next prompts in a resumable order, their responses
+            # (with vLLM: the actor's weights streamed into the engine first), old and reference log-probs,
+            # values and rewards; with algorithm.filter_groups drawn until enough prompts have spread.
+            drawn = scored_step_batch(p, timer, self.step)
+            batch, records, shards = drawn.batch, drawn.records, drawn.shards
+            # the sampling policy's KL to the reference
             kl, metrics = self._policy_kl(batch, records, timer)
+            metrics.update(drawn.metrics)
             # step 4. shape: token rewards = scores - beta * KL(old || ref)
             metrics.update(self._shape_rewards(batch, kl))
             # step 5. advantages
@@ -164,7 +163,7 @@ class PPOTrainer:
                 metrics.update(self._update(batch.select(shards.mine), timer, steps))
                 action = self._guard_after_update(metrics, steps)
         # step 8. metrics
-        data_metrics = compute_data_metrics(batch, self.s.response_length)
+        data_metrics = compute_data_metrics(batch, self.s.response_length, grouped=adv.grouped)
         if self.s.rollout == "offline" and "actor/kl_to_ref" in data_metrics:  # recorded: not a KL of the policy
             data_metrics["actor/kl_to_ref_recorded"] = data_metrics.pop("actor/kl_to_ref")
             if kl is not None:
@@ -178,11 +177,6 @@ class PPOTrainer:
             metrics.update(seqlen_balance_metrics(batch.attention_mask.sum(-1).tolist(), shards.rows))
         metrics.update({"training/epoch": p.batches.epoch, "guard/rollbacks": self.guard.rollbacks})
         return metrics, action
-
-    def _shards(self, batch: RolloutBatch) -> StepShards:
-        lengths = batch.attention_mask.sum(-1).tolist()  # host sync
-        rows = rank_shards(lengths, self.env.world_size, self.s.shard_chunk_rows, self.s.balance_batch)
-        return StepShards(rows, self.env.rank)
 
     def _policy_kl(self, batch: RolloutBatch, records, timer: PhaseTimer) -> tuple[float | None, dict]:
         """KL(pi_old || ref) per token, or None (no reference; an offline step between probes).

@@ -44,13 +44,18 @@ if TYPE_CHECKING:
     from klppo.trainer.build import PPOParts
 
 
-def step_responses(parts: PPOParts, records: list[PromptRecord], timer: PhaseTimer, step: int) -> RolloutBatch:
-    """The step's whole batch on every rank: recorded responses, or sampled by the ranks and gathered."""
+def step_responses(parts: PPOParts, records: list[PromptRecord], timer: PhaseTimer, step: int,
+                   draw: int = 0) -> RolloutBatch:
+    """The step's whole batch on every rank: recorded responses, or sampled by the ranks and gathered.
+
+    ``draw``: which generation batch of the step this is (dynamic sampling draws several); vLLM's
+    request seeds differ between them, Hugging Face generate draws on from torch's RNG.
+    """
     s, tokenizer, env = parts.settings, parts.tokenizer, parts.env
     if parts.engine is not None:
-        sync_engine_weights(parts, timer)
+        sync_engine_weights(parts, timer)  # every draw: a sleeping engine (free_cache_engine) drops its weights
         with timer.phase("gen"):
-            return engine_responses(parts, records, s.sampling, step)
+            return engine_responses(parts, records, s.sampling, step, draw)
     with timer.phase("gen"):
         if s.rollout == "offline":
             return offline_rollout(records, n=s.n, tokenizer=tokenizer, max_response_length=s.response_length)
@@ -69,18 +74,21 @@ def step_responses(parts: PPOParts, records: list[PromptRecord], timer: PhaseTim
 VALIDATION = -1  # the "step" of validation's request seeds: every validation samples the same way
 
 
-def engine_seeds(parts: PPOParts, records: list[PromptRecord], n: int, step: int) -> list[int]:
-    """One seed per request (record, sample) of ``step``: the same on any number of ranks and after a resume."""
-    seed = parts.settings.engine.seed
-    return [request_seed(seed, step, record.index, k) for record in records for k in range(n)]
+def engine_seeds(parts: PPOParts, records: list[PromptRecord], n: int, step: int, draw: int = 0) -> list[int]:
+    """One seed per request (record, sample) of generation batch ``draw`` of ``step``: the same on any
+    number of ranks and after a resume. A prompt drawn twice in one step (dynamic sampling across an
+    epoch's end) is sampled afresh; the first draw keeps the seeds runs without dynamic sampling have."""
+    seed, later = parts.settings.engine.seed, (draw,) if draw else ()
+    return [request_seed(seed, step, record.index, k, *later) for record in records for k in range(n)]
 
 
-def engine_responses(parts: PPOParts, records: list[PromptRecord], params: SamplingParams, step: int) -> RolloutBatch:
+def engine_responses(parts: PPOParts, records: list[PromptRecord], params: SamplingParams, step: int,
+                     draw: int = 0) -> RolloutBatch:
     """``records``' responses from the engines, the whole batch on every rank: each tensor-parallel
     group samples its share (every member the same), and one copy per group is gathered."""
     env, tokenizer, tp = parts.env, parts.tokenizer, parts.settings.engine.tensor_parallel_size
     mine = records[shard_range(len(records), env, tp)]
-    local = parts.engine.generate(mine, params, engine_seeds(parts, mine, params.n, step), tokenizer)
+    local = parts.engine.generate(mine, params, engine_seeds(parts, mine, params.n, step, draw), tokenizer)
     if not env.is_distributed:
         return local
     pad, log_probs = tokenizer.pad_token_id, None

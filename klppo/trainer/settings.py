@@ -17,6 +17,7 @@ import torch
 
 from klppo.config import PPOConfig
 from klppo.config.batch_sizes import batch_size_problems, shard_chunk_rows, update_sizes, uses_critic, uses_reference
+from klppo.config.checks import GROUP_ESTIMATORS
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
@@ -111,6 +112,19 @@ class AdvantageSettings:
     gamma: float
     lam: float
     norm_adv_by_std_in_grpo: bool
+    grouped: bool = False  # a group estimator: each response against the others to its prompt
+
+
+@dataclass(frozen=True)
+class FilterGroupsSettings:
+    """DAPO's dynamic sampling (algorithm.filter_groups, data.gen_batch_size): each step draws
+    generation batches until ``prompts`` prompts whose responses' scores differ are kept."""
+
+    prompts: int  # kept prompts a step trains on (data.train_batch_size)
+    gen_batch_prompts: int  # prompts drawn per generation batch (data.gen_batch_size)
+    max_gen_batches: Optional[int]  # most generation batches a step may draw; None = no limit
+    # The metric is the response's score: "seq_final_reward" (after the KL penalty) is the same
+    # number, since the checks refuse it with algorithm.use_kl_in_reward.
 
 
 @dataclass(frozen=True)
@@ -180,6 +194,7 @@ class PPOSettings:
     resume_mode: str
     resume_from_path: Optional[str]
     logger: LoggerSettings
+    filter_groups: Optional[FilterGroupsSettings] = None  # None: a step trains on the prompts it draws
 
 
 def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
@@ -196,7 +211,8 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         generation_weights=arf.rollout.generation_weights, engine=engine_settings(cfg, world_size),
         val_sampling=sampling_params(cfg, validation=True), val_batch_size=cfg.data.val_batch_size,
         actor=actor, critic=critic, forwards=_forwards(cfg),
-        advantage=AdvantageSettings(algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo),
+        advantage=AdvantageSettings(algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo,
+                                    grouped=algo.adv_estimator in GROUP_ESTIMATORS),
         kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon,
                       offline_kl="sampled" if algo.rollout_correction.bypass_mode else kl.offline_kl,
                       probe_prompts=min(kl.probe_prompts, cfg.data.train_batch_size), probe_every=kl.probe_every),
@@ -210,6 +226,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         resume_from_path=trainer.resume_from_path,
         logger=LoggerSettings(tuple(trainer.logger), trainer.project_name, trainer.experiment_name,
                               dataclasses.asdict(cfg)),
+        filter_groups=filter_groups_settings(cfg),
     )
 
 
@@ -218,6 +235,16 @@ def check_batch_sizes(cfg: PPOConfig, world_size: int) -> None:
     problems = [message for _, message in batch_size_problems(cfg, world_size)]
     if problems:
         raise UserError("\n".join(problems))
+
+
+def filter_groups_settings(cfg: PPOConfig) -> Optional[FilterGroupsSettings]:
+    """Dynamic sampling's sizes, or None when algorithm.filter_groups is off."""
+    fg, data = cfg.algorithm.filter_groups, cfg.data
+    if not fg.enable:
+        return None
+    limit = fg.max_num_gen_batches if fg.max_num_gen_batches > 0 else None  # verl: <= 0 draws without end
+    return FilterGroupsSettings(prompts=data.train_batch_size, gen_batch_prompts=data.gen_batch_size,
+                                max_gen_batches=limit)
 
 
 def sampling_params(cfg: PPOConfig, *, validation: bool = False) -> SamplingParams:
@@ -245,7 +272,7 @@ def engine_settings(cfg: PPOConfig, world_size: int) -> Optional[EngineSettings]
         load_format=engine_load_format(rollout.load_format), sleep_between_generations=rollout.free_cache_engine,
         calculate_log_probs=rollout.calculate_log_probs, logprobs_mode=rollout.logprobs_mode,
         ignore_eos=rollout.ignore_eos, seed=rollout.seed,
-        rows_per_generation=cfg.data.train_batch_size * rollout.n * tp // world_size,
+        rows_per_generation=cfg.data.gen_batch_size * rollout.n * tp // world_size,
     )
 
 

@@ -12,7 +12,7 @@ from klppo.trainer.settings import compile_ppo
 
 TRAINER = Path(__file__).parents[2] / "klppo" / "trainer"
 # The loop and the code under it: they read PPOSettings, never the config.
-READS_SETTINGS_ONLY = ["ppo_trainer.py", "forwards.py", "update.py", "evaluate.py", "run_state.py", "guards.py"]
+READS_SETTINGS_ONLY = ["ppo_trainer.py", "dynamic_sampling.py", "forwards.py", "update.py", "evaluate.py", "run_state.py", "guards.py"]
 
 
 def _config(**changes):
