@@ -1,0 +1,1 @@
+"""``klppo plan``: what a config will do, worked out before any weight loads (batches, memory)."""

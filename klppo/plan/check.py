@@ -1,0 +1,67 @@
+"""The memory plan at the start of every PPO run (``trainer.plan_check``), before any model loads.
+
+``error`` (the default) stops a run whose estimated peak exceeds the device's memory by more
+than ERROR_MARGIN, with the plan's knobs in the message, instead of letting it die later in
+the phase that peaks; nearer the limit (from WARN_AT) it warns. The margin is the estimate's
+calibrated error on top (``benchmarks/plan_accuracy.py``: within 15% per phase), so a run it
+stops is one that would not fit, and a run that might fit is let through with a warning.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from klppo.config import PPOConfig
+from klppo.errors import UserError
+from klppo.plan.estimate import Estimate, Knob, device_bytes_from, estimate, knobs
+from klppo.plan.inputs import Lengths, read_shapes
+from klppo.plan.tables import format_start_block
+
+ERROR_MARGIN = 1.2  # stop above 1.2x the device's memory: beyond the estimate's 15% error
+WARN_AT = 0.9  # warn above 90%: the allocator's fragmentation and other processes need room
+
+
+def configured_lengths(cfg: PPOConfig) -> Lengths:
+    """Every row at its configured bound: data.max_prompt_length and the response's limit."""
+    response = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
+    prompt = cfg.data.max_prompt_length
+    return Lengths(prompt, response, prompt, response)
+
+
+def plan_run(cfg: PPOConfig, *, world_size: int, device: str, device_bytes: int, lengths: Lengths,
+             first_step: bool = False) -> tuple[Estimate, list[Knob]]:
+    """The estimate of ``cfg`` on ``world_size`` ranks and the knobs, when it does not fit
+    (``first_step``: the first step's phases, before the optimiser state exists)."""
+    shapes = read_shapes(cfg)
+    e = estimate(cfg, shapes, lengths, world_size=world_size, device=device, device_bytes=device_bytes,
+                 first_step=first_step)
+    over = e.peak.total > e.settings.device_bytes
+    return e, knobs(cfg, shapes, lengths, e) if over else []
+
+
+def verdict(e: Estimate) -> str:
+    """error (over the margin) | warn (near or over the memory) | ok."""
+    ratio = e.peak.total / e.settings.device_bytes
+    return "error" if ratio > ERROR_MARGIN else "warn" if ratio > WARN_AT else "ok"
+
+
+def check_at_start(cfg: PPOConfig, *, world_size: int, device: str, free_bytes: Callable[[], int],
+                   lengths: Lengths, print_fn: Callable = print) -> Estimate | None:
+    """Print the plan's short block and act on ``trainer.plan_check``; raises a ``UserError`` with the
+    knobs for a run over the margin under ``error``."""
+    mode = cfg.trainer.plan_check
+    if mode == "off":
+        return None
+    device_bytes = device_bytes_from(cfg, None, free_bytes)
+    e, advice = plan_run(cfg, world_size=world_size, device=device, device_bytes=device_bytes, lengths=lengths)
+    block = format_start_block(e, advice, mode)
+    result = verdict(e)
+    if result == "error" and mode == "error":
+        raise UserError(f"the memory plan's peak exceeds the device's memory by more than {ERROR_MARGIN - 1:.0%}; "
+                        "set one of the knobs below, or trainer.plan_check=warn to run anyway "
+                        f"(trainer.plan_device_memory sets the memory planned for)\n{block}")
+    print_fn(block)
+    if result != "ok":
+        print_fn(f"warning: the memory plan's peak is {e.peak.total / device_bytes:.0%} of the device's memory "
+                 f"({e.peak.phase}); the run may run out of memory there")
+    return e
