@@ -45,14 +45,26 @@ def verdict(e: Estimate) -> str:
     return "error" if ratio > ERROR_MARGIN else "warn" if ratio > WARN_AT else "ok"
 
 
+def sample_lengths(cfg: PPOConfig) -> tuple[Lengths, str]:
+    """The lengths the estimate uses and what they are."""
+    return configured_lengths(cfg), "every row at data.max_prompt_length + the response limit (upper bounds)"
+
+
+def plan_check_mode(cfg: PPOConfig) -> str:
+    """trainer.plan_check as error | warn | off: YAML 1.1 reads a bare ``off`` as false."""
+    value = cfg.trainer.plan_check
+    return ("error" if value else "off") if isinstance(value, bool) else value
+
+
 def check_at_start(cfg: PPOConfig, *, world_size: int, device: str, free_bytes: Callable[[], int],
-                   lengths: Lengths, print_fn: Callable = print) -> Estimate | None:
+                   print_fn: Callable = print) -> Estimate | None:
     """Print the plan's short block and act on ``trainer.plan_check``; raises a ``UserError`` with the
     knobs for a run over the margin under ``error``."""
-    mode = cfg.trainer.plan_check
+    mode = plan_check_mode(cfg)
     if mode == "off":
         return None
     device_bytes = device_bytes_from(cfg, None, free_bytes)
+    lengths, _ = sample_lengths(cfg)
     e, advice = plan_run(cfg, world_size=world_size, device=device, device_bytes=device_bytes, lengths=lengths)
     block = format_start_block(e, advice, mode)
     result = verdict(e)

@@ -15,7 +15,7 @@ from klppo.cli_support import run_cli
 from klppo.config import PPOConfig, load_ppo_config
 from klppo.errors import UserError
 from klppo.monitoring.flops import peak_flops_by_name
-from klppo.plan.check import configured_lengths, plan_run
+from klppo.plan.check import plan_run, sample_lengths
 from klppo.plan.estimate import GiB, device_bytes_from, parse_size
 from klppo.plan.inputs import Lengths
 from klppo.plan.tables import format_memory, format_time, format_verdict
@@ -77,11 +77,6 @@ def host_bytes(flag: str | None) -> int:
         if line.startswith("MemTotal:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def sample_lengths(cfg: PPOConfig) -> tuple[Lengths, str]:
-    """The lengths the estimate uses and what they are."""
-    return configured_lengths(cfg), "every row at data.max_prompt_length + the response limit (upper bounds)"
 
 
 def host_lines(e, per_node: int, host: int) -> str:
