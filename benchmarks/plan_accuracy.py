@@ -97,7 +97,7 @@ def planned(model: Path, data: Path, run_dir: Path, world: int, bargs, device: s
     """The plan's estimate (GiB) of each phase of the run ``bench.measure`` makes."""
     from klppo.config import load_ppo_config
     from klppo.plan.check import plan_run
-    from klppo.plan.command import sample_lengths
+    from klppo.plan.check import sample_lengths
 
     cfg = load_ppo_config(None, bench.overrides(model, data, run_dir, world, bargs))
     lengths, _ = sample_lengths(cfg)
@@ -132,7 +132,9 @@ def main(argv=None) -> list[tuple]:
         model, base = work / "model", bench_args(args, "offline", [])
         if not (model / "config.json").is_file():
             bench.build_model_folder(model, base)
-        data = bench.write_task(work / "task.parquet", base)
+        data = work / "task.parquet"
+        if not data.is_file():  # kept: a run of an earlier call may still be reading it
+            bench.write_task(data, base)
         if args.baseline:
             print(f"[plan_accuracy] baseline: {measure_baseline(model, data) / 2**30:.3f} GiB resident before any model")
             return []
