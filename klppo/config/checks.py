@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from klppo.config.batch_sizes import batch_size_problems, divisor_below, world_size
 from klppo.config.lora import lora_enabled, lora_problems
 from klppo.config.rollout import engine_problems, resolve_rollout_engine, rollout_notes
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs, rollout_correction_active
@@ -149,22 +150,13 @@ def _freq(out: list[Problem], key: str, value: int) -> None:
         out.append(Problem((key,), f"{key} = {value!r} must be -1 (off) or >= 1 (every that many steps)"))
 
 
-def _divisor_below(n: int, limit: int) -> int:
-    """The largest divisor of ``n`` that is <= ``limit`` (1 at worst)."""
-    best = 1
-    for d in range(1, math.isqrt(n) + 1):
-        if n % d == 0:
-            best = max([best] + [c for c in (d, n // d) if c <= limit])
-    return best
-
-
 def _divides(
     out: list[Problem], key: str, part: Optional[int], whole: int, whole_text: str, whole_keys: tuple[str, ...]
 ) -> None:
     """``part`` (when set and positive) must divide ``whole``, which comes from ``whole_keys``."""
     if part is None or part <= 0 or whole <= 0 or whole % part == 0:
         return
-    hint = _divisor_below(whole, part)
+    hint = divisor_below(whole, part)
     out.append(Problem((key, *whole_keys), f"{key} = {part} must divide {whole_text}; set it to a divisor such as {hint}"))
 
 
@@ -316,57 +308,11 @@ def _check_data_lengths(cfg: PPOConfig, out: list[Problem]) -> None:
     _positive(out, f"{ROLLOUT}.log_prob_max_token_len_per_gpu", rollout.log_prob_max_token_len_per_gpu, "number of tokens")
     _positive(out, f"{ARF}.ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu, "number of tokens")
     _positive(out, "critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu, "number of tokens")
-    _check_token_budgets(cfg, out)
-
-
-def _check_token_budgets(cfg: PPOConfig, out: list[Problem]) -> None:
-    """A token budget in use must hold the longest possible sequence (prompt + response)."""
-    arf = cfg.actor_rollout_ref
-    longest = cfg.data.max_prompt_length + (arf.rollout.response_length or cfg.data.max_response_length)
-    budgets = [
-        (arf.actor.use_dynamic_bsz, f"{ACTOR}.use_dynamic_bsz", f"{ACTOR}.ppo_max_token_len_per_gpu", arf.actor.ppo_max_token_len_per_gpu),
-        (arf.rollout.log_prob_use_dynamic_bsz, f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_gpu", arf.rollout.log_prob_max_token_len_per_gpu),
-        (arf.ref.log_prob_use_dynamic_bsz, f"{ARF}.ref.log_prob_use_dynamic_bsz", f"{ARF}.ref.log_prob_max_token_len_per_gpu", arf.ref.log_prob_max_token_len_per_gpu),
-        (cfg.critic.use_dynamic_bsz and cfg.algorithm.adv_estimator == "gae", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu),
-    ]
-    reported = set()
-    for used, switch, key, budget in budgets:
-        if used and 0 < budget < longest and budget not in reported:  # a budget copied from the actor's once
-            out.append(Problem(
-                (key, switch, "data.max_prompt_length", f"{ROLLOUT}.response_length"),
-                f"{key} = {budget} is smaller than the longest sequence {switch} may meet: data.max_prompt_length + "
-                f"{ROLLOUT}.response_length = {longest} tokens; raise it to at least {longest} (a few times that "
-                "packs more sequences per micro-batch)",
-            ))
-            reported.add(budget)
 
 
 def _check_ppo_batches(cfg: PPOConfig, out: list[Problem]) -> None:
-    """Batch sizes: verl counts mini-batches in prompts and micro-batches in samples."""
-    data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    _positive(out, "data.train_batch_size", data.train_batch_size, "number of prompts")
-    _positive(out, "data.val_batch_size", data.val_batch_size, "number of prompts")
-    _check_update_batches(out, ACTOR, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, cfg, True)
-    _positive(out, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu, "number of samples")
-    ref_micro = cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-    _positive(out, f"{ARF}.ref.log_prob_micro_batch_size_per_gpu", ref_micro, "number of samples")
-    _positive(out, "reward_model.micro_batch_size_per_gpu", cfg.reward_model.micro_batch_size_per_gpu, "number of samples")
-
-
-def _check_update_batches(
-    out: list[Problem], prefix: str, mini: int, micro: Optional[int], cfg: PPOConfig, check_mini: bool
-) -> None:
-    """Mini-batch (prompts) divides the step's prompts; micro-batch (samples) divides the mini-batch's samples."""
-    n, batch = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
-    if check_mini:
-        _positive(out, f"{prefix}.ppo_mini_batch_size", mini, "number of prompts")
-        batch_text = f"data.train_batch_size = {batch} (prompts per step)"
-        _divides(out, f"{prefix}.ppo_mini_batch_size", mini, batch, batch_text, ("data.train_batch_size",))
-    _positive(out, f"{prefix}.ppo_micro_batch_size_per_gpu", micro, "number of samples")
-    if mini > 0 and n >= 1:
-        whole_text = f"the {mini * n} samples of a mini-batch ({prefix}.ppo_mini_batch_size {mini} x {ROLLOUT}.n {n})"
-        whole_keys = (f"{prefix}.ppo_mini_batch_size", f"{ROLLOUT}.n")
-        _divides(out, f"{prefix}.ppo_micro_batch_size_per_gpu", micro, mini * n, whole_text, whole_keys)
+    """Batch sizes and token budgets on the world the config names (``batch_sizes.py``, their one home)."""
+    out += [Problem(keys, message) for keys, message in batch_size_problems(cfg, world_size(cfg))]
 
 
 def _check_actor(actor: ActorConfig, out: list[Problem]) -> None:
@@ -439,11 +385,6 @@ def _check_algorithm(cfg: PPOConfig, out: list[Problem]) -> None:
             f"responses to the same prompt as the baseline, and a group of one has no baseline; set {ROLLOUT}.n=4 "
             "or more, or use algorithm.adv_estimator=gae",
         ))
-    if algo.adv_estimator == "gae":
-        critic = cfg.critic
-        # A mini-batch size copied from the actor's has had its problems reported there.
-        own_mini = critic.ppo_mini_batch_size != cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-        _check_update_batches(out, "critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, cfg, own_mini)
 
 
 def _check_rollout_correction(cfg: PPOConfig, out: list[Problem]) -> None:

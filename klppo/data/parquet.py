@@ -32,18 +32,26 @@ def as_file_list(files: str | Sequence[str]) -> list[str]:
     return paths
 
 
-def _read_table(path: str, required: Sequence[str]) -> pa.Table:
-    """Open one file and check it exists, is Parquet, has rows and has ``required`` columns."""
+def _require_file(path: str) -> None:
     if not Path(path).is_file():
         raise UserError(f"data file '{path}' not found; check data.train_files (and data.val_files)")
+
+
+def _not_parquet(path: str, e: Exception) -> UserError:
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UserError(
+        f"data file '{path}' is not a readable Parquet file ({first_line}); "
+        "write it with pyarrow.parquet.write_table or pandas.DataFrame.to_parquet"
+    )
+
+
+def _read_table(path: str, required: Sequence[str]) -> pa.Table:
+    """Open one file and check it exists, is Parquet, has rows and has ``required`` columns."""
+    _require_file(path)
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:  # ArrowInvalid, ArrowIOError, ArrowNotImplementedError, ...
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"data file '{path}' is not a readable Parquet file ({first_line}); "
-            "write it with pyarrow.parquet.write_table or pandas.DataFrame.to_parquet"
-        ) from e
+        raise _not_parquet(path, e) from e
     if table.num_rows == 0:
         raise UserError(f"data file '{path}' has no rows; point data.train_files at a file with data")
     missing = [c for c in required if c not in table.column_names]
@@ -92,6 +100,40 @@ def read_parquet_rows(files: str | Sequence[str], required: Sequence[str]) -> li
             row["_file"], row["_row"] = path, i
             rows.append(row)
     return rows
+
+
+def _parquet_file(path: str) -> pq.ParquetFile:
+    _require_file(path)
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise _not_parquet(path, e) from e
+
+
+def parquet_num_rows(files: str | Sequence[str]) -> int:
+    """Rows in all the files, from their Parquet footers: no row is read."""
+    return sum(_parquet_file(path).metadata.num_rows for path in as_file_list(files))
+
+
+def read_parquet_sample(files: str | Sequence[str], columns: Sequence[str], rows: int) -> list[dict]:
+    """Up to ``rows`` rows, shared evenly over the files (each file's first rows), as ``read_parquet_rows``
+    gives them (with ``"_file"`` and ``"_row"``) but holding only those of ``columns`` the files have.
+
+    Only the first record batch of each file is decoded, so a sample of a large file costs what
+    its first rows cost (sizing estimates, ``klppo plan``), never the whole file.
+    """
+    paths = as_file_list(files)
+    per_file = max(1, -(-rows // len(paths)))  # ceil: every file contributes
+    sample: list[dict] = []
+    for path in paths:
+        handle = _parquet_file(path)
+        wanted = [c for c in columns if c in handle.schema_arrow.names]
+        batch = next(handle.iter_batches(batch_size=per_file, columns=wanted), None)
+        for i, row in enumerate(batch.to_pylist() if batch is not None else []):
+            row = {k: _plain(v) for k, v in row.items()}
+            row["_file"], row["_row"] = path, i
+            sample.append(row)
+    return sample[:rows]
 
 
 def describe_files(files: str | Sequence[str]) -> str:

@@ -13,6 +13,17 @@ import torch
 from klppo.errors import UserError
 
 
+def steps_per_epoch(num_items: int, batch_size: int, *, drop_last: bool = True) -> int:
+    """Batches per epoch: a last partial batch counts only when ``drop_last`` is False."""
+    full, rest = divmod(num_items, batch_size)
+    return full + (1 if rest and not drop_last else 0)
+
+
+def run_length(total_training_steps: int | None, total_epochs: int, steps_per_epoch: int) -> int:
+    """A run's steps: ``trainer.total_training_steps``, else ``total_epochs`` passes over the data (as verl)."""
+    return total_training_steps or total_epochs * steps_per_epoch
+
+
 class PromptBatches:
     """Hands out the dataset indices of successive batches, epoch after epoch."""
 
@@ -33,9 +44,7 @@ class PromptBatches:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Batches per epoch: a last partial batch counts only when ``drop_last`` is False."""
-        full, rest = divmod(self.num_items, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
+        return steps_per_epoch(self.num_items, self.batch_size, drop_last=self.drop_last)
 
     @property
     def epoch(self) -> int:

@@ -21,7 +21,7 @@ from klppo.data.parquet import parquet_columns
 from klppo.data.ranked import RankedRecord, load_ranked_dataset
 from klppo.data.rollout_log_probs import LogProbsNeed
 from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
-from klppo.data.sampler import PromptBatches
+from klppo.data.sampler import PromptBatches, run_length
 from klppo.distributed import DistEnv
 from klppo.errors import UserError
 from klppo.models.load import check_same_tokenizer, check_trained_score_head, load_tokenizer
@@ -254,7 +254,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
     train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log)
     batches = PromptBatches(len(train), cfg.data.train_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-    total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
+    total_steps = run_length(trainer.total_training_steps, trainer.total_epochs, batches.steps_per_epoch)
     actor, ref = _load_actor_and_ref(cfg, env, sharder)
     actor_optimizer, actor_scheduler = build_optimizer_and_scheduler(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
     reward_models = _load_reward_models(cfg, tokenizer, env, sharder)

@@ -9,7 +9,6 @@ budgets are set only where ``use_dynamic_bsz`` switches them on.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -17,6 +16,7 @@ from typing import Optional
 import torch
 
 from klppo.config import PPOConfig
+from klppo.config.batch_sizes import batch_size_problems, shard_chunk_rows, update_sizes, uses_critic, uses_reference
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
@@ -30,7 +30,6 @@ from klppo.trainer.guards import GuardSettings
 from klppo.trainer.setup import PARAM_DTYPES
 
 ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 ACTOR_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 CRITIC_BUDGET_KEY = "critic.ppo_max_token_len_per_gpu"
@@ -183,21 +182,13 @@ class PPOSettings:
     logger: LoggerSettings
 
 
-def uses_critic(cfg: PPOConfig) -> bool:
-    return cfg.algorithm.adv_estimator not in CRITIC_FREE_ESTIMATORS
-
-
-def uses_reference(cfg: PPOConfig) -> bool:
-    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
-
-
 def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
     """The frozen settings of a validated PPO config on ``world_size`` ranks."""
     arf, trainer = cfg.actor_rollout_ref, cfg.trainer
-    check_divisible_over_ranks(cfg, world_size)
-    global_rows = global_mini_batch_rows(cfg)
-    actor = _actor(cfg, global_rows["actor_rollout_ref.actor.ppo_mini_batch_size"] // world_size)
-    critic = _critic(cfg, global_rows["critic.ppo_mini_batch_size"] // world_size) if uses_critic(cfg) else None
+    check_batch_sizes(cfg, world_size)
+    rows = {role.prefix: role.mini_batch_size * arf.rollout.n // world_size for role in update_sizes(cfg)}
+    actor = _actor(cfg, rows["actor_rollout_ref.actor"])
+    critic = _critic(cfg, rows["critic"]) if uses_critic(cfg) else None
     rm, algo, kl = cfg.reward_model, cfg.algorithm, cfg.algorithm.kl_ctrl
     return PPOSettings(
         run_dir=Path(trainer.default_local_dir), world_size=world_size, rollout=arf.rollout.name, n=arf.rollout.n,
@@ -212,7 +203,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         uses_reference=uses_reference(cfg), actor_lora=lora_enabled(arf.model),
         ref_in_actor=uses_reference(cfg) and lora_enabled(arf.model),
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
-        guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=math.gcd(*global_rows.values()), balance_batch=trainer.balance_batch,
+        guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=shard_chunk_rows(cfg), balance_batch=trainer.balance_batch,
         save_freq=trainer.save_freq, test_freq=trainer.test_freq, val_before_train=trainer.val_before_train,
         val_only=trainer.val_only,
         max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep, resume_mode=trainer.resume_mode,
@@ -222,22 +213,11 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
     )
 
 
-def global_mini_batch_rows(cfg: PPOConfig) -> dict[str, int]:
-    """Rows (prompts x rollout.n) of one global mini-batch of the actor and, with a critic, the critic."""
-    n = cfg.actor_rollout_ref.rollout.n
-    rows = {"actor_rollout_ref.actor.ppo_mini_batch_size": cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n}
-    if uses_critic(cfg):
-        rows["critic.ppo_mini_batch_size"] = cfg.critic.ppo_mini_batch_size * n
-    return rows
-
-
-def check_divisible_over_ranks(cfg: PPOConfig, world_size: int) -> None:
-    """Prompts and every mini-batch must split evenly over the ranks (verl's rule too)."""
-    sizes = {"data.train_batch_size": cfg.data.train_batch_size, **global_mini_batch_rows(cfg)}
-    for key, size in sizes.items():
-        if size % world_size:
-            raise UserError(f"{key} gives {size} rows per batch, which do not split evenly over {world_size} ranks; "
-                            f"make it a multiple of {world_size}")
+def check_batch_sizes(cfg: PPOConfig, world_size: int) -> None:
+    """The batch-size rules (``klppo.config.batch_sizes``) on the world this run has, before any model loads."""
+    problems = [message for _, message in batch_size_problems(cfg, world_size)]
+    if problems:
+        raise UserError("\n".join(problems))
 
 
 def sampling_params(cfg: PPOConfig, *, validation: bool = False) -> SamplingParams:

@@ -25,7 +25,7 @@ from klppo.checkpoint.verify import find_resume_folder
 from klppo.cli_support import quiet_libraries
 from klppo.config import RMConfig, SFTConfig, format_config
 from klppo.config.schema import FSDPConfig, SFTTrainerConfig
-from klppo.data.sampler import PromptBatches
+from klppo.data.sampler import PromptBatches, run_length
 from klppo.distributed import DistEnv, load_training_state, run_on_ranks, shard_range, training_state
 from klppo.errors import UserError
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
@@ -153,7 +153,7 @@ def prepare_run(cfg: SupervisedConfig, env: DistEnv, job: SupervisedJob, print_f
     """Once data and model have loaded: the batches, optimiser and schedule (nothing is written)."""
     data, trainer = cfg.data, cfg.trainer
     batches = PromptBatches(job.n_examples, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
-    total_steps = trainer.total_training_steps or trainer.total_epochs * batches.steps_per_epoch
+    total_steps = run_length(trainer.total_training_steps, trainer.total_epochs, batches.steps_per_epoch)
     optimizer, scheduler = build_optimizer_and_scheduler(job.model, cfg.optim, total_steps)
     return SupervisedRun(env, Path(trainer.default_local_dir), job.model, optimizer, scheduler, batches, total_steps,
                          trainer, job.kind, print_fn)

@@ -100,8 +100,9 @@ def test_micro_batch_must_divide_the_mini_batch_times_n():
                            "actor_rollout_ref.rollout.n=3", f"{ACTOR}.ppo_micro_batch_size_per_gpu=5",
                            "critic.ppo_micro_batch_size_per_gpu=12")
     assert problems == [
-        f"{ACTOR}.ppo_micro_batch_size_per_gpu = 5 must divide the 48 samples of a mini-batch "
-        f"({ACTOR}.ppo_mini_batch_size 16 x actor_rollout_ref.rollout.n 3); set it to a divisor such as 4"
+        f"{ACTOR}.ppo_micro_batch_size_per_gpu = 5 must divide a rank's share of the mini-batch "
+        f"({ACTOR}.ppo_mini_batch_size 16 x actor_rollout_ref.rollout.n 3 / 1 rank = 48 samples); "
+        "set it to a divisor such as 4"
     ]
 
 

@@ -1,10 +1,11 @@
-"""read_parquet_rows: up-front checks of the files, and row locations for errors."""
+"""read_parquet_rows: up-front checks of the files, and row locations for errors; row counts from the
+footers and a sample of the first rows, for sizing estimates."""
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from klppo.data.parquet import read_parquet_rows, row_error
+from klppo.data.parquet import parquet_num_rows, read_parquet_rows, read_parquet_sample, row_error
 from klppo.errors import UserError
 
 
@@ -64,3 +65,17 @@ def test_map_columns_come_back_as_dicts(tmp_path):
     table = pa.table({"extra_info": pa.array([[("a", 1), ("b", 2)]], type=pa.map_(pa.string(), pa.int64()))})
     pq.write_table(table, path)
     assert read_parquet_rows(str(path), ["extra_info"])[0]["extra_info"] == {"a": 1, "b": 2}
+
+
+def test_a_sample_shares_its_rows_over_the_files_and_holds_only_the_asked_columns(write_parquet):
+    a = write_parquet([{"x": i, "y": "a"} for i in range(5)], "a.parquet")
+    b = write_parquet([{"x": 10 + i, "y": "b"} for i in range(3)], "b.parquet")
+    rows = read_parquet_sample([a, b], ["x", "absent"], 4)  # 2 per file, each file's first rows
+    assert rows == [{"x": 0, "_file": a, "_row": 0}, {"x": 1, "_file": a, "_row": 1},
+                    {"x": 10, "_file": b, "_row": 0}, {"x": 11, "_file": b, "_row": 1}]
+    assert parquet_num_rows([a, b]) == 8
+
+
+def test_row_counts_of_a_missing_file_name_it(tmp_path):
+    with pytest.raises(UserError, match=r"data file '.*nope.parquet' not found"):
+        parquet_num_rows(str(tmp_path / "nope.parquet"))

@@ -75,7 +75,8 @@ def test_settings_are_frozen():
 
 
 def test_batches_that_do_not_split_over_the_ranks_are_refused_with_the_key():
-    with pytest.raises(UserError, match="actor_rollout_ref.actor.ppo_mini_batch_size gives 4 rows .* multiple of 3"):
+    with pytest.raises(UserError, match=r"actor_rollout_ref.actor.ppo_mini_batch_size = 4 x actor_rollout_ref.rollout.n 1 = 4 samples per "
+                       r"mini-batch do not split evenly over the 3 ranks .* a multiple of 3 such as 6"):
         compile_ppo(_config(**{"actor_rollout_ref.rollout.n": 1, "data.train_batch_size": 12}), world_size=3)
 
 

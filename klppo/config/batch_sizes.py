@@ -1,0 +1,195 @@
+"""The batch-size rules of a PPO config on a given number of ranks: their one home.
+
+verl's units: ``data.train_batch_size`` and ``ppo_mini_batch_size`` count prompts, and each
+prompt brings ``rollout.n`` samples; each of W ranks trains on ``ppo_mini_batch_size * n / W``
+samples of every mini-batch (verl normalises the mini-batch so in its FSDP workers), split
+into micro-batches of ``ppo_micro_batch_size_per_gpu`` samples or, with ``use_dynamic_bsz``, into
+as few as fit ``ppo_max_token_len_per_gpu`` tokens (the micro size is then ignored).
+
+A combination that cannot train is refused here with its fix: a rank's share below one sample,
+a share that does not split evenly, a micro-batch larger than the share or not dividing it
+(verl asserts that; left alone a larger micro-batch is where verl's users get zero
+accumulation steps and a NaN gradient norm), a token budget below one sequence, mini-batches
+that do not divide the step. Config validation asks with ``trainer.n_gpus_per_node x
+trainer.nnodes`` ranks (the world ``join_world`` later insists on), ``compile_ppo`` with the
+world it runs in, ``klppo plan`` with the world it is asked about. Each rule returns
+``(keys, message)`` pairs, as ``engine_problems`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from klppo.config.schema import PPOConfig
+
+ROLLOUT = "actor_rollout_ref.rollout"
+Found = list[tuple[tuple[str, ...], str]]
+
+
+@dataclass(frozen=True)
+class UpdateSizes:
+    """One trained model's update sizes as the config gives them (verl's units)."""
+
+    prefix: str  # actor_rollout_ref.actor | critic
+    mini_batch_size: int  # prompts per mini-batch (x rollout.n samples)
+    micro_batch_size_per_gpu: Optional[int]  # samples per micro-batch on a rank; None = the whole share
+    use_dynamic_bsz: bool  # micro-batches by a token budget; the micro size is ignored
+    max_token_len_per_gpu: int  # the token budget of one micro-batch
+    ppo_epochs: int
+    own_mini: bool = True  # False: the critic's copy of the actor's mini-batch size (reported there)
+
+    @property
+    def mini_key(self) -> str:
+        return f"{self.prefix}.ppo_mini_batch_size"
+
+    @property
+    def micro_key(self) -> str:
+        return f"{self.prefix}.ppo_micro_batch_size_per_gpu"
+
+    @property
+    def budget_key(self) -> str:
+        return f"{self.prefix}.ppo_max_token_len_per_gpu"
+
+
+def uses_critic(cfg: PPOConfig) -> bool:
+    """GAE needs a value model; the group and REINFORCE estimators train none."""
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def uses_reference(cfg: PPOConfig) -> bool:
+    """A KL term (in the reward or in the actor's loss) needs the reference's log-probs."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
+def world_size(cfg: PPOConfig) -> int:
+    """The ranks a run of ``cfg`` has (``join_world`` refuses any other world)."""
+    return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+
+
+def update_sizes(cfg: PPOConfig) -> list[UpdateSizes]:
+    """The actor's update sizes and, when a critic trains, the critic's (resolved config)."""
+    actor, critic = cfg.actor_rollout_ref.actor, cfg.critic
+    roles = [UpdateSizes("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+                         actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, actor.ppo_epochs)]
+    if uses_critic(cfg):
+        roles.append(UpdateSizes("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
+                                 bool(critic.use_dynamic_bsz), critic.ppo_max_token_len_per_gpu, critic.ppo_epochs,
+                                 own_mini=critic.ppo_mini_batch_size != actor.ppo_mini_batch_size))
+    return roles
+
+
+def shard_chunk_rows(cfg: PPOConfig) -> int:
+    """Global rows the trainer deals to the ranks at a time: the gcd of the actor's and critic's
+    mini-batch rows, so each rank's k-th mini-batch is its share of the global k-th one."""
+    n = cfg.actor_rollout_ref.rollout.n
+    return math.gcd(*(role.mini_batch_size * n for role in update_sizes(cfg)))
+
+
+def divisor_below(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is <= ``limit`` (1 at worst)."""
+    best = 1
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            best = max([best] + [c for c in (d, n // d) if c <= limit])
+    return best
+
+
+def _ranks(world: int) -> str:
+    return f"{world} rank{'' if world == 1 else 's'}"
+
+
+def _positive(out: Found, key: str, value: Optional[int], what: str) -> None:
+    if value is not None and value <= 0:
+        out.append(((key,), f"{key} = {value!r} must be > 0; set it to a positive {what}"))
+
+
+def batch_size_problems(cfg: PPOConfig, world: int) -> Found:
+    """Every degenerate batch-size combination of a resolved PPO config on ``world`` ranks."""
+    data, arf = cfg.data, cfg.actor_rollout_ref
+    out: Found = []
+    _positive(out, "data.train_batch_size", data.train_batch_size, "number of prompts")
+    _positive(out, "data.val_batch_size", data.val_batch_size, "number of prompts")
+    if world >= 1 and data.train_batch_size > 0 and data.train_batch_size % world:
+        out.append((("data.train_batch_size", "trainer.n_gpus_per_node", "trainer.nnodes"),
+                    f"data.train_batch_size = {data.train_batch_size} prompts do not split evenly over the "
+                    f"{_ranks(world)} (trainer.n_gpus_per_node x trainer.nnodes); make it a multiple of {world}"))
+    for role in update_sizes(cfg):
+        out += _update_problems(role, data.train_batch_size, arf.rollout.n, world)
+    _positive(out, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", arf.rollout.log_prob_micro_batch_size_per_gpu,
+              "number of samples")
+    _positive(out, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", arf.ref.log_prob_micro_batch_size_per_gpu,
+              "number of samples")
+    _positive(out, "reward_model.micro_batch_size_per_gpu", cfg.reward_model.micro_batch_size_per_gpu, "number of samples")
+    return out + token_budget_problems(cfg)
+
+
+def _update_problems(role: UpdateSizes, prompts: int, n: int, world: int) -> Found:
+    """A mini-batch (prompts) divides the step's prompts and splits over the ranks; a fixed
+    micro-batch (samples) fits a rank's share and divides it."""
+    out: Found = []
+    mini, micro = role.mini_batch_size, role.micro_batch_size_per_gpu
+    if role.own_mini:
+        _positive(out, role.mini_key, mini, "number of prompts")
+        if mini > 0 and prompts > 0 and prompts % mini:
+            out.append(((role.mini_key, "data.train_batch_size"), f"{role.mini_key} = {mini} must divide "
+                        f"data.train_batch_size = {prompts} (prompts per step); set it to a divisor such as "
+                        f"{divisor_below(prompts, mini)}"))
+    if not role.use_dynamic_bsz:
+        _positive(out, role.micro_key, micro, "number of samples")
+    if mini <= 0 or n < 1 or world < 1:
+        return out
+    if (mini * n) % world:
+        return out + ([_share_problem(role, prompts, n, world)] if role.own_mini else [])
+    share = mini * n // world
+    if role.use_dynamic_bsz or micro is None or micro <= 0 or share % micro == 0:
+        return out
+    of_share = (f"a rank's share of the mini-batch ({role.mini_key} {mini} x {ROLLOUT}.n {n} / {_ranks(world)} = "
+                f"{share} samples)")
+    keys = (role.micro_key, role.mini_key, f"{ROLLOUT}.n", "trainer.n_gpus_per_node", "trainer.nnodes")
+    if micro > share:
+        return out + [(keys, f"{role.micro_key} = {micro} is larger than {of_share}: set it to {share} or less "
+                             f"(a divisor of {share}), or raise {role.mini_key}")]
+    return out + [(keys, f"{role.micro_key} = {micro} must divide {of_share}; set it to a divisor such as "
+                         f"{divisor_below(share, micro)}")]
+
+
+def _share_problem(role: UpdateSizes, prompts: int, n: int, world: int) -> tuple[tuple[str, ...], str]:
+    """A mini-batch's samples that leave a rank less than one, or do not split evenly."""
+    mini, samples = role.mini_batch_size, role.mini_batch_size * n
+    step = world // math.gcd(n, world)  # mini-batch sizes whose samples split evenly: multiples of step
+    fits = [m for m in range(step, prompts + 1, step) if prompts % m == 0]
+    hint = min([m for m in fits if m >= mini] or fits[-1:] or [step])
+    keys = (role.mini_key, f"{ROLLOUT}.n", "trainer.n_gpus_per_node", "trainer.nnodes")
+    what = (f"leave each of the {_ranks(world)} less than one sample" if samples < world
+            else f"do not split evenly over the {_ranks(world)}")
+    fix = f"set {role.mini_key} to a multiple of {step} such as {hint}"
+    if not fits:
+        fix += f" (and data.train_batch_size to a multiple of it)"
+    return keys, (f"{role.mini_key} = {mini} x {ROLLOUT}.n {n} = {samples} samples per mini-batch {what} "
+                  f"(trainer.n_gpus_per_node x trainer.nnodes); {fix}, or run on fewer ranks")
+
+
+def token_budget_problems(cfg: PPOConfig) -> Found:
+    """A token budget in use must hold the longest possible sequence (prompt + response)."""
+    arf, out = cfg.actor_rollout_ref, []
+    longest = cfg.data.max_prompt_length + (arf.rollout.response_length or cfg.data.max_response_length)
+    ref = "actor_rollout_ref.ref"
+    budgets = [(role.use_dynamic_bsz, f"{role.prefix}.use_dynamic_bsz", role.budget_key, role.max_token_len_per_gpu)
+               for role in update_sizes(cfg)]
+    budgets[1:1] = [
+        (arf.rollout.log_prob_use_dynamic_bsz, f"{ROLLOUT}.log_prob_use_dynamic_bsz",
+         f"{ROLLOUT}.log_prob_max_token_len_per_gpu", arf.rollout.log_prob_max_token_len_per_gpu),
+        (arf.ref.log_prob_use_dynamic_bsz, f"{ref}.log_prob_use_dynamic_bsz", f"{ref}.log_prob_max_token_len_per_gpu",
+         arf.ref.log_prob_max_token_len_per_gpu),
+    ]
+    reported = set()
+    for used, switch, key, budget in budgets:
+        if used and 0 < budget < longest and budget not in reported:  # a budget copied from the actor's once
+            out.append(((key, switch, "data.max_prompt_length", f"{ROLLOUT}.response_length"),
+                        f"{key} = {budget} is smaller than the longest sequence {switch} may meet: "
+                        f"data.max_prompt_length + {ROLLOUT}.response_length = {longest} tokens; raise it to at "
+                        f"least {longest} (a few times that packs more sequences per micro-batch)"))
+            reported.add(budget)
+    return out
