@@ -97,11 +97,11 @@ def planned(model: Path, data: Path, run_dir: Path, world: int, bargs, device: s
     """The plan's estimate (GiB) of each phase of the run ``bench.measure`` makes."""
     from klppo.config import load_ppo_config
     from klppo.plan.check import plan_run
-    from klppo.plan.check import sample_lengths
+    from klppo.plan.check import length_sample, lengths_of
 
     cfg = load_ppo_config(None, bench.overrides(model, data, run_dir, world, bargs))
-    lengths, _ = sample_lengths(cfg)
-    e, _ = plan_run(cfg, world_size=world, device=device, device_bytes=64 * 2**30, lengths=lengths, first_step=True)
+    e, _ = plan_run(cfg, world_size=world, device=device, device_bytes=64 * 2**30,
+                    lengths=lengths_of(length_sample(cfg)), first_step=True)
     return {p.phase: p.total / 2**30 for p in e.phases}
 
 

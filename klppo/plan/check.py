@@ -14,18 +14,12 @@ from typing import Callable
 from klppo.config import PPOConfig
 from klppo.errors import UserError
 from klppo.plan.estimate import Estimate, Knob, device_bytes_from, estimate, knobs
+from klppo.plan.batches import LengthSample, sample_lengths
 from klppo.plan.inputs import Lengths, read_shapes
 from klppo.plan.tables import format_start_block
 
 ERROR_MARGIN = 1.2  # stop above 1.2x the device's memory: beyond the estimate's 15% error
 WARN_AT = 0.9  # warn above 90%: the allocator's fragmentation and other processes need room
-
-
-def configured_lengths(cfg: PPOConfig) -> Lengths:
-    """Every row at its configured bound: data.max_prompt_length and the response's limit."""
-    response = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
-    prompt = cfg.data.max_prompt_length
-    return Lengths(prompt, response, prompt, response)
 
 
 def plan_run(cfg: PPOConfig, *, world_size: int, device: str, device_bytes: int, lengths: Lengths,
@@ -45,9 +39,23 @@ def verdict(e: Estimate) -> str:
     return "error" if ratio > ERROR_MARGIN else "warn" if ratio > WARN_AT else "ok"
 
 
-def sample_lengths(cfg: PPOConfig) -> tuple[Lengths, str]:
-    """The lengths the estimate uses and what they are."""
-    return configured_lengths(cfg), "every row at data.max_prompt_length + the response limit (upper bounds)"
+def tokenizer_of(path: str):
+    """The model folder's tokenizer (files only), or None where it has none: lengths are then bounds."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def length_sample(cfg: PPOConfig) -> LengthSample:
+    """Token lengths of a sample of data.train_files (``batches.sample_lengths``)."""
+    return sample_lengths(cfg, tokenizer_of(cfg.actor_rollout_ref.model.path))
+
+
+def lengths_of(sample: LengthSample) -> Lengths:
+    return Lengths.of(sample.prompt_tokens, sample.response_tokens)
 
 
 def plan_check_mode(cfg: PPOConfig) -> str:
@@ -64,8 +72,8 @@ def check_at_start(cfg: PPOConfig, *, world_size: int, device: str, free_bytes: 
     if mode == "off":
         return None
     device_bytes = device_bytes_from(cfg, None, free_bytes)
-    lengths, _ = sample_lengths(cfg)
-    e, advice = plan_run(cfg, world_size=world_size, device=device, device_bytes=device_bytes, lengths=lengths)
+    e, advice = plan_run(cfg, world_size=world_size, device=device, device_bytes=device_bytes,
+                         lengths=lengths_of(length_sample(cfg)))
     block = format_start_block(e, advice, mode)
     result = verdict(e)
     if result == "error" and mode == "error":

@@ -15,7 +15,8 @@ from klppo.cli_support import run_cli
 from klppo.config import PPOConfig, load_ppo_config
 from klppo.errors import UserError
 from klppo.monitoring.flops import peak_flops_by_name
-from klppo.plan.check import plan_run, sample_lengths
+from klppo.plan.batches import format_batches, plan_batches
+from klppo.plan.check import length_sample, lengths_of, plan_run
 from klppo.plan.estimate import GiB, device_bytes_from, parse_size
 from klppo.plan.inputs import Lengths
 from klppo.plan.tables import format_memory, format_time, format_verdict
@@ -97,9 +98,10 @@ def plan_text(args: argparse.Namespace) -> str:
     world = per_node * (args.nodes or cfg.trainer.nnodes)
     device = machine_device(cfg, args.device)
     device_bytes = device_bytes_from(cfg, args.device_memory, lambda: free_device_bytes(device))
-    lengths, note = sample_lengths(cfg)
+    sample = length_sample(cfg)
+    lengths = lengths_of(sample)
     e, knobs = plan_run(cfg, world_size=world, device=device, device_bytes=device_bytes, lengths=lengths)
-    parts = [f"lengths: {note}", format_memory(e), format_verdict(e, knobs),
+    parts = [format_batches(plan_batches(cfg, world, sample)), format_memory(e), format_verdict(e, knobs),
              host_lines(e, per_node, host_bytes(args.host_memory)), _time_table(cfg, e, lengths, args, world)]
     return "\n\n".join(parts)
 

@@ -4,8 +4,8 @@
 cannot use ``trainer.settings.compile_ppo``; it compiles the config's memory-relevant keys
 itself, here, once: per model its parameters (from ``model_shape``), what trains (LoRA), the
 ranks that shard it, its compute dtype, offload and checkpointing; and per phase the tokens a
-rank handles at a time. Tests check the shared rules (which models a run loads) against
-``klppo.trainer.settings``.
+rank handles at a time. Which models a run loads comes from ``klppo.config.batch_sizes``,
+the rules' one home.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from klppo.config import PPOConfig
+from klppo.config.batch_sizes import uses_critic, uses_reference
 from klppo.config.lora import lora_enabled
 from klppo.config.schema import FSDPConfig, LoraKeys
 from klppo.plan.model_shape import ModelShape, read_model_shape
 
-# klppo.trainer.settings.CRITIC_FREE_ESTIMATORS (a test checks that they agree).
-CRITIC_FREE = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -73,14 +72,6 @@ class PlanSettings:
 
     def model(self, role: str) -> Optional[ModelPlan]:
         return next((m for m in self.models if m.role == role), None)
-
-
-def uses_critic(cfg: PPOConfig) -> bool:
-    return cfg.algorithm.adv_estimator not in CRITIC_FREE
-
-
-def uses_reference(cfg: PPOConfig) -> bool:
-    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
 
 
 def shard_count(fsdp: FSDPConfig, world_size: int) -> int:

@@ -173,7 +173,10 @@ def update_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: in
     (every gradient and the step's temporaries; in the ``first`` update, the state it creates)."""
     grads = gradient_bytes(m) if not (s.device == "cuda" and m.offload_policy) else 0
     head = lm_head_bytes(s, m, response_tokens, training=True) if m.role == "actor" else 0
-    first_grads = min(grads, m.shape.embedding_parameters * FP32 // m.shards) if m.trainable == m.parameters else 0
+    # The LM head's weight gradient (the embedding's, when tied) comes first in backward, beside
+    # every activation; a value head's is a few numbers, and the embedding's comes last.
+    first_grads = m.shape.vocab_size * m.shape.hidden_size * FP32 // m.shards if (
+        m.role == "actor" and m.trainable == m.parameters and grads) else 0
     backward = [("activations", training_activation_bytes(m, tokens)), ("LM head logits", head),
                 ("gathered units", gathered_bytes(m)), ("head gradients", first_grads)]
     step = [("gradients", grads), ("optimiser step", optimizer_step_bytes(s, m))]

@@ -14,6 +14,7 @@ import transformers
 
 from klppo.cli import main as klppo_main
 from klppo.config import load_ppo_config
+from klppo.data.arithmetic import write_arithmetic_offline_parquet, write_arithmetic_parquet
 from klppo.errors import UserError
 from klppo.plan.inputs import lora_parameters
 from klppo.plan.model_shape import read_model_shape
@@ -54,6 +55,15 @@ def qwen05_dir(tmp_path_factory, tiny_model_dir):
     return out
 
 
+@pytest.fixture(scope="module")
+def plan_data(tmp_path_factory):
+    """Prompts for every example's batch (gsm8k's is 256) and offline prompts with 4 responses each."""
+    out = tmp_path_factory.mktemp("plan_data")
+    write_arithmetic_parquet(out / "train.parquet", 512, seed=1)
+    write_arithmetic_offline_parquet(out / "offline.parquet", 64, seed=2, n_responses=4)
+    return out
+
+
 def _rows(text: str) -> dict[str, list[float]]:
     """The memory table's rows: phase -> weights, optim, grads, activ, logits, fsdp, gen, other, total."""
     rows = {}
@@ -70,10 +80,11 @@ def _plan(capsys, *argv) -> str:
 
 
 def _example_overrides(path: Path, model: Path, task: Path) -> list[str]:
-    cfg = load_ppo_config(str(path), [f"actor_rollout_ref.model.path={model}"] if "gsm8k" not in path.parts else
-                          [f"actor_rollout_ref.model.path={model}"])
+    """The example with the planned model and, where its data is prepared by a script, this test's."""
+    cfg = load_ppo_config(str(path), [f"actor_rollout_ref.model.path={model}"])
     offline = cfg.actor_rollout_ref.rollout.name == "offline"
-    data = task / ("offline.parquet" if offline else "train.parquet")
+    data = ROOT / cfg.data.train_files if (ROOT / cfg.data.train_files).is_file() else \
+        task / ("offline.parquet" if offline else "train.parquet")
     out = [f"actor_rollout_ref.model.path={model}", f"data.train_files={data}", "data.val_files=null",
            "trainer.device=cpu"]
     if cfg.reward_model.enable:
@@ -84,9 +95,9 @@ def _example_overrides(path: Path, model: Path, task: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT / "examples")))
-def test_plan_of_each_example_holds_its_models_fp32_weights_and_adam_state(path, qwen05_dir, task_dir, capsys,
+def test_plan_of_each_example_holds_its_models_fp32_weights_and_adam_state(path, qwen05_dir, plan_data, capsys,
                                                                             no_weights):
-    overrides = _example_overrides(path, qwen05_dir, task_dir)
+    overrides = _example_overrides(path, qwen05_dir, plan_data)
     out = _plan(capsys, str(path), *overrides, "--device-memory", "64GiB")
     cfg = load_ppo_config(str(path), overrides)
     shape = read_model_shape(str(qwen05_dir))
@@ -102,8 +113,8 @@ def test_plan_of_each_example_holds_its_models_fp32_weights_and_adam_state(path,
     assert "Time per step" in out or "FLOPs per step" in out
 
 
-def test_more_gpus_in_the_command_shrink_the_sharded_parts(qwen05_dir, task_dir, capsys, no_weights):
-    overrides = _example_overrides(ROOT / "examples/arithmetic/ppo.yaml", qwen05_dir, task_dir)
+def test_more_gpus_in_the_command_shrink_the_sharded_parts(qwen05_dir, plan_data, capsys, no_weights):
+    overrides = _example_overrides(ROOT / "examples/arithmetic/ppo.yaml", qwen05_dir, plan_data)
     one = _rows(_plan(capsys, "examples/arithmetic/ppo.yaml", *overrides, "--device-memory", "64GiB"))
     four = _rows(_plan(capsys, "examples/arithmetic/ppo.yaml", *overrides, "--device-memory", "64GiB",
                        "--gpus-per-node", "4", "--device", "cuda", "--device-name", "H100"))
@@ -111,8 +122,8 @@ def test_more_gpus_in_the_command_shrink_the_sharded_parts(qwen05_dir, task_dir,
     assert four["update_actor"][1] == pytest.approx(one["update_actor"][1] / 4, abs=0.006)
 
 
-def test_time_table_uses_the_stated_mfu_and_peak(qwen05_dir, task_dir, capsys, no_weights):
-    overrides = _example_overrides(ROOT / "examples/arithmetic/ppo.yaml", qwen05_dir, task_dir)
+def test_time_table_uses_the_stated_mfu_and_peak(qwen05_dir, plan_data, capsys, no_weights):
+    overrides = _example_overrides(ROOT / "examples/arithmetic/ppo.yaml", qwen05_dir, plan_data)
     out = _plan(capsys, "examples/arithmetic/ppo.yaml", *overrides, "--device-memory", "80GiB", "--device", "cuda",
                 "--peak-tflops", "100", "--mfu", "0.5")
     step = next(line for line in out.splitlines() if line.startswith("step "))
