@@ -1,4 +1,4 @@
-"""The ``klppo`` command: ``ppo``, ``sft``, ``rm``, ``demo``, ``report``, ``score-logprobs`` and ``validate-config``."""
+"""The ``klppo`` command: ``ppo``, ``sft``, ``rm``, ``demo``, ``report``, ``plan``, ``score-logprobs`` and ``validate-config``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ DELEGATED = {
     "rm": ("klppo.trainer.main_rm", "train a reward model from ranked responses (--config x.yaml key=value ...)"),
     "demo": ("klppo.trainer.demo", "build a task and a tiny model, warm-start it, train it with PPO"),
     "report": ("klppo.monitoring.report", "plots, guard events and a diagnosis of a run (RUN_DIR [--format html])"),
+    "plan": ("klppo.plan.command", "batches, memory per rank and phase, and time of a config, before it runs "
+             "(CONFIG [key=value ...] [--gpus-per-node N --device-memory 80GiB ...])"),
     "score-logprobs": ("klppo.trainer.score_logprobs", "fill rollout_log_probs of recorded responses with a model "
                        "(--model DIR --input IN --output OUT)"),
 }

@@ -21,7 +21,7 @@ ALLOWED = {
     "monitoring": {"algo", "rollout", "errors", "cli_support"},
     "cli_support": {"errors"},
     "cli": {"cli_support", "config"},
-    "plan": {"config", "data", "monitoring", "errors"},
+    "plan": {"config", "data", "monitoring", "errors", "cli_support"},
 }
 
 

@@ -467,6 +467,14 @@ class TrainerConfig:
     balance_batch: bool = False
     # KL, NaN and entropy guards (early stop, rollback, skipped updates, warnings).
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # The memory plan at the start of the run (klppo plan's estimate, before any model loads):
+    # error stops a run whose peak estimate exceeds the device's memory by more than the
+    # estimate's calibrated error (klppo.plan.check.ERROR_MARGIN) and warns nearer the limit;
+    # warn only warns; off skips it (YAML reads a bare off as false, which means off too; true: error).
+    plan_check: Union[Literal["error", "warn", "off"], bool] = "error"
+    # Memory per device the plan checks against ("80GiB", "24GB", or bytes); None = what this
+    # machine has free (CUDA: the device's free memory; CPU: MemAvailable shared by a node's ranks).
+    plan_device_memory: Optional[Union[str, int]] = None
 
 
 @dataclass

@@ -35,6 +35,7 @@ def _train(cfg, env, print_fn) -> list[dict]:
     from klppo.trainer.run_state import resume_target
     from klppo.trainer.setup import same_on_every_rank
 
+    check_memory_plan(cfg, env, print_fn)  # before any model loads; a run that cannot fit stops here
     setup_memory = PeakMemory(env.device)
     setup_memory.reset()
     parts = build_ppo(cfg, log=print_fn, env=env)  # the config's, data's and models' user errors surface here
@@ -44,6 +45,17 @@ def _train(cfg, env, print_fn) -> list[dict]:
         trainer = PPOTrainer(parts, print_fn=print_fn, setup_peak_gb=setup_memory.peak_gb(),
                              config_text=format_config(cfg))
         return trainer.fit(resume_from)
+
+
+def check_memory_plan(cfg, env, print_fn) -> None:
+    """The memory plan's short block (``trainer.plan_check``): the same on every rank, rank 0 prints;
+    under ``error`` a run whose estimate exceeds the device's memory by a clear margin stops with
+    the plan's knobs (a ``UserError`` on every rank) instead of running out of memory later."""
+    from klppo.monitoring.memory import available_bytes
+    from klppo.plan.check import check_at_start
+
+    check_at_start(cfg, world_size=env.world_size, device=env.device.type,
+                   free_bytes=lambda: available_bytes(env.device), print_fn=print_fn)
 
 
 @contextmanager

@@ -1,0 +1,156 @@
+"""The memory plan's estimate beside the measured peak of every phase, on the memory benchmark's runs.
+
+Runs ``benchmarks/memory.py``'s configurations (its model folder, task and ``klppo ppo`` runs,
+imported, not copied) one at a time, and prints per phase: the plan's estimate
+(``klppo.plan``, from config.json, the safetensors header and the data only), the measured
+``perf/peak_memory_gb/<phase>`` and the error. The runs take one step (as memory.py's do), so
+the estimate compared is the plan's first step (``phase_estimates(first_step=True)``): the
+optimiser state is created by the first update and is absent before it; ``klppo plan`` prints
+the steady state, which adds that state (a known 8 bytes per trained parameter and rank) to
+every phase.
+
+    python benchmarks/plan_accuracy.py --baseline                 # the CPU baseline the plan adds
+    python benchmarks/plan_accuracy.py                            # every configuration, 0.5B shape
+    python benchmarks/plan_accuracy.py --configs full-1,ckpt-1 --layers 4   # a quick look
+
+A configuration is ``<name>-<ranks>``: full (offline GRPO + KL loss, full fine-tuning), lora
+(rank 16), ckpt (gradient checkpointing), online (HF generate), naive (the unfused LM head: the
+whole logits of the 151,936-entry vocabulary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import memory as bench  # noqa: E402
+
+VARIANTS = {
+    "full": ("offline", []),
+    "lora": ("offline", ["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32"]),
+    "ckpt": ("offline", ["actor_rollout_ref.model.enable_gradient_checkpointing=true"]),
+    "online": ("online", []),
+    "naive": ("offline", ["actor_rollout_ref.model.use_fused_kernels=false"]),
+}
+DEFAULT_CONFIGS = "full-1,full-2,lora-1,ckpt-1,online-1,naive-1,lora-2,ckpt-2,online-2"
+# What a rank has resident before its models: the trainer's imports, a tokenizer, the data.
+BASELINE_PROBE = """
+import sys
+from pathlib import Path
+import pyarrow.parquet as pq
+import klppo.trainer.build, klppo.trainer.ppo_trainer, klppo.trainer.main_ppo  # what a run imports
+from transformers import AutoTokenizer, Qwen2ForCausalLM  # noqa: F401  (the model classes' modules)
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+rows = pq.read_table(sys.argv[2]).to_pylist()
+for line in Path("/proc/self/status").read_text().splitlines():
+    if line.startswith("VmRSS:"):
+        print(int(line.split()[1]) * 1024)
+"""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated (default: {DEFAULT_CONFIGS})")
+    p.add_argument("--layers", type=int, default=24, help="decoder layers of the 0.5B shape (fewer: a quicker look)")
+    p.add_argument("--vocab-size", type=int, default=151936)
+    p.add_argument("--workdir", help="keep the model folder, runs and logs here (default: a temporary folder)")
+    p.add_argument("--baseline", action="store_true", help="measure the CPU baseline (VmRSS before any model) and stop")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    return p.parse_args(argv)
+
+
+def bench_args(args, mode: str, extra: list[str]) -> argparse.Namespace:
+    return bench.parse_args(["--layers", str(args.layers), "--vocab-size", str(args.vocab_size), "--mode", mode,
+                             "--extra", *extra])
+
+
+def measure_baseline(model: Path, data: Path) -> int:
+    """Bytes resident in a fresh process after the trainer's imports, the tokenizer and the data."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", BASELINE_PROBE, str(model), str(data)], env=env, check=True,
+                          capture_output=True, text=True)
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def measured(model: Path, data: Path, work: Path, config: str, world: int, bargs) -> dict:
+    """The run's last metrics record; kept in the work folder, so a second call reuses it."""
+    kept = work / f"plan_accuracy_{config}.json"
+    if kept.is_file():
+        return json.loads(kept.read_text())
+    print(f"[plan_accuracy] {config} ...", flush=True)
+    result = bench.measure(model, data, work, world, bargs, label=config)
+    if result["exit"]:
+        raise SystemExit(f"[plan_accuracy] the {config} run failed (exit {result['exit']}); see its log in {work}")
+    kept.write_text(json.dumps(result["record"]))
+    return result["record"]
+
+
+def planned(model: Path, data: Path, run_dir: Path, world: int, bargs, device: str) -> dict[str, float]:
+    """The plan's estimate (GiB) of each phase of the run ``bench.measure`` makes."""
+    from klppo.config import load_ppo_config
+    from klppo.plan.check import plan_run
+    from klppo.plan.check import length_sample, lengths_of
+
+    cfg = load_ppo_config(None, bench.overrides(model, data, run_dir, world, bargs))
+    e, _ = plan_run(cfg, world_size=world, device=device, device_bytes=64 * 2**30,
+                    lengths=lengths_of(length_sample(cfg)), first_step=True)
+    return {p.phase: p.total / 2**30 for p in e.phases}
+
+
+def rows_of(name: str, estimate: dict[str, float], record: dict) -> list[tuple]:
+    out = []
+    for phase, value in estimate.items():
+        measured = record.get(f"perf/peak_memory_gb/{phase}")
+        if measured is not None:
+            out.append((name, phase, value, measured, 100 * (value - measured) / measured))
+    return out
+
+
+def format_rows(rows: list[tuple]) -> str:
+    lines = [f"{'config':<10}{'phase':<15}{'plan GiB':>9}{'measured':>9}{'error':>8}", "-" * 51]
+    lines += [f"{c:<10}{p:<15}{e:>9.2f}{m:>9.2f}{err:>+7.1f}%" for c, p, e, m, err in rows]
+    worst = max(rows, key=lambda r: abs(r[4]), default=None)
+    if worst is not None:
+        lines.append(f"worst: {worst[0]} {worst[1]} {worst[4]:+.1f}%; within 15%: "
+                     f"{sum(abs(r[4]) <= 15 for r in rows)} of {len(rows)} phases")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[tuple]:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        model, base = work / "model", bench_args(args, "offline", [])
+        if not (model / "config.json").is_file():
+            bench.build_model_folder(model, base)
+        data = work / "task.parquet"
+        if not data.is_file():  # kept: a run of an earlier call may still be reading it
+            bench.write_task(data, base)
+        if args.baseline:
+            print(f"[plan_accuracy] baseline: {measure_baseline(model, data) / 2**30:.3f} GiB resident before any model")
+            return []
+        rows = []
+        for config in args.configs.split(","):
+            variant, world = config.rsplit("-", 1)
+            mode, extra = VARIANTS[variant]
+            bargs = bench_args(args, mode, extra)
+            record = measured(model, data, work, config, int(world), bargs)
+            estimate = planned(model, data, work / f"run_{mode}_{world}_{config}", int(world), bargs, args.device)
+            rows += rows_of(config, estimate, record)
+            print(format_rows(rows_of(config, estimate, record)), flush=True)
+        print(f"\nplan vs measured peak per rank and phase, {args.layers} layers, vocab {args.vocab_size}:")
+        print(format_rows(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

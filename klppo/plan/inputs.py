@@ -1,0 +1,235 @@
+"""What the memory and time estimates read of a PPO config, compiled once into frozen settings.
+
+``klppo.plan`` sits below ``klppo.trainer`` (the run-start check calls it from there), so it
+cannot use ``trainer.settings.compile_ppo``; it compiles the config's memory-relevant keys
+itself, here, once: per model its parameters (from ``model_shape``), what trains (LoRA), the
+ranks that shard it, its compute dtype, offload and checkpointing; and per phase the tokens a
+rank handles at a time. Which models a run loads comes from ``klppo.config.batch_sizes``,
+the rules' one home.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from klppo.config import PPOConfig
+from klppo.config.batch_sizes import uses_critic, uses_reference
+from klppo.config.lora import lora_enabled
+from klppo.config.schema import FSDPConfig, LoraKeys
+from klppo.plan.model_shape import ModelShape, read_model_shape
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model of the run, as its memory sees it."""
+
+    role: str  # actor | ref | critic | reward_model
+    shape: ModelShape
+    parameters: int  # of the model this role loads (a critic's value head instead of the LM head)
+    trainable: int  # parameters with gradients and optimiser state (all, the adapters, or none)
+    shards: int  # ranks its parameters are split over (FSDP2; 1 = whole)
+    compute_bytes: int  # bytes per element of forward/backward (fsdp_config.dtype; masters stay fp32)
+    param_offload: bool  # parameters on the host between this model's phases (CUDA only)
+    optimizer_offload: bool
+    offload_policy: bool  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimiser state on the host
+    checkpointing: bool  # enable_gradient_checkpointing
+    lora_rank: int = 0
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Rows and tokens one rank handles at a time in each kind of pass (per micro-batch)."""
+
+    update_tokens: int  # tokens of the actor's largest micro-batch (padding included when not packed)
+    update_response_tokens: int  # of them, response tokens: where the LM head runs
+    critic_tokens: int
+    forward_tokens: int  # no-grad scoring micro-batch (old_log_prob, ref, values)
+    forward_response_tokens: int
+    gen_rows: int  # sequences this rank decodes at once
+    gen_tokens: int  # prompt + response tokens each generated row reaches
+    probe_rows: int  # offline: the KL probe's sampled sequences (0 online)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    world_size: int
+    device: str  # cpu | cuda
+    rollout: str  # offline | hf | vllm
+    models: tuple[ModelPlan, ...]
+    passes: Passes
+    fused_head: bool  # use_fused_kernels (None: klppo's default, on)
+    generation_copy: bool  # generation decodes with a whole copy of the sharded (or LoRA) actor
+    engine_share: float  # vLLM: rollout.gpu_memory_utilization
+    engine_kv_bytes: Optional[int]  # vLLM: rollout.kv_cache_memory_bytes
+    engine_tp: int
+    uses_reference: bool  # a KL term needs the reference (a LoRA actor is its own, with adapters off)
+    device_bytes: int  # the device's memory (what vLLM's share is of)
+
+    def model(self, role: str) -> Optional[ModelPlan]:
+        return next((m for m in self.models if m.role == role), None)
+
+
+def shard_count(fsdp: FSDPConfig, world_size: int) -> int:
+    """Ranks a model's parameters are split over: fsdp_size (HSDP) where it divides the world, else all."""
+    if fsdp.fsdp_size > 0 and world_size % fsdp.fsdp_size == 0:
+        return fsdp.fsdp_size
+    return world_size
+
+
+def _module_matches(name: str, targets) -> bool:
+    """Whether LoRA keys' target/exclude ``targets`` pick linear ``name`` (peft: a list of names, a
+    regex over the full module name, or "all-linear")."""
+    if targets is None:
+        return False
+    if isinstance(targets, str):
+        return targets == "all-linear" or re.fullmatch(targets, f"model.layers.0.mlp.{name}") is not None or \
+            re.fullmatch(targets, f"model.layers.0.self_attn.{name}") is not None
+    return name in targets
+
+
+def lora_parameters(shape: ModelShape, keys: LoraKeys, rank: int) -> int:
+    """Adapter parameters: r x (in + out) per adapted linear layer of every decoder block."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    chosen = [n for n in LINEARS if _module_matches(n, keys.target_modules)
+              and not _module_matches(n, keys.exclude_modules)]
+    return shape.num_hidden_layers * sum(rank * sum(dims[n]) for n in chosen)
+
+
+def lora_rank_of(keys: LoraKeys) -> int:
+    """The adapters' rank: lora_rank, or a saved adapter's ``r``."""
+    if not lora_enabled(keys):
+        return 0
+    if keys.lora_rank > 0:
+        return keys.lora_rank
+    import json
+    from pathlib import Path
+
+    return int(json.loads((Path(keys.lora_adapter_path) / "adapter_config.json").read_text())["r"])
+
+
+def model_plan(role: str, shape: ModelShape, fsdp: FSDPConfig, world_size: int, *, lora: Optional[LoraKeys] = None,
+               trains: bool = True, checkpointing: bool = False) -> ModelPlan:
+    loaded_as = {"actor": "causal_lm", "ref": "causal_lm"}.get(role, role)
+    parameters = shape.role_parameters(loaded_as)
+    rank = lora_rank_of(lora) if lora is not None else 0
+    head = parameters - shape.role_parameters("causal_lm") + shape.lm_head_parameters if role == "critic" else 0
+    trainable = 0 if not trains else (lora_parameters(shape, lora, rank) + head if rank else parameters)
+    return ModelPlan(role=role, shape=shape, parameters=parameters, trainable=trainable,
+                     shards=shard_count(fsdp, world_size), compute_bytes=DTYPE_BYTES[fsdp.dtype],
+                     param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
+                     offload_policy=fsdp.offload_policy, checkpointing=checkpointing, lora_rank=rank)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Token lengths of a sample of the run's rows: (prompt, response) means and maxima."""
+
+    mean_prompt: float
+    mean_response: float
+    max_prompt: int
+    max_response: int
+
+    @classmethod
+    def of(cls, prompts: Sequence[int], responses: Sequence[int]) -> "Lengths":
+        """From each sample's prompt and response tokens (``batches.LengthSample``'s two columns)."""
+        return cls(sum(prompts) / len(prompts), sum(responses) / len(responses), max(prompts), max(responses))
+
+
+def _micro_tokens(rows: int, micro_rows: Optional[int], budget: Optional[int], packed: bool,
+                  lengths: Lengths) -> tuple[int, int]:
+    """(tokens, response tokens) of the largest micro-batch of ``rows`` rows: a token budget packs
+    up to it; fixed rows are padded to the longest prompt and response unless packed."""
+    mean = lengths.mean_prompt + lengths.mean_response
+    if budget is not None:
+        tokens = max(min(budget, round(rows * mean)), lengths.max_prompt + lengths.max_response)
+        return tokens, round(tokens * lengths.mean_response / mean)
+    take = min(rows, micro_rows or rows)
+    if packed:
+        return round(take * mean), round(take * lengths.mean_response)
+    return take * (lengths.max_prompt + lengths.max_response), take * lengths.max_response
+
+
+def passes(cfg: PPOConfig, world_size: int, lengths: Lengths) -> Passes:
+    """Tokens per micro-batch of each pass on one rank, for a run on ``world_size`` ranks."""
+    arf, n = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n
+    actor, rollout, critic = arf.actor, arf.rollout, cfg.critic
+    packed = arf.model.use_remove_padding
+    step_rows = max(1, cfg.data.train_batch_size * n // world_size)
+    budget = actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None
+    update = _micro_tokens(max(1, actor.ppo_mini_batch_size * n // world_size), actor.ppo_micro_batch_size_per_gpu,
+                           budget, packed, lengths)
+    critic_dynamic = actor.use_dynamic_bsz if critic.use_dynamic_bsz is None else critic.use_dynamic_bsz
+    critic_update = _micro_tokens(max(1, critic.ppo_mini_batch_size * n // world_size),
+                                  critic.ppo_micro_batch_size_per_gpu,
+                                  critic.ppo_max_token_len_per_gpu if critic_dynamic else None,
+                                  critic.model.use_remove_padding, lengths)
+    dynamic = actor.use_dynamic_bsz if rollout.log_prob_use_dynamic_bsz is None else rollout.log_prob_use_dynamic_bsz
+    forward_budget = (rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu) if dynamic else None
+    forward = _micro_tokens(step_rows, rollout.log_prob_micro_batch_size_per_gpu, forward_budget, packed, lengths)
+    response = rollout.response_length or cfg.data.max_response_length
+    probe = cfg.algorithm.kl_ctrl.probe_prompts * n if rollout.name == "offline" and uses_reference(cfg) else 0
+    return Passes(update_tokens=update[0], update_response_tokens=update[1], critic_tokens=critic_update[0],
+                  forward_tokens=forward[0], forward_response_tokens=forward[1],
+                  gen_rows=step_rows if rollout.name != "offline" else 0,
+                  gen_tokens=lengths.max_prompt + response, probe_rows=min(probe, cfg.data.train_batch_size * n))
+
+
+def read_shapes(cfg: PPOConfig) -> dict[str, ModelShape]:
+    """The shape of every model the run loads, from the folders' config.json and weight headers."""
+    arf = cfg.actor_rollout_ref
+    shapes = {"actor": read_model_shape(arf.model.path)}
+    if uses_reference(cfg) and not lora_enabled(arf.model):
+        shapes["ref"] = shapes["actor"]
+    if uses_critic(cfg):
+        path = cfg.critic.model.path or arf.model.path
+        shapes["critic"] = shapes["actor"] if path == arf.model.path else read_model_shape(path, "critic.model.path")
+    if cfg.reward_model.enable:
+        shapes["reward_model"] = read_model_shape(cfg.reward_model.model.path, "reward_model.model.path")
+    return shapes
+
+
+def _models(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int) -> tuple[ModelPlan, ...]:
+    arf, critic = cfg.actor_rollout_ref, cfg.critic
+    models = [model_plan("actor", shapes["actor"], arf.actor.fsdp_config, world_size, lora=arf.model,
+                         checkpointing=arf.model.enable_gradient_checkpointing)]
+    if "ref" in shapes:
+        models.append(model_plan("ref", shapes["ref"], arf.ref.fsdp_config, world_size, trains=False))
+    if "critic" in shapes:
+        models.append(model_plan("critic", shapes["critic"], critic.model.fsdp_config, world_size, lora=critic.model,
+                                 checkpointing=critic.model.enable_gradient_checkpointing))
+    if "reward_model" in shapes:
+        models.append(model_plan("reward_model", shapes["reward_model"], cfg.reward_model.model.fsdp_config,
+                                 world_size, trains=False))
+    return tuple(models)
+
+
+def generation_copy(cfg: PPOConfig, actor: ModelPlan, world_size: int, device_bytes: int) -> bool:
+    """Whether HF generation decodes with a whole copy (``klppo.trainer.responses.uses_gathered_copy``):
+    never with ``sharded``; on one process only for LoRA (its merged copy); ``auto`` when the copy
+    takes at most half the device."""
+    weights = cfg.actor_rollout_ref.rollout.generation_weights
+    if weights == "sharded" or (world_size == 1 and not actor.lora_rank):
+        return False
+    return weights == "gathered" or actor.parameters * actor.compute_bytes <= device_bytes // 2
+
+
+def plan_settings(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int, device: str, device_bytes: int,
+                  lengths: Lengths) -> PlanSettings:
+    """The memory-relevant settings of a validated PPO config on ``world_size`` ranks of ``device``."""
+    arf = cfg.actor_rollout_ref
+    models = _models(cfg, shapes, world_size)
+    return PlanSettings(
+        world_size=world_size, device=device, rollout=arf.rollout.name, models=models,
+        passes=passes(cfg, world_size, lengths), fused_head=arf.model.use_fused_kernels is not False,
+        generation_copy=generation_copy(cfg, models[0], world_size, device_bytes),
+        engine_share=arf.rollout.gpu_memory_utilization, engine_kv_bytes=arf.rollout.kv_cache_memory_bytes,
+        engine_tp=arf.rollout.tensor_model_parallel_size, uses_reference=uses_reference(cfg),
+        device_bytes=device_bytes)

@@ -1,0 +1,275 @@
+"""Peak memory per rank and per phase of a PPO run, estimated from shapes and settings alone.
+
+Each phase's peak is what stays resident through it (every model's weights, the optimisers'
+state) plus what the phase adds at its peak: activations of one micro-batch, the LM head's
+logits, FSDP2's gathered units, the generation copy and its KV cache, gradients and the
+optimiser step's temporaries. The figures are the steady state of a run (the optimiser state
+exists from the first update on, so from step 2 every phase holds it), and what klppo's
+``perf/peak_memory_gb/<phase>`` measures: ``max_memory_allocated`` on CUDA, the resident set
+on CPU (which adds the interpreter and libraries: ``CPU_BASELINE_BYTES``).
+``benchmarks/plan_accuracy.py`` compares both, phase by phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from klppo.plan.inputs import ModelPlan, PlanSettings
+
+FP32 = 4
+# The resident set of a CPU rank before any model: Python, torch, transformers, the tokenizer,
+# the data. Measured 2026-12-03 (torch 2.13.0+cpu, transformers 5.24, the 0.5B benchmark's
+# tokenizer of 151,936 entries): 0.484 GiB of VmRSS after those imports and reads, by
+#   PYTHONPATH=. python benchmarks/plan_accuracy.py --baseline
+# (a tiny model's tokenizer takes less; a rank's process group adds a little).
+CPU_BASELINE_BYTES = int(0.484 * 2**30)
+# klppo.models.fused_head.DEFAULT_CHUNK_LOGITS (a test checks that they agree): logits per slice.
+FUSED_CHUNK_LOGITS = 2**24
+# Multiples of one slice of fp32 logits the fused head holds at its peak: forward (the slice and
+# its exponentials) and backward (the slice recomputed, its softmax and gradient);
+# benchmarks/README.md "logits_memory.py" measured 3.4x for forward + backward without grads.
+FUSED_FORWARD_SLICES, FUSED_TRAIN_SLICES = 2, 3.5
+# Multiples of the (tokens x vocab) fp32 logits the unfused head holds: no-grad log-probs and
+# entropy (logits, their fp32 copy, log-softmax) and training (logits_memory.py: 6.6x).
+NAIVE_FORWARD_LOGITS, NAIVE_TRAIN_LOGITS = 3, 6.6
+
+PHASES = ("setup", "gen", "kl_probe", "old_log_prob", "ref", "values", "reward", "update_critic", "update_actor",
+          "validate", "export")
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """One phase's estimated peak on one rank: (what, bytes) items that add up to ``total``."""
+
+    phase: str
+    items: tuple[tuple[str, int], ...]
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.items)
+
+
+# ---- what each model holds ----
+
+
+def on_device(m: ModelPlan, s: PlanSettings, active: bool) -> bool:
+    """Whether a model's parameters sit in device memory now: offload moves them to the host
+    between its phases (``param_offload``), or always (``offload_policy``); a no-op on CPU runs."""
+    if s.device != "cuda":
+        return True
+    return not m.offload_policy and (active or not m.param_offload)
+
+
+def root_parameters(m: ModelPlan) -> int:
+    """The root FSDP unit's own parameters: embedding, final norm and an untied LM head."""
+    return m.shape.embedding_parameters + m.shape.lm_head_parameters + m.shape.hidden_size
+
+
+def weight_bytes(m: ModelPlan) -> int:
+    """fp32 parameters per rank: a shard of each, but a LoRA model's frozen fp32 root is kept whole
+    (``apply_fsdp2(replicate_frozen_root=...)``)."""
+    if m.lora_rank and m.shards > 1 and m.compute_bytes == FP32:
+        root = root_parameters(m)
+        return (root + (m.parameters - root) // m.shards) * FP32
+    return m.parameters * FP32 // m.shards
+
+
+def gradient_bytes(m: ModelPlan) -> int:
+    return m.trainable * FP32 // m.shards  # reduced in fp32 (reduce_dtype) onto each rank's shard
+
+
+def optimizer_bytes(m: ModelPlan) -> int:
+    return 2 * m.trainable * FP32 // m.shards  # AdamW's exp_avg and exp_avg_sq, fp32
+
+
+def gathered_bytes(m: ModelPlan) -> int:
+    """FSDP2's all-gathered units at a forward's peak: the root, gathered for the whole forward (twice
+    while it gathers: its buffer and the copy out), and a decoder block with the next prefetched."""
+    if m.shards == 1:
+        return 0
+    layers = m.parameters - root_parameters(m)
+    root = 0 if (m.lora_rank and m.compute_bytes == FP32) else root_parameters(m)
+    return (root + max(root, 2 * layers // m.shape.num_hidden_layers)) * m.compute_bytes
+
+
+def optimizer_on_device(m: ModelPlan, s: PlanSettings, active: bool) -> bool:
+    """Whether a model's optimiser state sits in device memory now (it exists once the model has
+    been updated): ``optimizer_offload`` moves it to the host outside the update, ``offload_policy``
+    keeps it there; a no-op on CPU runs."""
+    if s.device != "cuda":
+        return bool(m.trainable)
+    return bool(m.trainable) and not m.offload_policy and (active or not m.optimizer_offload)
+
+
+def resident_items(s: PlanSettings, active: tuple[str, ...], updated: tuple[str, ...]) -> list[tuple[str, int]]:
+    """Weights, and the optimiser state of the ``updated`` models, in device memory through a phase
+    that uses the models ``active``."""
+    items = []
+    for m in s.models:
+        if on_device(m, s, m.role in active):
+            items.append((f"{m.role} weights", weight_bytes(m)))
+        if m.role in updated and optimizer_on_device(m, s, m.role in active):
+            items.append((f"{m.role} optimiser", optimizer_bytes(m)))
+    return items
+
+
+# ---- activations ----
+
+
+def layer_activation_elements(m: ModelPlan) -> int:
+    """Elements a decoder block saves per token for backward (transformers' Llama/Qwen2 layer): its two
+    RMSNorms' inputs and outputs (4h), q, k, v with rotated q and k, the attention output and
+    o_proj's input (4q + 3kv), and the MLP's gate, up, SiLU(gate) and product (4 x intermediate)."""
+    sh = m.shape
+    q, kv = sh.num_attention_heads * sh.head_dim, sh.num_key_value_heads * sh.head_dim
+    return 4 * sh.hidden_size + 4 * q + 3 * kv + 4 * sh.intermediate_size
+
+
+def training_activation_bytes(m: ModelPlan, tokens: int) -> int:
+    """Saved activations of one micro-batch: every block's (or, checkpointed, every block's input plus
+    one block recomputed at a time)."""
+    per_layer = layer_activation_elements(m) * tokens * m.compute_bytes
+    if m.checkpointing:
+        return m.shape.num_hidden_layers * m.shape.hidden_size * tokens * m.compute_bytes + per_layer
+    return m.shape.num_hidden_layers * per_layer
+
+
+def forward_activation_bytes(m: ModelPlan, tokens: int) -> int:
+    """A no-grad forward keeps one block's intermediates at a time: the residual stream, the MLP's
+    gate, up and product."""
+    return tokens * (3 * m.shape.hidden_size + 3 * m.shape.intermediate_size) * m.compute_bytes
+
+
+def lm_head_bytes(s: PlanSettings, m: ModelPlan, response_tokens: int, training: bool) -> int:
+    """The LM head's logits at the response tokens: slices of FUSED_CHUNK_LOGITS (fused), or whole."""
+    if s.fused_head:
+        slices = FUSED_TRAIN_SLICES if training else FUSED_FORWARD_SLICES
+        hidden = response_tokens * m.shape.hidden_size * FP32 if training else 0
+        return int(slices * min(FUSED_CHUNK_LOGITS, response_tokens * m.shape.vocab_size) * FP32) + hidden
+    scale = NAIVE_TRAIN_LOGITS if training else NAIVE_FORWARD_LOGITS
+    return int(scale * response_tokens * m.shape.vocab_size * FP32)
+
+
+def optimizer_step_bytes(s: PlanSettings, m: ModelPlan) -> int:
+    """Temporaries of AdamW's step: on CPU (single-tensor AdamW) two of the largest trainable shard
+    (``exp_avg_sq.sqrt() / bias_correction``); CUDA's fused kernel, none."""
+    if s.device == "cuda" or not m.trainable:
+        return 0
+    largest = m.shape.embedding_parameters if m.trainable == m.parameters else max(m.shape.hidden_size, m.shape.intermediate_size) * m.lora_rank
+    return 2 * largest * FP32 // m.shards
+
+
+# ---- the phases ----
+
+
+def _base(s: PlanSettings) -> list[tuple[str, int]]:
+    return [("interpreter and libraries", CPU_BASELINE_BYTES)] if s.device != "cuda" else []
+
+
+def update_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: int,
+                 first: bool = False) -> list[tuple[str, int]]:
+    """A model's update beyond what stays resident: the larger of backward's start (every saved
+    activation, the head's logits and its gradient, the units gathered) and the optimiser step
+    (every gradient and the step's temporaries; in the ``first`` update, the state it creates)."""
+    grads = gradient_bytes(m) if not (s.device == "cuda" and m.offload_policy) else 0
+    head = lm_head_bytes(s, m, response_tokens, training=True) if m.role == "actor" else 0
+    # The LM head's weight gradient (the embedding's, when tied) comes first in backward, beside
+    # every activation; a value head's is a few numbers, and the embedding's comes last.
+    first_grads = m.shape.vocab_size * m.shape.hidden_size * FP32 // m.shards if (
+        m.role == "actor" and m.trainable == m.parameters and grads) else 0
+    backward = [("activations", training_activation_bytes(m, tokens)), ("LM head logits", head),
+                ("gathered units", gathered_bytes(m)), ("head gradients", first_grads)]
+    step = [("gradients", grads), ("optimiser step", optimizer_step_bytes(s, m))]
+    if first and optimizer_on_device(m, s, True):
+        step.append((f"{m.role} optimiser", optimizer_bytes(m)))
+    return backward if sum(b for _, b in backward) > sum(b for _, b in step) else step
+
+
+def forward_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: int) -> list[tuple[str, int]]:
+    head = lm_head_bytes(s, m, response_tokens, training=False) if m.role in ("actor", "ref") else 0
+    return [("activations", forward_activation_bytes(m, tokens)), ("LM head logits", head),
+            ("gathered units", gathered_bytes(m))]
+
+
+def generation_items(s: PlanSettings, rows: int, tokens: int) -> list[tuple[str, int]]:
+    """HF generate: a whole copy of the actor (gathered, or merged for LoRA) and every row's KV cache;
+    vLLM: the engine's share of the device (``gpu_memory_utilization``) or its weights and KV cache."""
+    actor = s.model("actor")
+    sh = actor.shape
+    if s.rollout == "vllm":
+        if s.engine_kv_bytes is None and s.device == "cuda":
+            return [("vLLM engine (gpu_memory_utilization)", -1)]  # filled in by the caller: a share of the device
+        kv = s.engine_kv_bytes or 0
+        return [("vLLM engine weights", actor.parameters * actor.compute_bytes // s.engine_tp), ("vLLM KV cache", kv)]
+    dtype = actor.compute_bytes if (s.generation_copy or actor.shards > 1) else FP32
+    items = [("generation copy", actor.parameters * dtype if s.generation_copy else 0)]
+    items.append(("KV cache", rows * tokens * sh.num_hidden_layers * 2 * sh.num_key_value_heads * sh.head_dim * dtype))
+    items.append(("last-token logits", 2 * rows * sh.vocab_size * FP32))
+    if not s.generation_copy:
+        items.append(("gathered units", gathered_bytes(actor)))
+    return items
+
+
+def setup_items(s: PlanSettings) -> list[tuple[str, int]]:
+    """Loading: one process maps the whole folder's file (from_pretrained); sharded ranks fill their
+    shards one tensor at a time, the largest (the embedding) gathered in fp32 at most."""
+    actor = s.model("actor")
+    if actor.shards == 1:
+        disk = sum(n * _dtype_bytes(d) for d, n in actor.shape.disk_dtypes) or actor.parameters * FP32
+        return [("weights file being read", disk)]
+    return [("largest tensor being filled", actor.shape.embedding_parameters * FP32 // actor.shards)]
+
+
+def _dtype_bytes(safetensors_dtype: str) -> int:
+    return {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}.get(
+        safetensors_dtype, 4)
+
+
+def _phase(name: str, s: PlanSettings, active: tuple[str, ...], extra: list[tuple[str, int]],
+           updated: tuple[str, ...]) -> PhaseMemory:
+    items = _base(s) + resident_items(s, active, updated) + [(k, b) for k, b in extra if b]
+    return PhaseMemory(name, tuple(items))
+
+
+def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemory]:
+    """Every phase this run has, in the loop's order, with its estimated peak per rank: in the
+    steady state (every optimiser's state exists), or in the ``first_step``, before the updates
+    create it (the critic's exists in the actor's update: the critic updates first)."""
+    p, actor, critic, rm = s.passes, s.model("actor"), s.model("critic"), s.model("reward_model")
+    ref = s.model("ref") or (actor if s.uses_reference else None)
+    trained = tuple(m.role for m in s.models if m.trainable)
+    before = () if first_step else trained
+    gen = generation_items(s, p.gen_rows, p.gen_tokens)
+    scoring = forward_items(s, actor, p.forward_tokens, p.forward_response_tokens)
+    out = [_phase("setup", s, (), setup_items(s), ())]
+    out.append(_phase("gen", s, ("actor",), gen if s.rollout != "offline" else [], before))
+    if p.probe_rows:
+        out.append(_phase("kl_probe", s, ("actor", "ref"), generation_items(s, p.probe_rows, p.gen_tokens), before))
+    out.append(_phase("old_log_prob", s, ("actor",), scoring, before))
+    if ref is not None:
+        out.append(_phase("ref", s, (ref.role,), forward_items(s, ref, p.forward_tokens, p.forward_response_tokens),
+                          before))
+    if critic is not None:
+        out.append(_phase("values", s, ("critic",), forward_items(s, critic, p.forward_tokens, 0), before))
+    out.append(_phase("reward", s, ("reward_model",), forward_items(s, rm, p.forward_tokens, 0) if rm else [], before))
+    if critic is not None:
+        out.append(_phase("update_critic", s, ("critic",),
+                          update_items(s, critic, p.critic_tokens, 0, first_step), before))
+    after_critic = trained if not first_step else tuple(r for r in trained if r == "critic")
+    out.append(_phase("update_actor", s, ("actor",),
+                      update_items(s, actor, p.update_tokens, p.update_response_tokens, first_step), after_critic))
+    out.append(_phase("validate", s, ("actor", "ref", "reward_model"), gen if s.rollout != "offline" else scoring,
+                      trained))
+    out.append(_phase("export", s, ("actor",), [("tensor being exported", 2 * actor.shape.embedding_parameters * FP32)],
+                      trained))
+    return [_engine_share(phase, s) for phase in out]
+
+
+def _engine_share(phase: PhaseMemory, s: PlanSettings) -> PhaseMemory:
+    """vLLM's engine takes ``gpu_memory_utilization`` of the device's memory while it generates."""
+    items = tuple((k, int(s.engine_share * s.device_bytes) if b == -1 else b) for k, b in phase.items)
+    return PhaseMemory(phase.phase, items)
+
+
+def peak_phase(phases: list[PhaseMemory]) -> PhaseMemory:
+    return max(phases, key=lambda p: p.total)

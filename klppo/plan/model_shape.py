@@ -1,0 +1,156 @@
+"""A model's shape from its folder, without loading it: ``config.json`` and the safetensors headers.
+
+A safetensors file starts with 8 bytes (little-endian u64: the header's length) and then a JSON
+header naming every tensor's dtype and shape (https://github.com/huggingface/safetensors), so
+the exact parameter count and the dtypes on disk come from a few kilobytes per file. A folder
+with ``config.json`` only (a shape to plan for, no weights yet) gets its count from the
+Llama / Qwen2 layout the config describes, the layout ``klppo.monitoring.flops`` counts too.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from klppo.errors import UserError
+
+HEADER_LIMIT = 100 * 2**20  # safetensors refuses headers above 100 MB; so do we (a corrupt file)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of one model folder (a Llama/Qwen2-shaped decoder)."""
+
+    path: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    parameters: int  # of the causal LM, as ``sum(p.numel() for p in model.parameters())`` counts (tied: once)
+    disk_dtypes: tuple[tuple[str, int], ...] = ()  # (safetensors dtype, elements) on disk; () without weights
+
+    @property
+    def lm_head_parameters(self) -> int:
+        """The output projection's own parameters: none when it is the embedding (tied)."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def embedding_parameters(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def role_parameters(self, role: str) -> int:
+        """Parameters of the model a role loads from this folder: the causal LM (actor, reference),
+        or its backbone with a one-output head (critic: a biased Linear, as transformers'
+        ``*ForTokenClassification``; reward model: an unbiased score, ``*ForSequenceClassification``)."""
+        backbone = self.parameters - self.lm_head_parameters
+        if role == "critic":
+            return backbone + self.hidden_size + 1
+        if role == "reward_model":
+            return backbone + self.hidden_size
+        return self.parameters
+
+    @property
+    def config(self) -> "ModelShape":
+        """Itself: it has the attributes ``klppo.monitoring.flops.model_flops`` reads of a HF config."""
+        return self
+
+
+def read_model_shape(path: str, key: str = "actor_rollout_ref.model.path") -> ModelShape:
+    """The shape of the model in folder ``path`` (``key`` names it in errors): config.json, plus the
+    safetensors headers' exact count where the folder has weights."""
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{key} = '{path}' has no config.json; point {key} at a Hugging Face model folder")
+    config = _text_config(json.loads(config_file.read_text()))
+    shape = _shape_from_config(str(folder), config, key)
+    counts = _disk_counts(folder, key)
+    if not counts:
+        return shape
+    return ModelShape(**{**shape.__dict__, "parameters": _loaded_count(counts, shape),
+                         "disk_dtypes": tuple(sorted(counts.items()))})
+
+
+def _text_config(config: dict) -> dict:
+    """A multimodal config keeps the language model's numbers under ``text_config``."""
+    return {**config, **config["text_config"]} if isinstance(config.get("text_config"), dict) else config
+
+
+def _shape_from_config(path: str, c: dict, key: str) -> ModelShape:
+    needed = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    missing = [name for name in needed if name not in c]
+    if missing:
+        raise UserError(f"{key}: {path}/config.json lacks {', '.join(missing)}; the planner reads a Llama/Qwen2-"
+                        "shaped decoder's config (as transformers writes it)")
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    shape = dict(path=path, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+                 num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
+                 num_key_value_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
+                 intermediate_size=c["intermediate_size"], tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+    return ModelShape(**shape, parameters=_formula_count(shape, bias=_attention_bias(c)))
+
+
+def _attention_bias(c: dict) -> bool:
+    """Qwen2 has biases on q, k and v (its config has no key for it); Llama's ``attention_bias``."""
+    return bool(c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe")))
+
+
+def _formula_count(s: dict, *, bias: bool) -> int:
+    """Parameters of a Llama/Qwen2 decoder: embedding, per layer q/k/v/o + gate/up/down + 2 RMSNorms,
+    the final norm, and the LM head unless tied."""
+    h, q, kv = s["hidden_size"], s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
+    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if bias else 0)
+    layer = attention + 3 * h * s["intermediate_size"] + 2 * h
+    head = 0 if s["tie_word_embeddings"] else s["vocab_size"] * h
+    return s["vocab_size"] * h + s["num_hidden_layers"] * layer + h + head
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / name for name in names]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def read_safetensors_header(path: Path, key: str = "model.path") -> dict:
+    """The JSON header of one safetensors file (tensor name -> dtype, shape, offsets); no tensor is read."""
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise UserError(f"{key}: '{path}' is not a safetensors file (shorter than its 8-byte header length)")
+        (length,) = struct.unpack("<Q", raw)
+        if length > HEADER_LIMIT:
+            raise UserError(f"{key}: '{path}' claims a {length}-byte header; the file is damaged: save it again")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _disk_counts(folder: Path, key: str) -> Counter:
+    """Elements on disk by safetensors dtype (BF16, F32, ...), over every weight file."""
+    counts: Counter = Counter()
+    for file in _weight_files(folder):
+        for entry in read_safetensors_header(file, key).values():
+            n = 1
+            for dim in entry["shape"]:
+                n *= dim
+            counts[entry["dtype"]] += n
+    return counts
+
+
+def _loaded_count(counts: Counter, shape: ModelShape) -> int:
+    """The loaded model's parameter count from the saved tensors: a tied model's file may hold the
+    head's copy of the embedding too, which loads as the one shared parameter."""
+    total = sum(counts.values())
+    if shape.tie_word_embeddings and total - shape.embedding_parameters == shape.parameters:
+        return total - shape.embedding_parameters
+    return total

@@ -1,0 +1,169 @@
+"""The memory plan: model shapes read without loading, and per-phase estimates that move the right
+way with every knob the plan names (hand-worked sizes of a Qwen2.5-0.5B-shaped config)."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from klppo.config import load_ppo_config
+from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS
+from klppo.models.load import load_critic
+from klppo.plan import memory
+from klppo.plan.estimate import estimate, knobs, parse_size
+from klppo.plan.inputs import Lengths, read_shapes
+from klppo.plan.model_shape import read_model_shape
+
+# Qwen2.5-0.5B's shape: 494,032,768 parameters (tied embeddings), as its model card states.
+QWEN05 = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+              num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, model_type="qwen2",
+              architectures=["Qwen2ForCausalLM"])
+P05 = 494_032_768
+LENGTHS = Lengths(40.0, 200.0, 64, 256)
+
+
+@pytest.fixture(scope="module")
+def qwen05_dir(tmp_path_factory):
+    """A folder with Qwen2.5-0.5B's config.json and no weights: all the planner needs."""
+    out = tmp_path_factory.mktemp("qwen05")
+    (out / "config.json").write_text(json.dumps(QWEN05))
+    return out
+
+
+def _cfg(model_dir, task_dir, *changes):
+    return load_ppo_config(None, [
+        f"data.train_files={task_dir / 'offline.parquet'}", "data.train_batch_size=16", "data.max_prompt_length=64",
+        "data.max_response_length=256", f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.name=offline", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+        "actor_rollout_ref.model.use_remove_padding=true", "trainer.device=cpu", *changes])
+
+
+def _plan(qwen05_dir, task_dir, *changes, world=1, device="cpu", device_bytes=80 * 2**30):
+    cfg = _cfg(qwen05_dir, task_dir, *changes)
+    return estimate(cfg, read_shapes(cfg), LENGTHS, world_size=world, device=device, device_bytes=device_bytes)
+
+
+def _phase(e, name):
+    return next(p for p in e.phases if p.phase == name)
+
+
+def _item(e, phase, name):
+    return sum(b for k, b in _phase(e, phase).items if k == name)
+
+
+def test_shape_from_config_json_alone_counts_qwen25_05b(qwen05_dir):
+    shape = read_model_shape(str(qwen05_dir))
+    assert shape.parameters == P05 and shape.disk_dtypes == ()
+    assert (shape.head_dim, shape.num_key_value_heads, shape.lm_head_parameters) == (64, 2, 0)
+
+
+def test_shape_from_safetensors_headers_equals_the_loaded_models_count(tiny_model_dir, tmp_path):
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    shape = read_model_shape(str(tiny_model_dir))
+    assert shape.parameters == sum(p.numel() for p in loaded.parameters())
+    assert dict(shape.disk_dtypes) == {"F32": shape.parameters}
+    critic = load_critic(str(tiny_model_dir), key="critic.model.path", device=torch.device("cpu"))
+    assert shape.role_parameters("critic") == sum(p.numel() for p in critic.parameters())
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", config_only / "config.json")
+    assert read_model_shape(str(config_only)).parameters == shape.parameters  # the formula agrees
+
+
+def test_untied_bf16_model_counts_its_head_and_disk_dtype(tmp_path):
+    config = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    shape = read_model_shape(str(tmp_path))
+    assert shape.parameters == sum(p.numel() for p in model.parameters())
+    assert shape.lm_head_parameters == 300 * 32 and dict(shape.disk_dtypes) == {"BF16": shape.parameters}
+
+
+def test_plan_constants_agree_with_the_code_they_describe():
+    assert memory.FUSED_CHUNK_LOGITS == DEFAULT_CHUNK_LOGITS
+
+
+def test_one_process_holds_fp32_weights_grads_and_adam_state(qwen05_dir, task_dir):
+    e = _plan(qwen05_dir, task_dir)
+    assert _item(e, "update_actor", "actor weights") == _item(e, "update_actor", "ref weights") == 4 * P05
+    assert _item(e, "update_actor", "actor optimiser") == 8 * P05  # exp_avg + exp_avg_sq
+    assert _item(e, "old_log_prob", "actor optimiser") == 8 * P05  # steady state: held between updates
+    assert _item(e, "setup", "actor optimiser") == 0  # created by the first step
+
+
+def test_more_ranks_hold_less_per_rank_in_every_phase(qwen05_dir, task_dir):
+    totals = [{p.phase: p.total for p in _plan(qwen05_dir, task_dir, world=w).phases} for w in (1, 2, 4)]
+    for fewer, more in zip(totals, totals[1:]):
+        assert all(more[k] < fewer[k] for k in fewer), (fewer, more)
+    two = _plan(qwen05_dir, task_dir, world=2)
+    assert _item(two, "update_actor", "actor weights") == 4 * P05 // 2
+
+
+def test_checkpointing_keeps_fewer_activations(qwen05_dir, task_dir):
+    off = _plan(qwen05_dir, task_dir, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384")
+    on = _plan(qwen05_dir, task_dir, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
+               "actor_rollout_ref.model.enable_gradient_checkpointing=true")
+    actor = on.settings.model("actor")
+    tokens = on.settings.passes.update_tokens
+    assert memory.training_activation_bytes(actor, tokens) < memory.training_activation_bytes(
+        dataclasses.replace(actor, checkpointing=False), tokens) / 5
+    assert _phase(on, "update_actor").total < _phase(off, "update_actor").total
+
+
+def test_lora_trains_a_smaller_optimiser_and_needs_no_reference(qwen05_dir, task_dir):
+    full = _plan(qwen05_dir, task_dir)
+    lora = _plan(qwen05_dir, task_dir, "actor_rollout_ref.model.lora_rank=16")
+    # rank 16 on q, k, v, o, gate, up, down: 16 x ((896+896) + 2 (896+128) + (896+896) + 3 (896+4864)) per layer
+    assert lora.settings.model("actor").trainable == 24 * 16 * (1792 + 2 * 1024 + 1792 + 3 * 5760)
+    assert _item(lora, "update_actor", "actor optimiser") < _item(full, "update_actor", "actor optimiser") / 50
+    assert lora.settings.model("ref") is None and _phase(lora, "update_actor").total < _phase(full, "update_actor").total
+
+
+def test_a_smaller_token_budget_needs_less(qwen05_dir, task_dir):
+    peaks = [_phase(_plan(qwen05_dir, task_dir, f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={b}",
+                          "actor_rollout_ref.model.enable_gradient_checkpointing=false"), "update_actor")
+             for b in (8192, 4096, 2048)]
+    acts = [sum(b for k, b in p.items if k == "activations") for p in peaks]
+    assert acts[0] > acts[1] > acts[2] and acts[1] == 2 * acts[2]
+
+
+def test_offload_leaves_less_on_the_device(qwen05_dir, task_dir):
+    gpu = dict(world=8, device="cuda")
+    base = _plan(qwen05_dir, task_dir, **gpu)
+    for key in ("param_offload", "optimizer_offload", "offload_policy"):
+        off = _plan(qwen05_dir, task_dir, f"actor_rollout_ref.actor.fsdp_config.{key}=true", **gpu)
+        pairs = [(_phase(off, p.phase).total, p.total) for p in base.phases]
+        assert all(a <= b for a, b in pairs) and any(a < b for a, b in pairs), key
+
+
+def test_the_fused_head_and_bf16_hold_less_than_whole_fp32_logits(qwen05_dir, task_dir):
+    fused = _plan(qwen05_dir, task_dir)
+    naive = _plan(qwen05_dir, task_dir, "actor_rollout_ref.model.use_fused_kernels=false")
+    assert _item(fused, "update_actor", "LM head logits") < _item(naive, "update_actor", "LM head logits") / 5
+    bf16 = _plan(qwen05_dir, task_dir, "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", world=2, device="cuda")
+    fp32 = _plan(qwen05_dir, task_dir, world=2, device="cuda")
+    assert _phase(bf16, "update_actor").total < _phase(fp32, "update_actor").total
+
+
+def test_knobs_each_lower_the_peak_until_it_fits(qwen05_dir, task_dir):
+    cfg = _cfg(qwen05_dir, task_dir)
+    base = estimate(cfg, read_shapes(cfg), LENGTHS, world_size=1, device="cpu", device_bytes=6 * 2**30)
+    found = knobs(cfg, read_shapes(cfg), LENGTHS, base)
+    added = [k.peak_bytes for k in found if "(alone)" not in k.override]  # each on top of those above
+    ranks = [k.peak_bytes for k in found if "(alone)" in k.override]  # the nodes doubled, 4x, 8x
+    assert added and all(a > b for a, b in zip([base.peak.total, *added], added))
+    assert all(a > b for a, b in zip([base.peak.total, *ranks], ranks))
+    assert found[-1].fits and not any(k.fits for k in found[:-1])
+
+
+def test_sizes_parse_with_units():
+    assert parse_size("80GiB", "k") == 80 * 2**30 and parse_size("24GB", "k") == 24 * 10**9
+    assert parse_size(1024, "k") == 1024 and parse_size("1.5TiB", "k") == int(1.5 * 2**40)
+    with pytest.raises(Exception, match="e.g. 80GiB"):
+        parse_size("lots", "trainer.plan_device_memory")
