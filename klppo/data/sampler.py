@@ -37,7 +37,7 @@ class PromptBatches:
                 f"{key}={batch_size} is larger than the dataset ({num_items} prompts after "
                 f"filtering); lower {key} to at most {num_items} or add data"
             )
-        self.num_items, self.batch_size = num_items, batch_size
+        self.num_items, self.batch_size, self.key = num_items, batch_size, key
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self._epoch = 0
         self._position = 0  # batches already handed out in the current epoch
@@ -82,7 +82,6 @@ class PromptBatches:
         if epoch < 0 or not 0 <= position <= self.steps_per_epoch:
             raise UserError(
                 f"data position {state} does not fit {self.steps_per_epoch} batches per epoch; "
-                "resume with the data.train_batch_size (data.gen_batch_size) and data files the checkpoint "
-                "was made with"
+                f"resume with the {self.key} and data files the checkpoint was made with"
             )
         self._epoch, self._position = epoch, position

@@ -143,7 +143,7 @@ def _run(ppo_overrides, tmp_path, *changes):
 
 
 def test_run_over_the_memory_stops_before_loading_with_the_knobs(ppo_overrides, tmp_path, no_weights):
-    loaded, error, printed = _run(ppo_overrides, tmp_path, "trainer.plan_device_memory=1MiB")
+    loaded, error, printed = _run(ppo_overrides, tmp_path, "trainer.plan_device_memory=1MiB", "trainer.plan_check=error")
     assert not loaded and error is not None
     message = str(error)
     assert "trainer.plan_check=warn" in message and "knobs that lower the peak" in message and "GiB" in message
@@ -161,6 +161,6 @@ def test_plan_check_off_is_silent(ppo_overrides, tmp_path, no_weights):
 
 
 def test_a_run_that_fits_prints_the_block_without_a_warning(ppo_overrides, tmp_path, no_weights):
-    loaded, _, printed = _run(ppo_overrides, tmp_path, "trainer.plan_device_memory=64GiB")
+    loaded, _, printed = _run(ppo_overrides, tmp_path, "trainer.plan_device_memory=64GiB", "trainer.plan_check=error")
     assert loaded
     assert ": fits" in printed and "warning" not in printed
