@@ -410,8 +410,9 @@ class GuardConfig:
     # gradient norms, and the last this many PPO steps' skips and entropies (at least 6).
     window: int = 20
     # Skip an optimiser step whose gradient norm is more than this many robust scales
-    # (1.4826 x MAD, at least 0.2 x the median) above the window's median norm; null disables.
-    grad_spike: Optional[float] = 10.0
+    # (1.4826 x MAD, at least 0.2 x the median) above the window's median norm (e.g. 10); null (the
+    # default: a healthy tiny run's norms grew past 10 scales while it learned) disables.
+    grad_spike: Optional[float] = None
     # Skipped gradient spikes of one model within the window before a rollback (a stop when none is left).
     max_grad_skips: int = 3
     # An event when the actor's entropy (mean of the last 3 steps) falls by more than this

@@ -135,7 +135,7 @@ def test_a_gradient_blow_up_skips_its_optimiser_steps_then_rolls_back(ppo_overri
         "actor_rollout_ref.actor.optim.lr": 3.0, "actor_rollout_ref.actor.optim.lr_warmup_steps": 6,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.total_training_steps": 5, "trainer.save_freq": 1,
         "trainer.guard.rollback_kl": "null", "trainer.guard.early_stop_kl": "null",
-        "trainer.guard.max_grad_skips": 1, "trainer.guard.rollback_lr": 1e-7,
+        "trainer.guard.max_grad_skips": 1, "trainer.guard.grad_spike": 10.0, "trainer.guard.rollback_lr": 1e-7,
     }
     records = run_ppo(None, ppo_overrides(**changes), print_fn=quiet)
     events = read_jsonl(tmp_path / "run" / EVENTS_FILE)
