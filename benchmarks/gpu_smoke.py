@@ -16,7 +16,7 @@ the first run's last steps exactly (on CUDA with deterministic algorithms, see g
 
 Checks, each printed as ``PASS|FAIL|SKIP  <check>: <figure>``: the run, finite metrics,
 validation with the reward model, offload_policy, the save, the exact resume, the export,
-peak memory, MFU (known GPUs only), the host syncs of a packed forward and backward, an
+peak memory, MFU (known GPUs only), the memory plan's estimate per phase (judged on a GPU), the host syncs of a packed forward and backward, an
 offline step whose KL probe runs with the actor and reference under param_offload, and (where
 vLLM is installed: ``bash scripts/setup.sh --vllm``) a bf16 run with vLLM rollouts in a process
 of its own: TP=1, the engine asleep while the models train and woken weights -> sync -> KV cache
@@ -252,6 +252,25 @@ def check_memory_and_mfu(records: list[dict], device: torch.device) -> None:
           ", ".join(f"{k.removeprefix('perf/mfu/')} {100 * v:.1f}%" for k, v in mfus.items()) + f" ({name})")
 
 
+def check_memory_plan(args: list[str], records: list[dict], device: torch.device) -> None:
+    """``klppo plan``'s estimate of this run's phases (steady state, from config.json and the data
+    alone) against their measured peaks in the last step: within 15% each on a GPU; on CPU the
+    comparison is shown and not judged, as the interpreter's baseline is most of a tiny shape's."""
+    from klppo.plan.check import length_sample, lengths_of, plan_run
+
+    cfg = load_ppo_config(None, args)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 64 * 2**30
+    e, _ = plan_run(cfg, world_size=1, device=device.type, device_bytes=total, lengths=lengths_of(length_sample(cfg)))
+    last = next(r for r in reversed(records) if "perf/peak_memory_gb/update_actor" in r)
+    errors = {p.phase: p.total / 2**30 / last[f"perf/peak_memory_gb/{p.phase}"] - 1 for p in e.phases
+              if last.get(f"perf/peak_memory_gb/{p.phase}")}
+    worst = max(errors, key=lambda k: abs(errors[k]))
+    figure = (f"worst {worst} {100 * errors[worst]:+.0f}% of {len(errors)} phases ("
+              + ", ".join(f"{k} {100 * v:+.0f}%" for k, v in errors.items()) + ")")
+    check("memory plan within 15% per phase", all(abs(v) <= 0.15 for v in errors.values())
+          if device.type == "cuda" else None, figure)
+
+
 @contextlib.contextmanager
 def counting_syncs(device: torch.device):
     """Counts host-device syncs: CUDA's sync debug mode, or on CPU the tensor methods that would sync."""
@@ -335,6 +354,7 @@ def main(argv=None) -> int:
             "trainer.resume_mode=resume_path", f"trainer.resume_from_path={run_a / 'global_step_2'}"]
         check_save_resume_export(run_a, read_metrics(run_a), resume, steps)
         check_memory_and_mfu(records, device)
+        check_memory_plan(overrides(*common, run_a, device.type, prompts, n, response, steps), records, device)
         check_host_syncs(model, device)
         check_offline_probe_offloaded(model, root, device.type, prompts, response)
         check_vllm_rollout(root, device.type, prompts, response)

@@ -52,6 +52,7 @@ class Passes:
     forward_response_tokens: int
     gen_rows: int  # sequences this rank decodes at once
     gen_tokens: int  # prompt + response tokens each generated row reaches
+    gen_response_tokens: int  # of them, response tokens (rollout.response_length)
     probe_rows: int  # offline: the KL probe's sampled sequences (0 online)
 
 
@@ -179,7 +180,7 @@ def passes(cfg: PPOConfig, world_size: int, lengths: Lengths) -> Passes:
     return Passes(update_tokens=update[0], update_response_tokens=update[1], critic_tokens=critic_update[0],
                   forward_tokens=forward[0], forward_response_tokens=forward[1],
                   gen_rows=step_rows if rollout.name != "offline" else 0,
-                  gen_tokens=lengths.max_prompt + response, probe_rows=min(probe, cfg.data.train_batch_size * n))
+                  gen_tokens=lengths.max_prompt + response, gen_response_tokens=response, probe_rows=min(probe, cfg.data.train_batch_size * n))
 
 
 def read_shapes(cfg: PPOConfig) -> dict[str, ModelShape]:

@@ -210,6 +210,13 @@ def generation_items(s: PlanSettings, rows: int, tokens: int) -> list[tuple[str,
     return items
 
 
+def probe_items(s: PlanSettings, p) -> list[tuple[str, int]]:
+    """The offline KL probe samples with the generation copy and scores its samples with the actor
+    and the reference while the copy is still held: generation plus one scoring forward."""
+    scoring = forward_items(s, s.model("actor"), p.probe_rows * p.gen_tokens, p.probe_rows * p.gen_response_tokens)
+    return generation_items(s, p.probe_rows, p.gen_tokens) + scoring
+
+
 def setup_items(s: PlanSettings) -> list[tuple[str, int]]:
     """Loading: one process maps the whole folder's file (from_pretrained); sharded ranks fill their
     shards one tensor at a time, the largest (the embedding) gathered in fp32 at most."""
@@ -244,7 +251,7 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
     out = [_phase("setup", s, (), setup_items(s), ())]
     out.append(_phase("gen", s, ("actor",), gen if s.rollout != "offline" else [], before))
     if p.probe_rows:
-        out.append(_phase("kl_probe", s, ("actor", "ref"), generation_items(s, p.probe_rows, p.gen_tokens), before))
+        out.append(_phase("kl_probe", s, ("actor", "ref"), probe_items(s, p), before))
     out.append(_phase("old_log_prob", s, ("actor",), scoring, before))
     if ref is not None:
         out.append(_phase("ref", s, (ref.role,), forward_items(s, ref, p.forward_tokens, p.forward_response_tokens),
