@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from klppo.trainer import guards, ppo_trainer
+from klppo.trainer import dynamic_sampling, guards, ppo_trainer
 from klppo.trainer.main_ppo import main
 
 RANK = int(os.environ["RANK"])
@@ -68,14 +68,14 @@ def _patch() -> None:
 
     ppo_trainer.apply_kl_penalty = penalty_of_this_rank
 
-    score_batch = ppo_trainer.score_batch
+    score_batch = dynamic_sampling.score_batch  # steps 1-3 live there
 
     def scores_of_this_rank(parts, batch, shards, timer, *args, **kwargs):
         score_batch(parts, batch, shards, timer, *args, **kwargs)
         if "nan_scores" in _perturbed():
             batch.token_level_scores[0, 0] = math.nan
 
-    ppo_trainer.score_batch = scores_of_this_rank
+    dynamic_sampling.score_batch = scores_of_this_rank
 
     update_actor = ppo_trainer.update_actor
 
