@@ -178,3 +178,26 @@ def test_ranks_share_validation_and_gather_the_same_figures_as_one_process(ppo_o
     for key in before_one:
         if not key.startswith(("timing_s/", "perf/")):  # each rank's own time and memory
             assert math.isclose(before_one[key], before_two[key], rel_tol=1e-6, abs_tol=1e-6), key
+
+
+def test_dynamic_sampling_keeps_the_same_groups_on_two_ranks_as_in_one_process(exact_overrides, tmp_path):
+    """algorithm.filter_groups: each rank rewards its share of a generation batch, the scores are gathered,
+    and every rank keeps the same groups: two ranks draw and train as one process does."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from klppo.data.arithmetic import write_arithmetic_offline_parquet
+
+    data = write_arithmetic_offline_parquet(tmp_path / "tied.parquet", 32, seed=2, n_responses=2)
+    scores = [[1.0, 0.0] if i % 4 == 0 else [1.0, 1.0] for i in range(32)]  # 1 prompt in 4 has spread
+    pq.write_table(pq.read_table(data).append_column("scores", pa.array(scores)), data)
+    changes = {"data.train_files": data, "algorithm.adv_estimator": "grpo", "algorithm.filter_groups.enable": "true",
+               "data.train_batch_size": 2, "data.gen_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+               "trainer.total_training_steps": 2}
+    run_ok(exact_overrides(tmp_path / "one", 1, **changes), None)
+    run_ok(exact_overrides(tmp_path / "two", 2, **changes), 2)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert all(r["critic/score/zero_std_frac"] == 0.0 and r["training/filter_groups/kept_groups"] >= 2 for r in two)
+    assert max(r["training/filter_groups/gen_batches"] for r in two) > 1
+    assert_same_metrics(one, two)
+    assert_same_weights(tmp_path / "one" / "actor_hf", tmp_path / "two" / "actor_hf")
