@@ -378,6 +378,30 @@ class GuardConfig:
     entropy_floor: Optional[float] = 0.01
     # Warn when the fraction of clipped tokens exceeds this; null disables.
     clipfrac_max: Optional[float] = 0.3
+    # Steps in the windows of the per-step trends (response_length/mean_trend: the least-squares
+    # slope of the mean response length per step over the last this many steps).
+    window: int = 20
+    # With trainer.gold_reward: validations over which the training and the gold reward of the
+    # same held-out responses are compared; the training reward rising by more than
+    # divergence_margin while the gold reward does not is a reward_divergence event.
+    divergence_validations: int = 3
+    # What a reward_divergence does: warn (an event) or stop (the event, then the run stops).
+    divergence_action: Literal["warn", "stop"] = "warn"
+    # A reward change over those validations smaller than this counts as flat (reward units).
+    divergence_margin: float = 0.05
+
+
+@dataclass
+class GoldRewardConfig:
+    # A held-out "gold" reward, scored at validation on the same responses as the training
+    # reward and never trained on: a reward function file (path, name, as
+    # custom_reward_function) or a reward model folder (model_path); all null = off.
+    # Python file defining the gold reward function (verl's signature).
+    path: Optional[str] = None
+    # Name of the function in that file.
+    name: str = "compute_score"
+    # A reward-model folder (one-label sequence classification, as reward_model.model.path).
+    model_path: Optional[str] = None
 
 
 @dataclass
@@ -424,6 +448,8 @@ class TrainerConfig:
     balance_batch: bool = False
     # KL, NaN and entropy guards (early stop, rollback, skipped updates, warnings).
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # Held-out gold reward measured beside the training reward at validation (reward hacking).
+    gold_reward: GoldRewardConfig = field(default_factory=GoldRewardConfig)
 
 
 @dataclass

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 
 from klppo.data.batching import MicroBatching, micro_batch_plan, restore_order, row_chunks
-from klppo.distributed import all_gather_rows, all_reduce_max_int
+from klppo.distributed import all_gather_objects, all_gather_rows, all_reduce_max_int
 from klppo.models.forward import HeadSettings, response_logprobs, response_values, sequence_scores
+from klppo.monitoring.metrics import reward_component_metrics
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rewards.distill import group_ranking_rewards
-from klppo.rewards.score import score_responses
+from klppo.rewards.score import score_responses_with_components
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.adapters import adapters_at
@@ -121,10 +122,18 @@ def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable,
     ``prompt_places``: where each prompt of the step came from ("x.parquet row 5"), indexed by
     ``batch.group_index``; an error of the reward function names its response's.
     """
+    return compute_scores_with_components(batch, tokenizer, reward_fn, prompt_places)[0]
+
+
+def compute_scores_with_components(batch: RolloutBatch, tokenizer, reward_fn: Callable,
+                                   prompt_places: Sequence[str] | None = None
+                                   ) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """``compute_scores``' (B,) rewards and each response's reward components (``reward_components``)."""
     texts = decode_responses(batch, tokenizer)
     places = None if prompt_places is None else [prompt_places[g] for g in batch.group_index.tolist()]
-    scores = score_responses(reward_fn, batch.data_sources, texts, batch.ground_truths, batch.extra_infos, places)
-    return torch.tensor(scores, dtype=torch.float32, device=batch.response_mask.device)
+    scores, components = score_responses_with_components(reward_fn, batch.data_sources, texts, batch.ground_truths,
+                                                         batch.extra_infos, places)
+    return torch.tensor(scores, dtype=torch.float32, device=batch.response_mask.device), components
 
 
 # ---- the scoring phase of a step ----
@@ -154,8 +163,9 @@ def reward_model_roles(parts: PPOParts) -> list[str]:
 
 
 def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer,
-                prompt_places: Sequence[str] | None = None) -> None:
-    """Fill ``batch``'s old and reference log-probs, values and token-level scores (step 3).
+                prompt_places: Sequence[str] | None = None) -> dict[str, float]:
+    """Fill ``batch``'s old and reference log-probs, values and token-level scores (step 3);
+    returns the metrics of a reward function's components (``reward_component_metrics``).
 
     Each rank runs the forwards for its rows; the results are gathered into ``batch``. In
     rollout correction's bypass mode the old log-probs are the recorded behaviour log-probs.
@@ -177,19 +187,30 @@ def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer:
         with timer.phase("values"), resident("critic"):
             batch.values = shards.gather(compute_values(parts.critic, mine, f.values))
     with timer.phase("reward"), resident(*reward_model_roles(parts)):
-        scores = shards.gather(response_scores(parts, mine, prompt_places))
-        batch.token_level_scores = token_scores(parts.settings.reward, batch, scores)
+        local, components = scores_and_components(parts, mine, prompt_places)
+        batch.token_level_scores = token_scores(parts.settings.reward, batch, shards.gather(local))
+    if components is None:
+        return {}
+    # Means over all responses do not depend on the order: every rank's list, as gathered.
+    return reward_component_metrics([c for rank_components in all_gather_objects(components) for c in rank_components])
 
 
 def response_scores(parts: PPOParts, batch: RolloutBatch, prompt_places: Sequence[str] | None = None) -> torch.Tensor:
     """(B,) one score per response: recorded offline scores, or the reward function's; or
     (B, K) the scores of K reward models. ``prompt_places``: as ``compute_scores``'."""
+    return scores_and_components(parts, batch, prompt_places)[0]
+
+
+def scores_and_components(parts: PPOParts, batch: RolloutBatch, prompt_places: Sequence[str] | None = None
+                          ) -> tuple[torch.Tensor, list[dict[str, float]] | None]:
+    """``response_scores``, and with a reward function each response's components (None otherwise)."""
     if batch.recorded_scores is not None:
-        return batch.recorded_scores.to(parts.env.device)
+        return batch.recorded_scores.to(parts.env.device), None
     if not parts.reward_models:
-        return same_on_every_rank(lambda: compute_scores(batch, parts.tokenizer, parts.reward_fn, prompt_places))
+        return same_on_every_rank(lambda: compute_scores_with_components(batch, parts.tokenizer, parts.reward_fn,
+                                                                         prompt_places))
     rm = parts.settings.forwards.reward_model
-    return torch.stack([compute_rm_scores(model, batch, rm) for model in parts.reward_models], dim=-1)
+    return torch.stack([compute_rm_scores(model, batch, rm) for model in parts.reward_models], dim=-1), None
 
 
 def token_scores(reward: RewardSettings, batch: RolloutBatch, scores: torch.Tensor,

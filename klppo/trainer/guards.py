@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Optional
 
+from klppo.trainer.reward_hacking import DivergenceDetector, Trend
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class GuardSettings:
     max_nonfinite_steps: int  # non-finite steps in a row before the run stops
     entropy_floor: Optional[float]  # warn below this entropy
     clipfrac_max: Optional[float]  # warn above this clipped fraction
+    window: int = 20  # steps in the windows of the per-step trends (response_length/mean_trend)
+    divergence_validations: int = 3  # validations over which training and gold reward are compared
+    divergence_action: str = "warn"  # warn | stop, when they diverge (reward_hacking.py)
+    divergence_margin: float = 0.05  # a reward change smaller than this is flat
 
 
 class Action(Enum):
@@ -40,7 +45,8 @@ class Action(Enum):
 @dataclass
 class GuardEvent:
     step: int
-    kind: str  # rollback | early_stop | skip_nonfinite | stop_nonfinite | warn_entropy | warn_clipfrac
+    # rollback | early_stop | skip_nonfinite | stop_nonfinite | warn_entropy | warn_clipfrac | reward_divergence
+    kind: str
     message: str
     values: dict = field(default_factory=dict)
 
@@ -59,6 +65,8 @@ class RunGuard:
         self.pending_checkpoint: Optional[int] = None
         self.lr_override: Optional[float] = None
         self.events: list[GuardEvent] = []  # new since the loop last drained them
+        self.divergence = DivergenceDetector(settings.divergence_validations, settings.divergence_margin)
+        self.length_trend = Trend(settings.window)
 
     def _event(self, step: int, kind: str, message: str, **values) -> None:
         self.events.append(GuardEvent(step, kind, message, values))
@@ -124,12 +132,40 @@ class RunGuard:
         good = [s for s in self.good_checkpoints if existing is None or s in existing]
         return good[-1] if good else None
 
+    def observe_response_length(self, mean_length: float) -> float:
+        """This step's mean response length; its least-squares slope per step over the last ``window``
+        steps (``response_length/mean_trend``: a steadily growing length is a common sign of a
+        reward that pays for length)."""
+        return self.length_trend.observe(mean_length)
+
+    def check_validation(self, step: int, train_reward: float, gold_reward: float) -> Action:
+        """One validation's mean training and gold rewards on the same held-out responses; a new
+        divergence (``reward_hacking.py``) is a ``reward_divergence`` event, and stops the run with
+        ``divergence_action: stop``."""
+        found = self.divergence.observe(train_reward, gold_reward)
+        if found is None:
+            return Action.CONTINUE
+        action = self.s.divergence_action
+        self._event(step, "reward_divergence", f"training reward {found.train_change:+.4g} but gold reward "
+                    f"{found.gold_change:+.4g} over the last {found.validations} validations (divergence_margin "
+                    f"{self.s.divergence_margin}): the policy may be gaming its reward"
+                    + ("; run stopped" if action == "stop" else ""),
+                    train_change=found.train_change, gold_change=found.gold_change, validations=found.validations,
+                    action=action)
+        return Action.STOP if action == "stop" else Action.CONTINUE
+
     def state_dict(self) -> dict:
-        state = {k: v for k, v in vars(self).items() if k not in ("s", "events")}
+        own = ("s", "events", "divergence", "length_trend")
+        state = {k: v for k, v in vars(self).items() if k not in own}
         state["events"] = [asdict(e) for e in self.events]
+        state["divergence"] = self.divergence.state_dict()
+        state["length_trend"] = self.length_trend.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("rollbacks", "nonfinite_in_a_row", "good_checkpoints", "pending_checkpoint", "lr_override"):
             setattr(self, key, state[key])
         self.events = [GuardEvent(**e) for e in state.get("events", [])]
+        if "divergence" in state:  # checkpoints written before the detectors start them empty
+            self.divergence.load_state_dict(state["divergence"])
+            self.length_trend.load_state_dict(state["length_trend"])
