@@ -185,6 +185,7 @@ def check_ppo(cfg: PPOConfig) -> list[Problem]:
     out += [Problem(keys, message) for keys, message in engine_problems(cfg)]
     _check_trainer(cfg.trainer, out)
     _check_guard(cfg.trainer.guard, out)
+    _check_gold_reward(cfg, out)
     _positive(out, "reward_model.ranking.scale", cfg.reward_model.ranking.scale)
     _check_reward_model(cfg, out)
     _check_critic_warmup(cfg, out)
@@ -286,12 +287,25 @@ def _check_guard(guard, out: list[Problem]) -> None:
         out.append(Problem((f"{key}.window",), f"{key}.window = {guard.window} is too short: the entropy trend "
                            f"compares its newest 3 steps with at least 3 earlier ones; set it to {MIN_GUARD_WINDOW} "
                            "or more (default 20)"))
+    _at_least(out, f"{key}.divergence_validations", guard.divergence_validations, 2)
+    _positive(out, f"{key}.divergence_margin", guard.divergence_margin)
     if guard.rollback_kl is not None and guard.early_stop_kl is not None and guard.rollback_kl > guard.early_stop_kl:
         out.append(Problem(
             (f"{key}.rollback_kl", f"{key}.early_stop_kl"),
             f"{key}.rollback_kl = {guard.rollback_kl} is above {key}.early_stop_kl = {guard.early_stop_kl}: "
             "a run would stop before it could roll back; set rollback_kl <= early_stop_kl",
         ))
+
+
+def _check_gold_reward(cfg: PPOConfig, out: list[Problem]) -> None:
+    gold, key = cfg.trainer.gold_reward, "trainer.gold_reward"
+    if gold.path and gold.model_path:
+        out.append(Problem((f"{key}.path", f"{key}.model_path"), f"{key} takes a reward function ({key}.path) or a "
+                           f"reward model ({key}.model_path), not both; set one of them to null"))
+    if (gold.path or gold.model_path) and not cfg.data.val_files:
+        out.append(Problem((f"{key}", "data.val_files"), f"{key} is scored at validation on held-out prompts only, "
+                           "but data.val_files is not set; set data.val_files (and trainer.test_freq) or "
+                           f"{key}=null"))
 
 
 def _check_files(out: list[Problem], key: str, files: str | list[str] | None, required: bool) -> None:

@@ -407,7 +407,8 @@ class GuardConfig:
     # Warn when the fraction of clipped tokens exceeds this; null disables.
     clipfrac_max: Optional[float] = 0.3
     # Run health. History the detectors judge by: the last this many applied optimiser steps'
-    # gradient norms, and the last this many PPO steps' skips and entropies (at least 6).
+    # gradient norms, and the last this many PPO steps' skips, entropies and mean response
+    # lengths (response_length/mean_trend); at least 6.
     window: int = 20
     # Skip an optimiser step whose gradient norm is more than this many robust scales
     # (1.4826 x MAD, at least 0.2 x the median) above the window's median norm (e.g. 10); null (the
@@ -422,6 +423,27 @@ class GuardConfig:
     entropy_surge: Optional[float] = 1.0
     # What an entropy collapse or surge does: warn, stop the run, or roll back (as a KL excess).
     entropy_action: Literal["warn", "stop", "rollback"] = "warn"
+    # With trainer.gold_reward: validations over which the training and the gold reward of the
+    # same held-out responses are compared; the training reward rising by more than
+    # divergence_margin while the gold reward does not is a reward_divergence event.
+    divergence_validations: int = 3
+    # What a reward_divergence does: warn (an event) or stop (the event, then the run stops).
+    divergence_action: Literal["warn", "stop"] = "warn"
+    # A reward change over those validations smaller than this counts as flat (reward units).
+    divergence_margin: float = 0.05
+
+
+@dataclass
+class GoldRewardConfig:
+    # A held-out "gold" reward, scored at validation on the same responses as the training
+    # reward and never trained on: a reward function file (path, name, as
+    # custom_reward_function) or a reward model folder (model_path); all null = off.
+    # Python file defining the gold reward function (verl's signature).
+    path: Optional[str] = None
+    # Name of the function in that file.
+    name: str = "compute_score"
+    # A reward-model folder (one-label sequence classification, as reward_model.model.path).
+    model_path: Optional[str] = None
 
 
 @dataclass
@@ -476,6 +498,8 @@ class TrainerConfig:
     # Memory per device the plan checks against ("80GiB", "24GB", or bytes); None = what this
     # machine has free (CUDA: the device's free memory; CPU: MemAvailable shared by a node's ranks).
     plan_device_memory: Optional[Union[str, int]] = None
+    # Held-out gold reward measured beside the training reward at validation (reward hacking).
+    gold_reward: GoldRewardConfig = field(default_factory=GoldRewardConfig)
 
 
 @dataclass

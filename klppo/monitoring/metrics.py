@@ -52,6 +52,27 @@ def compute_data_metrics(batch: RolloutBatch, max_response_length: int, grouped:
     return metrics
 
 
+def reward_component_metrics(components: list[dict[str, float]]) -> dict[str, float]:
+    """``reward/<name>/mean`` of each component a reward function returns beside its score (verl's
+    reward_extra_info), over the responses (a response without it counts 0); with two or more,
+    ``reward/<name>/share``: its mean absolute value over the sum of every component's, so the
+    shares add up to 1 and say which component the rewards come from (whatever the signs).
+
+    E.g. [{"a": 1, "b": -1}, {"a": 0, "b": -1}]: means a 0.5, b -1.0; shares 0.5 / 1.5, 1.0 / 1.5.
+    """
+    names = sorted({name for response in components for name in response})
+    if not components or not names:
+        return {}
+    n = len(components)
+    means = {name: sum(c.get(name, 0.0) for c in components) / n for name in names}
+    metrics = {f"reward/{name}/mean": mean for name, mean in means.items()}
+    sizes = {name: sum(abs(c.get(name, 0.0)) for c in components) / n for name in names}
+    total = sum(sizes.values())
+    if len(names) >= 2 and total > 0:
+        metrics.update({f"reward/{name}/share": size / total for name, size in sizes.items()})
+    return metrics
+
+
 def compute_throughput_metrics(batch: RolloutBatch, step_seconds: float, n_devices: int = 1) -> dict[str, float]:
     """Tokens processed (prompt + response, real tokens only) per second per device."""
     total_tokens = int(batch.prompt_mask.sum() + batch.response_mask.sum())  # host-device sync

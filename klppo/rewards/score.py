@@ -61,41 +61,44 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _import_file(path: str, module_name: str):
+def _import_file(path: str, module_name: str, key: str = "custom_reward_function"):
     """Execute the file as module ``module_name``, registered in sys.modules so its functions pickle."""
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise UserError(f"custom_reward_function.path '{path}' cannot be imported; point it at a .py file")
+        raise UserError(f"{key}.path '{path}' cannot be imported; point it at a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:  # the user's code (an exit() in it too): one line, the cause chained
         del sys.modules[module_name]
-        raise UserError(f"custom_reward_function.path '{path}' failed to import ({_first_line(e)}); fix the file") from e
+        raise UserError(f"{key}.path '{path}' failed to import ({_first_line(e)}); fix the file") from e
     return module
 
 
-def load_custom_reward_function(path: str, name: str) -> Callable:
-    """Import the Python file at ``path`` (once per process) and return its function ``name``."""
+def load_custom_reward_function(path: str, name: str, key: str = "custom_reward_function") -> Callable:
+    """Import the Python file at ``path`` (once per process) and return its function ``name``.
+
+    ``key``: the config section the messages name (``trainer.gold_reward`` loads one too).
+    """
     file = Path(path)
     if not file.is_file():
-        raise UserError(f"custom_reward_function.path '{path}' not found; point it at a Python file")
+        raise UserError(f"{key}.path '{path}' not found; point it at a Python file")
     module_name = "klppo_custom_reward_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    module = sys.modules.get(module_name) or _import_file(path, module_name)
+    module = sys.modules.get(module_name) or _import_file(path, module_name, key)
     if not hasattr(module, name):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise UserError(
-            f"custom_reward_function.name '{name}' is not defined in '{path}' (callables there: "
-            f"{', '.join(found) or 'none'}); set custom_reward_function.name to one of them"
+            f"{key}.name '{name}' is not defined in '{path}' (callables there: "
+            f"{', '.join(found) or 'none'}); set {key}.name to one of them"
         )
     fn = getattr(module, name)
     if not callable(fn):
         raise UserError(
-            f"custom_reward_function.name '{name}' in '{path}' is a {type(fn).__name__}, not a function; "
-            "set custom_reward_function.name to a function"
+            f"{key}.name '{name}' in '{path}' is a {type(fn).__name__}, not a function; "
+            f"set {key}.name to a function"
         )
-    check_reward_signature(fn, f"custom_reward_function.name '{name}' in '{path}'")
+    check_reward_signature(fn, f"{key}.name '{name}' in '{path}'")
     return fn
 
 
@@ -140,6 +143,16 @@ def _as_float(value: Any, where: str) -> float:
         raise UserError(f"{where} returned {value!r} ({type(value).__name__}); return a single number") from e
 
 
+def reward_components(value: Any) -> dict[str, float]:
+    """The numeric entries besides "score" of a dict a reward function returned (verl's
+    ``reward_extra_info``, e.g. ``{"score": 1.2, "exact_match": 1.0, "length_bonus": 0.2}``);
+    {} for a plain number. Text and other entries (verl's "pred") are no components."""
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): float(v) for k, v in value.items()
+            if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 @dataclass
 class RewardFunction:
     """A reward function plus the name its errors use; calls return a float."""
@@ -149,6 +162,11 @@ class RewardFunction:
     name: str
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
+        return self.score(data_source, solution_str, ground_truth, extra_info)[0]
+
+    def score(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None
+              ) -> tuple[float, dict[str, float]]:
+        """The score, and the components of a dict return (``reward_components``)."""
         try:
             value = self.fn(
                 data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
@@ -161,14 +179,16 @@ class RewardFunction:
                 raise
             raise UserError(f"reward function {self.name} raised {_first_line(exc)} (data_source '{data_source}'); "
                             "fix the function, or catch the case and return a score") from exc
-        return _as_float(value, f"reward function {self.name} (data_source '{data_source}')")
+        return _as_float(value, f"reward function {self.name} (data_source '{data_source}')"), reward_components(value)
 
 
-def make_reward_fn(custom_path: str | None, custom_name: str = "compute_score") -> RewardFunction:
-    """The user's function at ``custom_path`` when given, else the built-in rules by data_source."""
+def make_reward_fn(custom_path: str | None, custom_name: str = "compute_score",
+                   key: str = "custom_reward_function") -> RewardFunction:
+    """The user's function at ``custom_path`` when given, else the built-in rules by data_source
+    (``key``: the config section that names the file)."""
     if custom_path:
-        fn = load_custom_reward_function(custom_path, custom_name)
-        return RewardFunction(fn, f"custom_reward_function {custom_name} in '{custom_path}'")
+        fn = load_custom_reward_function(custom_path, custom_name, key)
+        return RewardFunction(fn, f"{key} {custom_name} in '{custom_path}'")
     return RewardFunction(default_compute_score, "default_compute_score")
 
 
@@ -203,15 +223,33 @@ def score_responses(
     ``places`` (one per response, e.g. "x.parquet row 5": its prompt's file and row) lead the
     message of a ``UserError`` the function raises.
     """
+    return score_responses_with_components(reward_fn, data_sources, responses, ground_truths, extra_infos, places)[0]
+
+
+def score_responses_with_components(
+    reward_fn: Callable[..., float],
+    data_sources: Sequence[str],
+    responses: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[dict | None],
+    places: Sequence[str] | None = None,
+) -> tuple[list[float], list[dict[str, float]]]:
+    """``score_responses``' scores, and each response's reward components ({} where the function
+    returns a number, or ``reward_fn`` is a plain callable rather than a ``RewardFunction``)."""
     n = len(responses)
     assert len(data_sources) == len(ground_truths) == len(extra_infos) == n, "score_responses: length mismatch"
     assert places is None or len(places) == n, "score_responses: one place per response"
-    scores = []
+    scores, components = [], []
     for i, (source, text, truth, info) in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
         try:
-            scores.append(reward_fn(source, text, truth, info))
+            if isinstance(reward_fn, RewardFunction):
+                score, parts = reward_fn.score(source, text, truth, info)
+            else:
+                score, parts = reward_fn(source, text, truth, info), {}
         except UserError as exc:
             if places is None or not places[i]:
                 raise
             raise UserError(f"{places[i]}: {exc}") from exc.__cause__
-    return scores
+        scores.append(score)
+        components.append(parts)
+    return scores, components

@@ -47,6 +47,9 @@ class RolloutBatch:
     ref_log_prob: Optional[torch.Tensor] = None  # (B, T) reference log-probs
     values: Optional[torch.Tensor] = None  # (B, T) critic values before the update
     token_level_scores: Optional[torch.Tensor] = None  # (B, T) score at the last response token
+    # (B,) what a reward function returned beside each score (verl's reward_extra_info: numbers
+    # only, ``rewards.score.reward_components``); None when no reward function scored the batch.
+    reward_components: Optional[list[dict[str, float]]] = None
     token_level_rewards: Optional[torch.Tensor] = None  # (B, T) scores - beta * KL
     advantages: Optional[torch.Tensor] = None  # (B, T)
     returns: Optional[torch.Tensor] = None  # (B, T)

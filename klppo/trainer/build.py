@@ -36,6 +36,7 @@ from klppo.trainer.setup import (
     Sharder, build_optimizer_and_scheduler, join_world, load_model, lora_spec, seed_everything,
 )
 
+GOLD_ROLE = "gold_reward_model"  # the offloader's name of trainer.gold_reward.model_path
 RANKING_COLUMNS = {"ranking", "rankings", "chosen"}  # offline files with these are ranked data
 # The two settings that weigh every recorded response by pi / mu: a row without mu cannot be weighed.
 ROLLOUT_CORRECTION_NEED = LogProbsNeed("algorithm.rollout_correction", "switch the correction off")
@@ -67,6 +68,9 @@ class PPOParts:
     initial_adapters: Optional[dict[str, torch.Tensor]] = None  # LoRA actor: its adapters' starting values (rollback)
     reference_adapters: Optional[dict[str, torch.Tensor]] = None  # LoRA actor: its adapters' values in the reference
     engine: Optional[VLLMEngine] = None  # rollout.name: vllm; fed the actor's weights before each generation
+    # trainer.gold_reward: scored at validation only (evaluate.gold_scorer), never trained on.
+    gold_reward_fn: Optional[Callable] = None
+    gold_reward_model: Optional[torch.nn.Module] = None
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +82,8 @@ def fsdp_sections(cfg: PPOConfig) -> dict[str, FSDPConfig]:
     sections = {"actor_rollout_ref.actor.fsdp_config": arf.actor.fsdp_config,
                 "actor_rollout_ref.ref.fsdp_config": arf.ref.fsdp_config,
                 "critic.model.fsdp_config": cfg.critic.model.fsdp_config}
-    if cfg.reward_model.enable:  # verl scripts set the reward model's options even when it is off
+    # verl scripts set the reward model's options even when it is off; a gold reward model uses them too.
+    if cfg.reward_model.enable or cfg.trainer.gold_reward.model_path:
         sections["reward_model.model.fsdp_config"] = cfg.reward_model.model.fsdp_config
     return sections
 
@@ -238,6 +243,18 @@ def _load_reward_models(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharde
     return models
 
 
+def _load_gold_reward_model(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder) -> Optional[torch.nn.Module]:
+    """trainer.gold_reward.model_path, frozen and sharded as the reward models are; None without one."""
+    path, key, rm_model = cfg.trainer.gold_reward.model_path, "trainer.gold_reward.model_path", cfg.reward_model.model
+    if not path:
+        return None
+    check_same_tokenizer(tokenizer, path, key)
+    check_trained_score_head(path, key)
+    model = load_model("reward_model", path, key=key, env=env, sharder=sharder, fsdp=rm_model.fsdp_config,
+                       packed=rm_model.use_remove_padding)
+    return model.eval().requires_grad_(False)
+
+
 def _load_critic(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder) -> torch.nn.Module:
     critic_cfg = cfg.critic.model
     check_same_tokenizer(tokenizer, critic_cfg.path, "critic.model.path")
@@ -262,6 +279,8 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     seed_everything(cfg.data.seed + env.rank)
     sharder, trainer = Sharder(env), cfg.trainer
     reward_fn = make_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    gold = cfg.trainer.gold_reward  # its file is checked here too, before any model loads
+    gold_fn = make_reward_fn(gold.path, gold.name, "trainer.gold_reward") if gold.path else None
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
     train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log)
     batches = prompt_batches(cfg, len(train))
@@ -269,12 +288,15 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     actor, ref = _load_actor_and_ref(cfg, env, sharder)
     actor_optimizer, actor_scheduler = build_optimizer_and_scheduler(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
     reward_models = _load_reward_models(cfg, tokenizer, env, sharder)
+    gold_model = _load_gold_reward_model(cfg, tokenizer, env, sharder)
     critic = critic_optimizer = critic_scheduler = None
     if uses_critic(cfg):
         critic = _load_critic(cfg, tokenizer, env, sharder)
         critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
     offloader = build_offloader(env.device, fsdp_sections(cfg), actor, actor_optimizer, ref, reward_models, critic,
                                 critic_optimizer)
+    if gold_model is not None:
+        offloader.register(GOLD_ROLE, gold_model, param_offload=cfg.reward_model.model.fsdp_config.param_offload)
     initial = trained_values(actor) if settings.actor_lora else None
     engine = None
     if settings.engine is not None:  # last: on a GPU it takes its share of the memory the models left
@@ -287,6 +309,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
         kl_ctrl=build_kl_controller(settings.kl), reward_fn=reward_fn, train_records=train, val_records=val,
         val_ranked=val_ranked, batches=batches, total_steps=total_steps, offloader=offloader,
         initial_adapters=initial, reference_adapters=_reference_adapters(cfg, initial), engine=engine,
+        gold_reward_fn=gold_fn, gold_reward_model=gold_model,
     )
 
 

@@ -280,8 +280,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="learn from ranked responses instead: a reward model, then offline KL-PPO on the "
                              "recorded rankings and on the reward model's")
     parser.add_argument("--lora", action="store_true", help="PPO trains LoRA adapters (rank 16) instead of all weights")
+    parser.add_argument("--reward-hacking", action="store_true",
+                        help="train on a reward that also pays for length, with exact match as a held-out gold "
+                             "reward: the run's divergence guard reports the gaming")
     args = parser.parse_args(argv)
     demo = run_rankings_demo if args.offline_rankings else run_demo
+    if args.reward_hacking:
+        from klppo.trainer.demo_reward_hacking import run_reward_hacking_demo
+
+        demo = run_reward_hacking_demo
     return run_cli(lambda: demo(Path(args.out), args.seed, args.ppo_steps, args.lora))
 
 

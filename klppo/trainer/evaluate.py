@@ -20,8 +20,11 @@ from klppo.models.rng import seeded
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import SamplingParams, hf_rollout
-from klppo.trainer.forwards import compute_log_prob, decode_responses, reference_model, response_scores, token_scores
+from klppo.trainer.forwards import (
+    compute_log_prob, compute_rm_scores, compute_scores, decode_responses, reference_model, response_scores, token_scores,
+)
 from klppo.trainer.responses import VALIDATION, engine_seeds, generation_model, sync_engine_weights
+from klppo.trainer.setup import same_on_every_rank
 
 if TYPE_CHECKING:
     from klppo.trainer.build import PPOParts
@@ -68,7 +71,8 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
 
         with validation_sampler(parts) as (sample, group_size):  # as training samples (responses.py)
             metrics.update(validate(None, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
-                                    batch_size=s.val_batch_size, env=parts.env, sample=sample, group_size=group_size))
+                                    batch_size=s.val_batch_size, env=parts.env, sample=sample, group_size=group_size,
+                                    gold_scorer=gold_scorer(parts)))
             if s.uses_reference:  # one sample per held-out prompt, k3: unbiased, never negative, low variance
                 metrics["val-aux/kl_to_ref"] = sampled_kl_to_ref(
                     parts.actor, lambda: reference_model(parts), parts.val_records, parts.tokenizer,
@@ -78,6 +82,19 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
         metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
                                             env=parts.env, head=s.forwards.head))
     return metrics
+
+
+def gold_scorer(parts: PPOParts) -> Optional[Callable[[RolloutBatch, list[str]], torch.Tensor]]:
+    """(B,) the held-out gold reward of each validation response (``trainer.gold_reward``: a reward
+    function or a reward model), or None without one. Validation is its only caller: the gold
+    reward never reaches a training batch."""
+    if parts.gold_reward_model is not None:
+        rm = parts.settings.forwards.reward_model
+        return lambda batch, places: compute_rm_scores(parts.gold_reward_model, batch, rm)
+    if parts.gold_reward_fn is None:
+        return None
+    return lambda batch, places: same_on_every_rank(
+        lambda: compute_scores(batch, parts.tokenizer, parts.gold_reward_fn, places))
 
 
 def reference_of(record: PromptRecord) -> Optional[str]:
@@ -117,6 +134,7 @@ def validate(
     sharded: bool | None = None,
     sample: Sample | None = None,
     group_size: int = 1,
+    gold_scorer: Callable[[RolloutBatch, list[str]], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Mean reward per data source over ``params.n`` responses per prompt, and text similarity.
 
@@ -130,30 +148,47 @@ def validate(
     whether ``actor`` is sharded over the ranks (default: when there is a process group).
     ``sample`` (instead of ``actor``): how this rank samples (``validation_sampler``), with
     ``group_size`` ranks sampling each part together.
+
+    ``gold_scorer`` (``trainer.gold_reward``): (B,) a held-out gold reward of the same responses,
+    logged beside the training reward as ``val-gold/<data_source>/reward/mean@<n>``,
+    ``val-gold/reward/mean`` (all responses), and the training reward's ``val-core/reward/mean``
+    over the same responses, the pair the divergence guard compares.
     """
     sample = sample or hf_sampler(actor, tokenizer, env, env.is_distributed if sharded is None else sharded)
-    rows = []  # (data source, score, length, response text or None, reference or None) per response
+    rows = []  # (data source, score, length, response text or None, reference or None, gold or None) per response
     with seeded(env.rank, env.device):
         for part, n_real in rank_parts(records, batch_size or len(records), env, group_size):
             batch = sample(part, params)
             lengths = batch.response_mask.sum(-1).tolist()  # read on the CPU batch hf_rollout returns
             refs = [reference_of(r) for r in part for _ in range(params.n)]
             texts = decode_responses(batch, tokenizer) if any(refs) else [None] * len(refs)
-            scores = scorer(batch.to(env.device), [r.where for r in part]).sum(-1).tolist()  # (B,) host sync
+            places, on_device = [r.where for r in part], batch.to(env.device)
+            scores = scorer(on_device, places).sum(-1).tolist()  # (B,) host sync
+            golds = gold_scorer(on_device, places).tolist() if gold_scorer else [None] * len(scores)  # host sync
             real = n_real * params.n
-            rows += [(src, score, length, text if ref else None, ref) for src, score, length, text, ref
-                     in zip(batch.data_sources[:real], scores[:real], lengths[:real], texts[:real], refs[:real])]
+            rows += [(src, score, length, text if ref else None, ref, gold) for src, score, length, text, ref, gold
+                     in zip(batch.data_sources[:real], scores[:real], lengths[:real], texts[:real], refs[:real],
+                            golds[:real])]
     rows = [row for rank_rows in all_gather_objects(rows) for row in rank_rows]
-    per_source: dict[str, list[float]] = defaultdict(list)
-    for source, score, *_ in rows:
-        per_source[source].append(score)
-    metrics = {f"val-core/{s}/reward/mean@{params.n}": sum(v) / len(v) for s, v in per_source.items()}
+    metrics = per_source_means(rows, 1, f"val-core/{{}}/reward/mean@{params.n}")
+    if gold_scorer is not None:
+        metrics.update(per_source_means(rows, 5, f"val-gold/{{}}/reward/mean@{params.n}"))
+        metrics["val-core/reward/mean"] = sum(row[1] for row in rows) / len(rows)
+        metrics["val-gold/reward/mean"] = sum(row[5] for row in rows) / len(rows)
     metrics["val-aux/response_length/mean"] = sum(row[2] for row in rows) / len(rows)
-    with_ref = [(text, ref) for *_, text, ref in rows if ref is not None]
+    with_ref = [(text, ref) for *_, text, ref, _ in rows if ref is not None]
     if with_ref:
         metrics["val-aux/bleu"] = bleu([t for t, _ in with_ref], [r for _, r in with_ref])
         metrics["val-aux/rougeL"] = rouge_l([t for t, _ in with_ref], [r for _, r in with_ref])
     return metrics
+
+
+def per_source_means(rows: list[tuple], column: int, key: str) -> dict[str, float]:
+    """``key.format(data_source)`` -> the mean of ``row[column]`` over each data source's rows."""
+    per_source: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        per_source[row[0]].append(row[column])
+    return {key.format(source): sum(v) / len(v) for source, v in per_source.items()}
 
 
 @torch.no_grad()

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 
 from klppo.data.batching import MicroBatching, micro_batch_plan, rank_shards, restore_order, row_chunks
-from klppo.distributed import all_gather_rows, all_reduce_max_int
+from klppo.distributed import all_gather_objects, all_gather_rows, all_reduce_max_int
 from klppo.models.forward import HeadSettings, response_logprobs, response_values, sequence_scores
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rewards.distill import group_ranking_rewards
-from klppo.rewards.score import score_responses
+from klppo.rewards.score import score_responses_with_components
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.adapters import adapters_at
@@ -45,6 +45,14 @@ class StepShards:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's per-row ``local`` results (for its ``mine`` rows) in the global batch's order."""
         return restore_order(all_gather_rows(local), [i for rows in self.rows for i in rows])
+
+    def gather_objects(self, local: list) -> list:
+        """``gather`` for a list of picklable per-row values."""
+        placed: list = [None] * sum(len(rows) for rows in self.rows)
+        for rows, values in zip(self.rows, all_gather_objects(local)):
+            for i, value in zip(rows, values, strict=True):
+                placed[i] = value
+        return placed
 
 
 def step_shards(parts: PPOParts, batch: RolloutBatch) -> StepShards:
@@ -128,10 +136,18 @@ def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable,
     ``prompt_places``: where each prompt of the step came from ("x.parquet row 5"), indexed by
     ``batch.group_index``; an error of the reward function names its response's.
     """
+    return compute_scores_with_components(batch, tokenizer, reward_fn, prompt_places)[0]
+
+
+def compute_scores_with_components(batch: RolloutBatch, tokenizer, reward_fn: Callable,
+                                   prompt_places: Sequence[str] | None = None
+                                   ) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """``compute_scores``' (B,) rewards and each response's reward components (``reward_components``)."""
     texts = decode_responses(batch, tokenizer)
     places = None if prompt_places is None else [prompt_places[g] for g in batch.group_index.tolist()]
-    scores = score_responses(reward_fn, batch.data_sources, texts, batch.ground_truths, batch.extra_infos, places)
-    return torch.tensor(scores, dtype=torch.float32, device=batch.response_mask.device)
+    scores, components = score_responses_with_components(reward_fn, batch.data_sources, texts, batch.ground_truths,
+                                                         batch.extra_infos, places)
+    return torch.tensor(scores, dtype=torch.float32, device=batch.response_mask.device), components
 
 
 # ---- the scoring phase of a step ----
@@ -193,21 +209,31 @@ def score_log_probs(parts: PPOParts, batch: RolloutBatch, shards: StepShards, ti
 
 def score_rewards(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer,
                   prompt_places: Sequence[str] | None = None) -> None:
-    """Fill ``batch``'s token-level scores, each rank scoring its rows (``score_batch``'s last part)."""
+    """Fill ``batch``'s token-level scores, each rank scoring its rows (``score_batch``'s last part),
+    and with a reward function its ``reward_components`` (each response's, in the batch's order)."""
     with timer.phase("reward"), parts.offloader.resident(*reward_model_roles(parts)):
-        scores = shards.gather(response_scores(parts, batch.select(shards.mine), prompt_places))
-        batch.token_level_scores = token_scores(parts.settings.reward, batch, scores)
+        local, components = scores_and_components(parts, batch.select(shards.mine), prompt_places)
+        batch.token_level_scores = token_scores(parts.settings.reward, batch, shards.gather(local))
+    if components is not None:
+        batch.reward_components = shards.gather_objects(components)
 
 
 def response_scores(parts: PPOParts, batch: RolloutBatch, prompt_places: Sequence[str] | None = None) -> torch.Tensor:
     """(B,) one score per response: recorded offline scores, or the reward function's; or
     (B, K) the scores of K reward models. ``prompt_places``: as ``compute_scores``'."""
+    return scores_and_components(parts, batch, prompt_places)[0]
+
+
+def scores_and_components(parts: PPOParts, batch: RolloutBatch, prompt_places: Sequence[str] | None = None
+                          ) -> tuple[torch.Tensor, list[dict[str, float]] | None]:
+    """``response_scores``, and with a reward function each response's components (None otherwise)."""
     if batch.recorded_scores is not None:
-        return batch.recorded_scores.to(parts.env.device)
+        return batch.recorded_scores.to(parts.env.device), None
     if not parts.reward_models:
-        return same_on_every_rank(lambda: compute_scores(batch, parts.tokenizer, parts.reward_fn, prompt_places))
+        return same_on_every_rank(lambda: compute_scores_with_components(batch, parts.tokenizer, parts.reward_fn,
+                                                                         prompt_places))
     rm = parts.settings.forwards.reward_model
-    return torch.stack([compute_rm_scores(model, batch, rm) for model in parts.reward_models], dim=-1)
+    return torch.stack([compute_rm_scores(model, batch, rm) for model in parts.reward_models], dim=-1), None
 
 
 def token_scores(reward: RewardSettings, batch: RolloutBatch, scores: torch.Tensor,

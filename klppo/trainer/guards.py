@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Optional
 
 from klppo.trainer.health import EntropyShift, EntropyTrend, GradSpikeDetector, SkippedStep
+from klppo.trainer.reward_hacking import DivergenceDetector, Trend
 
 GRAD_MODELS = ("actor", "critic")
 
@@ -45,6 +46,9 @@ class GuardSettings:
     entropy_surge: Optional[float] = None  # relative entropy rise over the window that is an event
     entropy_action: str = "warn"  # warn | stop | rollback
     initial_weights: bool = True  # a rollback can restore the initial weights (a reference or LoRA)
+    divergence_validations: int = 3  # validations over which training and gold reward are compared
+    divergence_action: str = "warn"  # warn | stop, when they diverge (reward_hacking.py)
+    divergence_margin: float = 0.05  # a reward change smaller than this is flat
 
 
 class Action(Enum):
@@ -58,7 +62,8 @@ class Action(Enum):
 class GuardEvent:
     step: int
     # rollback | early_stop | skip_nonfinite | stop_nonfinite | warn_entropy | warn_clipfrac |
-    # skip_grad_spike | rollback_grad_spike | stop_grad_spike | entropy_collapse | entropy_surge
+    # skip_grad_spike | rollback_grad_spike | stop_grad_spike | entropy_collapse | entropy_surge |
+    # reward_divergence
     kind: str
     message: str
     values: dict = field(default_factory=dict)
@@ -81,6 +86,8 @@ class RunGuard:
         on = settings.grad_spike is not None
         self.grads = {m: GradSpikeDetector(settings.window, settings.grad_spike) for m in GRAD_MODELS if on}
         self.entropy = EntropyTrend(settings.window, settings.entropy_collapse, settings.entropy_surge)
+        self.divergence = DivergenceDetector(settings.divergence_validations, settings.divergence_margin)
+        self.length_trend = Trend(settings.window)
 
     def _event(self, step: int, kind: str, message: str, **values) -> None:
         self.events.append(GuardEvent(step, kind, message, values))
@@ -251,11 +258,35 @@ class RunGuard:
         good = [s for s in self.good_checkpoints if existing is None or s in existing]
         return good[-1] if good else None
 
+    def observe_response_length(self, mean_length: float) -> float:
+        """This step's mean response length; its least-squares slope per step over the last ``window``
+        steps (``response_length/mean_trend``: a steadily growing length is a common sign of a
+        reward that pays for length)."""
+        return self.length_trend.observe(mean_length)
+
+    def check_validation(self, step: int, train_reward: float, gold_reward: float) -> Action:
+        """One validation's mean training and gold rewards on the same held-out responses; a new
+        divergence (``reward_hacking.py``) is a ``reward_divergence`` event, and stops the run with
+        ``divergence_action: stop``."""
+        found = self.divergence.observe(train_reward, gold_reward)
+        if found is None:
+            return Action.CONTINUE
+        action = self.s.divergence_action
+        self._event(step, "reward_divergence", f"training reward {found.train_change:+.4g} but gold reward "
+                    f"{found.gold_change:+.4g} over the last {found.validations} validations (divergence_margin "
+                    f"{self.s.divergence_margin}): the policy may be gaming its reward"
+                    + ("; run stopped" if action == "stop" else ""),
+                    train_change=found.train_change, gold_change=found.gold_change, validations=found.validations,
+                    action=action)
+        return Action.STOP if action == "stop" else Action.CONTINUE
+
     def state_dict(self) -> dict:
-        state = {k: v for k, v in vars(self).items() if k not in ("s", "events", "grads", "entropy")}
+        own = ("s", "events", "grads", "entropy", "divergence", "length_trend")
+        state = {k: v for k, v in vars(self).items() if k not in own}
         state["events"] = [asdict(e) for e in self.events]
         state["health"] = {"grads": {m: d.state_dict() for m, d in self.grads.items()},
-                           "entropy": self.entropy.state_dict()}
+                           "entropy": self.entropy.state_dict(), "divergence": self.divergence.state_dict(),
+                           "length_trend": self.length_trend.state_dict()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -268,6 +299,9 @@ class RunGuard:
                 if model in health["grads"]:
                     detector.load_state_dict(health["grads"][model])
             self.entropy.load_state_dict(health["entropy"])
+            if "divergence" in health:
+                self.divergence.load_state_dict(health["divergence"])
+                self.length_trend.load_state_dict(health["length_trend"])
 
 
 def most_severe(*actions: Action) -> Action:

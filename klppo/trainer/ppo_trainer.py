@@ -24,14 +24,14 @@ from klppo.monitoring.flops import UpdateWork, update_efficiency_metrics
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.monitoring.memory import PeakMemory
-from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics
+from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics, reward_component_metrics
 from klppo.monitoring.overlap import OverlapMeasure, profiled
 from klppo.monitoring.progress import Progress
 from klppo.monitoring.timer import PEAK_MEMORY, PhaseTimer
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer import run_state
 from klppo.trainer.adapters import export_model
-from klppo.trainer.build import PPOParts
+from klppo.trainer.build import GOLD_ROLE, PPOParts
 from klppo.trainer.evaluate import offline_policy_kl, validation_metrics
 from klppo.trainer.dynamic_sampling import scored_step_batch
 from klppo.trainer.forwards import reward_model_roles
@@ -98,7 +98,9 @@ class PPOTrainer:
         s, records = self.s, []
         has_val = bool(self.p.val_records or self.p.val_ranked)
         if s.val_only or (has_val and s.val_before_train and self.step == 0):
-            records.append(self._log(self._validate()))
+            first = self._validate()
+            self._guard_validation(first)  # the baseline of the divergence window; it cannot act yet
+            records.append(self._log(first))
         if s.val_only:
             return records
         while self.step < self.p.total_steps:
@@ -108,7 +110,9 @@ class PPOTrainer:
             if action is Action.ROLLBACK:
                 self._rollback()
             if action is Action.CONTINUE and has_val and s.test_freq > 0 and (self.step % s.test_freq == 0 or last):
-                metrics.update(self._validate())
+                validated = self._validate()
+                metrics.update(validated)
+                action = self._guard_validation(validated)
             # Log before saving: a crash in between leaves a logged step that resume truncates and
             # repeats, never a checkpointed step whose metrics were lost.
             records.append(self._log(metrics))
@@ -133,7 +137,7 @@ class PPOTrainer:
         for optimizer in (p.actor_optimizer, p.critic_optimizer):
             if optimizer is not None:
                 optimizer.state.clear()
-        p.ref, p.critic, p.reward_models = None, None, []
+        p.ref, p.critic, p.reward_models, p.gold_reward_model = None, None, [], None
         gc.collect()
 
     def train_step(self) -> tuple[dict[str, float | torch.Tensor], Action]:
@@ -164,6 +168,10 @@ class PPOTrainer:
                 action = self._guard_after_update(metrics, steps)
         # step 8. metrics
         data_metrics = compute_data_metrics(batch, self.s.response_length, grouped=adv.grouped)
+        data_metrics["response_length/mean_trend"] = self.guard.observe_response_length(
+            float(data_metrics["response_length/mean"]))  # host sync
+        if batch.reward_components is not None:
+            data_metrics.update(reward_component_metrics(batch.reward_components))
         if self.s.rollout == "offline" and "actor/kl_to_ref" in data_metrics:  # recorded: not a KL of the policy
             data_metrics["actor/kl_to_ref_recorded"] = data_metrics.pop("actor/kl_to_ref")
             if kl is not None:
@@ -263,6 +271,13 @@ class PPOTrainer:
         metrics.update(grad_metrics)
         return most_severe(action, after)
 
+    def _guard_validation(self, metrics: dict) -> Action:
+        """The divergence guard on a validation's training and gold reward (with ``trainer.gold_reward``);
+        both are gathered over the ranks, so every rank decides alike."""
+        if "val-gold/reward/mean" not in metrics:
+            return Action.CONTINUE
+        return self.guard.check_validation(self.step, metrics["val-core/reward/mean"], metrics["val-gold/reward/mean"])
+
     def _memory_metrics(self, timer: PhaseTimer) -> dict[str, float]:
         """Each phase's peak memory, the largest over ranks; ``perf/max_memory_allocated_gb`` the step's."""
         peaks = timer.peak_metrics()
@@ -286,7 +301,8 @@ class PPOTrainer:
 
     def _validate(self) -> dict[str, float]:
         timer = PhaseTimer(self.progress, self.memory)
-        with timer.phase("validate"), self.p.offloader.resident("actor", "ref", *reward_model_roles(self.p)):
+        models = ("actor", "ref", *reward_model_roles(self.p), GOLD_ROLE)  # the roles a run has
+        with timer.phase("validate"), self.p.offloader.resident(*models):
             metrics = validation_metrics(self.p)
         return {**metrics, **timer.metrics(), **max_over_ranks(timer.peak_metrics())}
 
@@ -312,6 +328,9 @@ class PPOTrainer:
             return
         with self.p.offloader.resident("actor", "critic"):
             self.step = run_state.restore(self.p, folder, self.guard)
+        # As after the save that wrote it (``save``): the next step's KL certifies this checkpoint, or the
+        # resumed guard would not know it good and a rollback would skip it (resume == uninterrupted).
+        self.guard.checkpoint_saved(self.step)
         if self.guard.lr_override is not None:
             run_state.apply_lr_override(self.p, self.guard.lr_override)
         self.folder.resumed_at = self.step
