@@ -493,8 +493,9 @@ class TrainerConfig:
     # The memory plan at the start of the run (klppo plan's estimate, before any model loads):
     # error stops a run whose peak estimate exceeds the device's memory by more than the
     # estimate's calibrated error (klppo.plan.check.ERROR_MARGIN) and warns nearer the limit;
-    # warn only warns; off (the default until the estimate's calibration table is measured) skips it (YAML reads a bare off as false, which means off too; true: error).
-    plan_check: Union[Literal["error", "warn", "off"], bool] = "off"
+    # warn only warns; off skips it (YAML reads a bare off as false, which means off too; true: error).
+    # An input the plan cannot read leaves the refusal to the run's own checks.
+    plan_check: Union[Literal["error", "warn", "off"], bool] = "error"
     # Memory per device the plan checks against ("80GiB", "24GB", or bytes); None = what this
     # machine has free (CUDA: the device's free memory; CPU: MemAvailable shared by a node's ranks).
     plan_device_memory: Optional[Union[str, int]] = None

@@ -72,8 +72,16 @@ def check_at_start(cfg: PPOConfig, *, world_size: int, device: str, free_bytes: 
     if mode == "off":
         return None
     device_bytes = device_bytes_from(cfg, None, free_bytes)
-    e, advice = plan_run(cfg, world_size=world_size, device=device, device_bytes=device_bytes,
-                         lengths=lengths_of(length_sample(cfg)))
+    try:
+        e, advice = plan_run(cfg, world_size=world_size, device=device, device_bytes=device_bytes,
+                             lengths=lengths_of(length_sample(cfg)))
+    except Exception as exc:  # noqa: BLE001 - the plan advises; it must not fail a run its inputs would pass
+        # An input the plan cannot read (a missing file, a damaged config.json) is refused by the
+        # run's own checks right after, with their more specific message: say so and leave it to them.
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        print_fn(f"[plan] not estimated ({type(exc).__name__}: {text})" if not isinstance(exc, UserError)
+                 else f"[plan] not estimated: {text}")
+        return None
     block = format_start_block(e, advice, mode)
     result = verdict(e)
     if result == "error" and mode == "error":

@@ -275,21 +275,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="klppo demo", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="demo_runs/arithmetic", help="output folder (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task, model and run")
-    parser.add_argument("--ppo-steps", type=int, default=40, help="PPO iterations (default: %(default)s)")
+    parser.add_argument("--ppo-steps", type=int, default=None,
+                        help="PPO iterations (default: 40; 80 with --reward-hacking)")
     parser.add_argument("--offline-rankings", action="store_true",
                         help="learn from ranked responses instead: a reward model, then offline KL-PPO on the "
                              "recorded rankings and on the reward model's")
     parser.add_argument("--lora", action="store_true", help="PPO trains LoRA adapters (rank 16) instead of all weights")
     parser.add_argument("--reward-hacking", action="store_true",
-                        help="train on a reward that also pays for length, with exact match as a held-out gold "
-                             "reward: the run's divergence guard reports the gaming")
+                        help="train on a biased grader that pays more for the answer one too many than for the right one, with "
+                             "exact match as a held-out gold reward: the divergence guard reports the gaming")
     args = parser.parse_args(argv)
     demo = run_rankings_demo if args.offline_rankings else run_demo
     if args.reward_hacking:
         from klppo.trainer.demo_reward_hacking import run_reward_hacking_demo
 
         demo = run_reward_hacking_demo
-    return run_cli(lambda: demo(Path(args.out), args.seed, args.ppo_steps, args.lora))
+    steps = args.ppo_steps or (80 if args.reward_hacking else 40)
+    return run_cli(lambda: demo(Path(args.out), args.seed, steps, args.lora))
 
 
 if __name__ == "__main__":

@@ -52,9 +52,27 @@ FIRING_DETECTORS = {"actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.g
                     "trainer.guard.entropy_collapse": 1e-5, "trainer.guard.entropy_surge": 1e-5}
 
 
-def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_overrides, tmp_path):
+# A gold reward that never moves beside a training reward that pays for length: the divergence
+# detector fires whenever the held-out responses grow over 3 validations (by any amount).
+GOLD_REWARDS = """
+def longer_is_better(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.01 * len(solution_str)
+
+
+def constant(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.0
+"""
+
+
+def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_overrides, task_dir, tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(GOLD_REWARDS)
+    gold = {"data.val_files": task_dir / "val.parquet", "trainer.test_freq": 1,
+            "custom_reward_function.path": rewards, "custom_reward_function.name": "longer_is_better",
+            "trainer.gold_reward.path": rewards, "trainer.gold_reward.name": "constant",
+            "trainer.guard.divergence_margin": 1e-9}
     changes = {"trainer.total_training_steps": 7, "trainer.save_freq": 1, "actor_rollout_ref.rollout.name": "offline",
-               **FIRING_DETECTORS}
+               **FIRING_DETECTORS, **gold}
     full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
     full = _train_cli(ppo_overrides(full_dir, **changes))
     assert full.wait(timeout=300) == 0, full.stderr.read()
@@ -76,6 +94,7 @@ def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_o
     events = read_jsonl(full_dir / EVENTS_FILE)
     fired = {e["kind"] for e in events}
     assert {"skip_grad_spike", "rollback_grad_spike"} <= fired and fired & {"entropy_collapse", "entropy_surge"}, fired
+    assert sum("val-gold/reward/mean" in r for r in read_metrics(full_dir)) >= 3, "validated with the gold reward"
     assert read_jsonl(killed_dir / EVENTS_FILE) == events, f"killed at step {kill_at}"
 
 

@@ -89,5 +89,5 @@ def test_the_guard_record_carries_the_detectors_windows():
     restored.load_state_dict(guard.state_dict())
     assert restored.state_dict() == guard.state_dict()
     assert restored.observe_response_length(8.0) == 2.0  # 4, 6, 8: the window came back
-    old_checkpoint = {k: v for k, v in guard.state_dict().items() if k not in ("divergence", "length_trend")}
+    old_checkpoint = {k: v for k, v in guard.state_dict().items() if k != "health"}
     RunGuard(SETTINGS).load_state_dict(old_checkpoint)  # written before the detectors: they start empty
