@@ -18,7 +18,7 @@ from klppo.config import PPOConfig
 from klppo.config.batch_sizes import uses_critic, uses_reference
 from klppo.config.lora import lora_enabled
 from klppo.config.schema import FSDPConfig, LoraKeys
-from klppo.plan.model_shape import ModelShape, read_model_shape
+from klppo.plan.model_shape import GOLD_ROLE, ModelShape, read_model_shape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -28,7 +28,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 class ModelPlan:
     """One model of the run, as its memory sees it."""
 
-    role: str  # actor | ref | critic | reward_model
+    role: str  # actor | ref | critic | reward_model | gold_reward_model
     shape: ModelShape
     parameters: int  # of the model this role loads (a critic's value head instead of the LM head)
     trainable: int  # parameters with gradients and optimiser state (all, the adapters, or none)
@@ -194,6 +194,8 @@ def read_shapes(cfg: PPOConfig) -> dict[str, ModelShape]:
         shapes["critic"] = shapes["actor"] if path == arf.model.path else read_model_shape(path, "critic.model.path")
     if cfg.reward_model.enable:
         shapes["reward_model"] = read_model_shape(cfg.reward_model.model.path, "reward_model.model.path")
+    if cfg.trainer.gold_reward.model_path:  # loaded with the others, used at validation only
+        shapes[GOLD_ROLE] = read_model_shape(cfg.trainer.gold_reward.model_path, "trainer.gold_reward.model_path")
     return shapes
 
 
@@ -206,9 +208,9 @@ def _models(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int) -> t
     if "critic" in shapes:
         models.append(model_plan("critic", shapes["critic"], critic.model.fsdp_config, world_size, lora=critic.model,
                                  checkpointing=critic.model.enable_gradient_checkpointing))
-    if "reward_model" in shapes:
-        models.append(model_plan("reward_model", shapes["reward_model"], cfg.reward_model.model.fsdp_config,
-                                 world_size, trains=False))
+    for role in ("reward_model", GOLD_ROLE):  # a gold reward model is sharded as the reward model is
+        if role in shapes:
+            models.append(model_plan(role, shapes[role], cfg.reward_model.model.fsdp_config, world_size, trains=False))
     return tuple(models)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from klppo.plan.inputs import ModelPlan, PlanSettings
+from klppo.plan.model_shape import GOLD_ROLE
 
 FP32 = 4
 # The resident set of a CPU rank before any model: Python, torch, transformers, the tokenizer,
@@ -265,7 +266,7 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
     after_critic = trained if not first_step else tuple(r for r in trained if r == "critic")
     out.append(_phase("update_actor", s, ("actor",),
                       update_items(s, actor, p.update_tokens, p.update_response_tokens, first_step), after_critic))
-    out.append(_phase("validate", s, ("actor", "ref", "reward_model"), gen if s.rollout != "offline" else scoring,
+    out.append(_phase("validate", s, ("actor", "ref", "reward_model", GOLD_ROLE), gen if s.rollout != "offline" else scoring,
                       trained))
     out.append(_phase("export", s, ("actor",), [("tensor being exported", 2 * actor.shape.embedding_parameters * FP32)],
                       trained))

@@ -19,6 +19,9 @@ from klppo.errors import UserError
 
 HEADER_LIMIT = 100 * 2**20  # safetensors refuses headers above 100 MB; so do we (a corrupt file)
 
+# The role of trainer.gold_reward.model_path, in the plan and in the run (its offloader name).
+GOLD_ROLE = "gold_reward_model"
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -52,7 +55,7 @@ class ModelShape:
         backbone = self.parameters - self.lm_head_parameters
         if role == "critic":
             return backbone + self.hidden_size + 1
-        if role == "reward_model":
+        if role in ("reward_model", GOLD_ROLE):
             return backbone + self.hidden_size
         return self.parameters
 

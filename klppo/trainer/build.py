@@ -26,6 +26,7 @@ from klppo.distributed import DistEnv
 from klppo.errors import UserError
 from klppo.models.load import check_same_tokenizer, check_trained_score_head, load_tokenizer
 from klppo.monitoring.memory import available_bytes
+from klppo.plan.model_shape import GOLD_ROLE
 from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.vllm import VLLMEngine, require_vllm
@@ -36,7 +37,6 @@ from klppo.trainer.setup import (
     Sharder, build_optimizer_and_scheduler, join_world, load_model, lora_spec, seed_everything,
 )
 
-GOLD_ROLE = "gold_reward_model"  # the offloader's name of trainer.gold_reward.model_path
 RANKING_COLUMNS = {"ranking", "rankings", "chosen"}  # offline files with these are ranked data
 # The two settings that weigh every recorded response by pi / mu: a row without mu cannot be weighed.
 ROLLOUT_CORRECTION_NEED = LogProbsNeed("algorithm.rollout_correction", "switch the correction off")

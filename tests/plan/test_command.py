@@ -164,3 +164,21 @@ def test_a_run_that_fits_prints_the_block_without_a_warning(ppo_overrides, tmp_p
     loaded, _, printed = _run(ppo_overrides, tmp_path, "trainer.plan_device_memory=64GiB", "trainer.plan_check=error")
     assert loaded
     assert ": fits" in printed and "warning" not in printed
+
+
+def test_a_gold_reward_model_is_planned_as_a_resident_reward_model(ppo_overrides, tiny_model_dir, tmp_path):
+    from klppo.config import load_ppo_config
+    from klppo.plan.check import plan_run
+    from klppo.plan.inputs import Lengths
+
+    def peaks(*changes):
+        cfg = load_ppo_config(None, ppo_overrides(tmp_path / "run") + list(changes))
+        e, _ = plan_run(cfg, world_size=1, device="cpu", device_bytes=64 << 30, lengths=Lengths.of([32], [16]))
+        return {p.phase: p for p in e.phases}
+
+    without = peaks("data.val_files=v.parquet")
+    with_gold = peaks("data.val_files=v.parquet", f"trainer.gold_reward.model_path={tiny_model_dir}")
+    assert with_gold.keys() == without.keys()
+    weights = dict(with_gold["validate"].items)["gold_reward_model weights"]
+    assert weights > 0 and "gold_reward_model weights" not in dict(without["validate"].items)
+    assert all(with_gold[name].total == without[name].total + weights for name in without)

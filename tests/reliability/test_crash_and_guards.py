@@ -44,16 +44,16 @@ def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 240.0) -> No
     raise AssertionError(f"step {step} never logged")
 
 
-# Run-health detectors at thresholds this run crosses (the tiny run's entropy moves by ~1e-5 a step,
+# Run-health detectors at thresholds this run crosses (the tiny run's entropy moves by ~1e-6 of itself a step,
 # its gradient norms by ~10%): their windows, skip counts, entropy episodes and certified checkpoints
 # must come back from the checkpoint exactly for the resumed run to repeat the uninterrupted one.
 FIRING_DETECTORS = {"actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.guard.window": 6,
-                    "trainer.guard.grad_spike": 0.5, "trainer.guard.max_grad_skips": 5,
-                    "trainer.guard.entropy_collapse": 1e-5, "trainer.guard.entropy_surge": 1e-5}
+                    "trainer.guard.grad_spike": 0.5, "trainer.guard.max_grad_skips": 8,
+                    "trainer.guard.entropy_collapse": 1e-7, "trainer.guard.entropy_surge": 1e-7}
 
 
 # A gold reward that never moves beside a training reward that pays for length: the divergence
-# detector fires whenever the held-out responses grow over 3 validations (by any amount).
+# detector fires whenever the sampled held-out responses grow over 3 validations (by any amount).
 GOLD_REWARDS = """
 def longer_is_better(data_source, solution_str, ground_truth, extra_info=None):
     return 0.01 * len(solution_str)
@@ -70,7 +70,8 @@ def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_o
     gold = {"data.val_files": task_dir / "val.parquet", "trainer.test_freq": 1,
             "custom_reward_function.path": rewards, "custom_reward_function.name": "longer_is_better",
             "trainer.gold_reward.path": rewards, "trainer.gold_reward.name": "constant",
-            "trainer.guard.divergence_margin": 1e-9}
+            "trainer.guard.divergence_margin": 1e-9,  # sampled held-out responses: their lengths move
+            "actor_rollout_ref.rollout.val_kwargs.do_sample": "true", "actor_rollout_ref.rollout.val_kwargs.temperature": 1.0}
     changes = {"trainer.total_training_steps": 7, "trainer.save_freq": 1, "actor_rollout_ref.rollout.name": "offline",
                **FIRING_DETECTORS, **gold}
     full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
@@ -94,7 +95,7 @@ def test_kill_9_at_a_random_step_then_resume_repeats_the_uninterrupted_run(ppo_o
     events = read_jsonl(full_dir / EVENTS_FILE)
     fired = {e["kind"] for e in events}
     assert {"skip_grad_spike", "rollback_grad_spike"} <= fired and fired & {"entropy_collapse", "entropy_surge"}, fired
-    assert sum("val-gold/reward/mean" in r for r in read_metrics(full_dir)) >= 3, "validated with the gold reward"
+    assert "reward_divergence" in fired, fired
     assert read_jsonl(killed_dir / EVENTS_FILE) == events, f"killed at step {kill_at}"
 
 

@@ -127,3 +127,17 @@ def test_reward_models_run_packed_with_their_own_fsdp_options(ppo_overrides, tas
     })
     record = run_ppo(None, overrides, print_fn=quiet)[-1]
     assert record["critic/score/max"] > record["critic/score/min"]
+
+
+def test_a_gold_reward_model_scores_the_held_out_responses_as_the_same_model_as_reward_would(
+        ppo_overrides, task_dir, reward_model_dir, tmp_path):
+    """At step 0 both runs validate the same model with the same greedy responses: the gold reward
+    model's mean is the reward model's (its score at validation), and the gold run trains on the rule."""
+    common = {"data.val_files": task_dir / "val.parquet", "trainer.total_training_steps": 1}
+    gold = run_ppo(None, ppo_overrides(tmp_path / "gold", **common, **{
+        "trainer.gold_reward.model_path": reward_model_dir}), print_fn=quiet)
+    scored = run_ppo(None, ppo_overrides(tmp_path / "rm", **common, **{
+        "reward_model.enable": "true", "reward_model.model.path": reward_model_dir}), print_fn=quiet)
+    assert gold[0]["step"] == scored[0]["step"] == 0
+    assert gold[0]["val-gold/reward/mean"] == pytest.approx(scored[0]["val-core/openai/gsm8k/reward/mean@1"], abs=1e-6)
+    assert gold[0]["val-core/reward/mean"] == gold[0]["val-core/openai/gsm8k/reward/mean@1"]  # the rule's
