@@ -210,7 +210,7 @@ class RunGuard:
         """An entropy collapse or surge: an event, and entropy_action (a rollback when one is left)."""
         what = "fell" if shift.kind == "entropy_collapse" else "rose"
         threshold = self.s.entropy_collapse if shift.kind == "entropy_collapse" else self.s.entropy_surge
-        why = (f"actor entropy {what} by {abs(shift.change):.0%} (more than {threshold:.0%}) to {shift.entropy:.4g} "
+        why = (f"actor entropy {what} by {percent(abs(shift.change))} (more than {percent(threshold)}) to {shift.entropy:.4g} "
                f"over the last {self.s.window} steps (earlier {shift.reference:.4g})")
         action, target, where = Action.CONTINUE, None, "warning only (entropy_action=warn)"
         if self.s.entropy_action == "stop":
@@ -302,6 +302,11 @@ class RunGuard:
             if "divergence" in health:
                 self.divergence.load_state_dict(health["divergence"])
                 self.length_trend.load_state_dict(health["length_trend"])
+
+
+def percent(fraction: float) -> str:
+    """0.5 -> "50%", 2e-6 -> "0.0002%": three significant digits, however small the fraction."""
+    return f"{fraction * 100:.3g}%"
 
 
 def most_severe(*actions: Action) -> Action:

@@ -63,3 +63,10 @@ def test_guard_record_round_trips_through_its_state_dict():
     restored = RunGuard(SETTINGS)
     restored.load_state_dict(guard.state_dict())
     assert restored.state_dict() == guard.state_dict()
+
+
+
+def test_entropy_messages_give_small_fractions_their_digits():
+    from klppo.trainer.guards import percent
+
+    assert (percent(0.5), percent(1.0), percent(2e-6)) == ("50%", "100%", "0.0002%")
