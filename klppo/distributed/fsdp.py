@@ -198,16 +198,20 @@ def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: to
     compute dtype), for generation: each FSDP unit is all-gathered once here (as a forward would),
     so decoding with the copy runs no collective (verl's hybrid engine, without an inference
     server). Collective. ``prepare``: as in ``plain_copy`` (a LoRA copy's adapters).
+
+    One unit is whole at a time: its parameters are copied and it is resharded before the next
+    is gathered, so building the copy peaks at the copy plus one unit, not at two whole models
+    (every unit gathered at once, then copied: measured on 2 ranks of a 0.5B model, 6.0 GiB per
+    rank at generation where the plan's copy-plus-cache estimate was 4.2).
     """
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for handle in [unit.unshard(async_op=True) for unit in units]:  # one all-gather per block, as a forward
-        if handle is not None:
-            handle.wait()
-    try:  # while unsharded, the modules hold their whole parameters (in FSDP2's compute dtype)
-        params = {name: param.detach().to(device=device, dtype=dtype or param.dtype, copy=True)
-                  for name, param in model.named_parameters()}  # tied parameters come once
-    finally:
-        for unit in units:
+    params: dict[str, torch.Tensor] = {}
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        unit.unshard()
+        try:  # while unsharded, the unit's parameters are plain, whole tensors (in FSDP2's compute dtype)
+            for name, param in model.named_parameters():  # tied parameters come once
+                if name not in params and not isinstance(param, DTensor):
+                    params[name] = param.detach().to(device=device, dtype=dtype or param.dtype, copy=True)
+        finally:
             unit.reshard()
     return plain_copy(model, params, prepare)
 
