@@ -67,7 +67,7 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
     if parts.val_records:
 
         def scorer(batch: RolloutBatch, places: list[str]) -> torch.Tensor:
-            return token_scores(s.reward, batch, response_scores(parts, batch, places), validation=True)
+            return token_scores(s.reward, batch, response_scores(parts, batch, places)[0], validation=True)
 
         with validation_sampler(parts) as (sample, group_size):  # as training samples (responses.py)
             metrics.update(validate(None, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
@@ -94,7 +94,7 @@ def gold_scorer(parts: PPOParts) -> Optional[Callable[[RolloutBatch, list[str]],
     if parts.gold_reward_fn is None:
         return None
     return lambda batch, places: same_on_every_rank(
-        lambda: compute_scores(batch, parts.tokenizer, parts.gold_reward_fn, places))
+        lambda: compute_scores(batch, parts.tokenizer, parts.gold_reward_fn, places)[0])
 
 
 def reference_of(record: PromptRecord) -> Optional[str]:

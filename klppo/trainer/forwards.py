@@ -129,20 +129,13 @@ def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
     ]
 
 
-def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable,
-                   prompt_places: Sequence[str] | None = None) -> torch.Tensor:
-    """(B,) each response's rule reward.
+def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable, prompt_places: Sequence[str] | None = None
+                   ) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """(B,) each response's rule reward, and each response's reward components (``reward_components``).
 
     ``prompt_places``: where each prompt of the step came from ("x.parquet row 5"), indexed by
     ``batch.group_index``; an error of the reward function names its response's.
     """
-    return compute_scores_with_components(batch, tokenizer, reward_fn, prompt_places)[0]
-
-
-def compute_scores_with_components(batch: RolloutBatch, tokenizer, reward_fn: Callable,
-                                   prompt_places: Sequence[str] | None = None
-                                   ) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """``compute_scores``' (B,) rewards and each response's reward components (``reward_components``)."""
     texts = decode_responses(batch, tokenizer)
     places = None if prompt_places is None else [prompt_places[g] for g in batch.group_index.tolist()]
     scores, components = score_responses_with_components(reward_fn, batch.data_sources, texts, batch.ground_truths,
@@ -212,26 +205,21 @@ def score_rewards(parts: PPOParts, batch: RolloutBatch, shards: StepShards, time
     """Fill ``batch``'s token-level scores, each rank scoring its rows (``score_batch``'s last part),
     and with a reward function its ``reward_components`` (each response's, in the batch's order)."""
     with timer.phase("reward"), parts.offloader.resident(*reward_model_roles(parts)):
-        local, components = scores_and_components(parts, batch.select(shards.mine), prompt_places)
+        local, components = response_scores(parts, batch.select(shards.mine), prompt_places)
         batch.token_level_scores = token_scores(parts.settings.reward, batch, shards.gather(local))
     if components is not None:
         batch.reward_components = shards.gather_objects(components)
 
 
-def response_scores(parts: PPOParts, batch: RolloutBatch, prompt_places: Sequence[str] | None = None) -> torch.Tensor:
-    """(B,) one score per response: recorded offline scores, or the reward function's; or
-    (B, K) the scores of K reward models. ``prompt_places``: as ``compute_scores``'."""
-    return scores_and_components(parts, batch, prompt_places)[0]
-
-
-def scores_and_components(parts: PPOParts, batch: RolloutBatch, prompt_places: Sequence[str] | None = None
-                          ) -> tuple[torch.Tensor, list[dict[str, float]] | None]:
-    """``response_scores``, and with a reward function each response's components (None otherwise)."""
+def response_scores(parts: PPOParts, batch: RolloutBatch, prompt_places: Sequence[str] | None = None
+                    ) -> tuple[torch.Tensor, list[dict[str, float]] | None]:
+    """(B,) one score per response: recorded offline scores, or the reward function's; or (B, K)
+    the scores of K reward models. With a reward function, each response's components too (None
+    otherwise). ``prompt_places``: as ``compute_scores``'."""
     if batch.recorded_scores is not None:
         return batch.recorded_scores.to(parts.env.device), None
     if not parts.reward_models:
-        return same_on_every_rank(lambda: compute_scores_with_components(batch, parts.tokenizer, parts.reward_fn,
-                                                                         prompt_places))
+        return same_on_every_rank(lambda: compute_scores(batch, parts.tokenizer, parts.reward_fn, prompt_places))
     rm = parts.settings.forwards.reward_model
     return torch.stack([compute_rm_scores(model, batch, rm) for model in parts.reward_models], dim=-1), None
 
