@@ -1,6 +1,7 @@
 """Fixtures shared by the end-to-end tests: a tiny model folder and the arithmetic task on disk."""
 
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -157,3 +158,29 @@ def gpu_host(monkeypatch):
     from tests.gpu_host import pretend_gpu_host
 
     pretend_gpu_host(monkeypatch.setattr)
+
+
+@pytest.fixture
+def crash_after_logging(monkeypatch):
+    """``with crash_after_logging(step): run(...)``: the run stops with a KeyboardInterrupt right
+    after ``step`` is logged and before it is saved, as a killed process would (the block expects it)."""
+    from klppo.monitoring.logger import MetricsLogger
+
+    real_log = MetricsLogger.log
+
+    @contextmanager
+    def crashing(step: int):
+        def log_then_crash(self, logged, metrics, total=None):
+            record = real_log(self, logged, metrics, total)
+            if logged == step:
+                raise KeyboardInterrupt
+            return record
+
+        monkeypatch.setattr(MetricsLogger, "log", log_then_crash)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                yield
+        finally:
+            monkeypatch.setattr(MetricsLogger, "log", real_log)
+
+    return crashing

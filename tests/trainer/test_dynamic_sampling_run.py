@@ -103,7 +103,7 @@ def _comparable(record: dict) -> dict:
 
 
 def test_online_filter_groups_resumes_exactly_as_the_uninterrupted_run(ppo_overrides, task_dir, tmp_path,
-                                                                       monkeypatch):
+                                                                       crash_after_logging):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     changes = {"data.train_files": task_dir / "train.parquet", "actor_rollout_ref.rollout.name": "hf",
@@ -119,20 +119,8 @@ def test_online_filter_groups_resumes_exactly_as_the_uninterrupted_run(ppo_overr
             2 * r["training/filter_groups/gen_batches"]
     assert max(r["training/filter_groups/gen_batches"] for r in full[1:]) > 1  # a resumed step draws again
 
-    from klppo.monitoring.logger import MetricsLogger
-
-    real_log = MetricsLogger.log
-
-    def crash_after_step_2(self, step, metrics, total=None):
-        record = real_log(self, step, metrics, total)
-        if step == 2:  # logged, not yet saved: the checkpoint is step 1's
-            raise KeyboardInterrupt
-        return record
-
-    monkeypatch.setattr(MetricsLogger, "log", crash_after_step_2)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_after_logging(2):  # logged, not yet saved: the checkpoint is step 1's
         run_ppo(None, ppo_overrides(tmp_path / "crashed", **changes), print_fn=quiet)
-    monkeypatch.setattr(MetricsLogger, "log", real_log)
     resumed = run_ppo(None, ppo_overrides(tmp_path / "crashed", **changes), print_fn=quiet)
     assert [r["step"] for r in resumed] == [2, 3]
     assert [_comparable(r) for r in resumed] == [_comparable(r) for r in full[1:]]

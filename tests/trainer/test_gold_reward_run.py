@@ -113,22 +113,10 @@ def test_the_length_trend_is_the_slope_of_the_last_window_steps_mean_lengths(gol
                                                                 for i in range(len(means))]
 
 
-def test_a_resumed_run_keeps_the_detectors_windows_as_the_uninterrupted_run(gold_runs, monkeypatch):
+def test_a_resumed_run_keeps_the_detectors_windows_as_the_uninterrupted_run(gold_runs, crash_after_logging):
     make, root, full = gold_runs
-    from klppo.monitoring.logger import MetricsLogger
-
-    real_log = MetricsLogger.log
-
-    def crash_after_step_3(self, step, metrics, total=None):
-        record = real_log(self, step, metrics, total)
-        if step == 3:
-            raise KeyboardInterrupt
-        return record
-
-    monkeypatch.setattr(MetricsLogger, "log", crash_after_step_3)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_after_logging(3):
         make(root / "crashed")
-    monkeypatch.setattr(MetricsLogger, "log", real_log)
     resumed = make(root / "crashed")  # from the checkpoint of step 2
     assert [r["step"] for r in resumed] == [3]
     assert [_training_numbers(r) for r in resumed] == [_training_numbers(r) for r in full[3:]]

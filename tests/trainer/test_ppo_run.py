@@ -112,7 +112,8 @@ def _comparable(record: dict) -> dict:
 
 
 @pytest.mark.parametrize("rollout", ["offline", "hf"])
-def test_resumed_run_repeats_the_uninterrupted_run_exactly(ppo_overrides, task_dir, tmp_path, monkeypatch, rollout):
+def test_resumed_run_repeats_the_uninterrupted_run_exactly(ppo_overrides, task_dir, tmp_path, crash_after_logging,
+                                                          rollout):
     changes = {"trainer.total_training_steps": 4, "trainer.save_freq": 2, "actor_rollout_ref.rollout.name": rollout,
                "algorithm.kl_ctrl.type": "adaptive"}
     if rollout == "hf":
@@ -120,20 +121,8 @@ def test_resumed_run_repeats_the_uninterrupted_run_exactly(ppo_overrides, task_d
     full = run_ppo(None, ppo_overrides(tmp_path / "full", **changes), print_fn=quiet)
 
     # Crash right after step 3 is logged (its checkpoint is step 2), as a killed process would.
-    from klppo.monitoring.logger import MetricsLogger
-
-    real_log = MetricsLogger.log
-
-    def crash_after_step_3(self, step, metrics, total=None):
-        record = real_log(self, step, metrics, total)
-        if step == 3:
-            raise KeyboardInterrupt
-        return record
-
-    monkeypatch.setattr(MetricsLogger, "log", crash_after_step_3)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_after_logging(3):
         run_ppo(None, ppo_overrides(tmp_path / "crashed", **changes), print_fn=quiet)
-    monkeypatch.setattr(MetricsLogger, "log", real_log)
     resumed = run_ppo(None, ppo_overrides(tmp_path / "crashed", **changes), print_fn=quiet)
 
     assert [r["step"] for r in resumed] == [3, 4]
