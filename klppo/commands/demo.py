@@ -130,7 +130,7 @@ def with_changes(overrides: list[str], changes: dict[str, str]) -> list[str]:
 def warm_start(out: Path, seed: int, print_fn) -> tuple[Path, Path]:
     """The task's data and the SFT model every demo starts from: (data dir, SFT model dir)."""
     from klppo.config import load_sft_config
-    from klppo.trainer.main_sft import run_sft
+    from klppo.commands.main_sft import run_sft
 
     data_dir, init_dir = prepare(out, seed, print_fn)
     sft = sft_overrides(data_dir, init_dir, out / "sft", seed)
@@ -139,7 +139,7 @@ def warm_start(out: Path, seed: int, print_fn) -> tuple[Path, Path]:
 
 
 def run_demo(out: Path, seed: int, ppo_steps: int, lora: bool = False, print_fn=print) -> list[dict]:
-    from klppo.trainer.main_ppo import run_ppo
+    from klppo.commands.main_ppo import run_ppo
 
     quiet_libraries()
     start = time.perf_counter()
@@ -242,8 +242,8 @@ def run_rankings_demo(out: Path, seed: int, ppo_steps: int, lora: bool = False, 
     ranked by the reward model. Both are distilled into rewards by Bradley-Terry."""
     from klppo.config import load_rm_config
     from klppo.monitoring.logger import read_metrics
-    from klppo.trainer.main_ppo import run_ppo
-    from klppo.trainer.main_rm import run_rm
+    from klppo.commands.main_ppo import run_ppo
+    from klppo.commands.main_rm import run_rm
 
     quiet_libraries()
     start = time.perf_counter()
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     demo = run_rankings_demo if args.offline_rankings else run_demo
     if args.reward_hacking:
-        from klppo.trainer.demo_reward_hacking import run_reward_hacking_demo
+        from klppo.commands.demo_reward_hacking import run_reward_hacking_demo
 
         demo = run_reward_hacking_demo
     steps = args.ppo_steps or (80 if args.reward_hacking else 40)

@@ -1,4 +1,4 @@
-"""``python -m klppo.trainer.main_ppo --config x.yaml [key.path=value ...]``: one PPO run.
+"""``klppo ppo`` / ``python -m klppo.trainer.main_ppo --config x.yaml [key.path=value ...]``: one PPO run.
 
 The same command runs under ``torchrun --nproc_per_node N -m klppo.trainer.main_ppo ...``:
 every process joins the process group, trains its share, and leaves it cleanly; a process
@@ -17,8 +17,8 @@ from klppo.config import format_config, load_ppo_config
 def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> list[dict]:
     """Validate the config, build everything, train; returns the logged metrics records."""
     from klppo.distributed import run_on_ranks
-    from klppo.trainer.build import start_processes
-    from klppo.trainer.setup import check_run_dir, return_freed_memory
+    from klppo.run.build import start_processes
+    from klppo.run.setup import check_run_dir, return_freed_memory
 
     cfg = load_ppo_config(config_path, overrides)
     check_run_dir(cfg.trainer.default_local_dir)
@@ -30,10 +30,10 @@ def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> li
 
 def _train(cfg, env, print_fn) -> list[dict]:
     from klppo.monitoring.memory import PeakMemory
-    from klppo.trainer.build import build_ppo
+    from klppo.run.build import build_ppo
     from klppo.trainer.ppo_trainer import PPOTrainer
-    from klppo.trainer.run_state import resume_target
-    from klppo.trainer.setup import same_on_every_rank
+    from klppo.run.state import resume_target
+    from klppo.run.setup import same_on_every_rank
 
     check_memory_plan(cfg, env, print_fn)  # before any model loads; a run that cannot fit stops here
     setup_memory = PeakMemory(env.device)
@@ -41,7 +41,7 @@ def _train(cfg, env, print_fn) -> list[dict]:
     parts = build_ppo(cfg, log=print_fn, env=env)  # the config's, data's and models' user errors surface here
     with engine_stopped_at_the_end(parts):
         resume_from = same_on_every_rank(lambda: resume_target(parts))  # so does a checkpoint that cannot be resumed
-        # The run folder is first written once the first step is logged (klppo.trainer.run_folder).
+        # The run folder is first written once the first step is logged (klppo.run.folder).
         trainer = PPOTrainer(parts, print_fn=print_fn, setup_peak_gb=setup_memory.peak_gb(),
                              config_text=format_config(cfg))
         return trainer.fit(resume_from)

@@ -24,10 +24,10 @@ from klppo.trainer.forwards import (
     compute_log_prob, compute_rm_scores, compute_scores, decode_responses, reference_model, response_scores, token_scores,
 )
 from klppo.trainer.responses import VALIDATION, engine_seeds, generation_model, sync_engine_weights
-from klppo.trainer.setup import same_on_every_rank
+from klppo.run.setup import same_on_every_rank
 
 if TYPE_CHECKING:
-    from klppo.trainer.build import PPOParts
+    from klppo.run.build import PPOParts
 
 WHOLE = MicroBatching()  # validation forwards take each batch at once
 CPU = torch.device("cpu")

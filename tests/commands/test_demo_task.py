@@ -5,7 +5,7 @@ import re
 import pyarrow.parquet as pq
 
 from klppo.data.arithmetic import is_held_out
-from klppo.trainer.demo import MAX_OPERAND, prepare, prepare_rankings, with_changes
+from klppo.commands.demo import MAX_OPERAND, prepare, prepare_rankings, with_changes
 
 SOLUTION = re.compile(r"^(\d+) ([+-]) (\d+) = ")
 

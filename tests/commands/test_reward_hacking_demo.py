@@ -6,8 +6,8 @@ import pytest
 
 from klppo.config import load_ppo_config
 from klppo.rewards.arithmetic_demo import biased_grader, exact_match
-from klppo.trainer import demo, demo_reward_hacking
-from klppo.trainer.demo_reward_hacking import reward_hacking_overrides, validation_table
+from klppo.commands import demo, demo_reward_hacking
+from klppo.commands.demo_reward_hacking import reward_hacking_overrides, validation_table
 
 
 @pytest.mark.parametrize("text, score, right, one_too_many", [
