@@ -36,7 +36,7 @@ RUNS = (("1 process", 1, "auto"), ("2 ranks, sharded", 2, "sharded"), ("2 ranks,
 
 
 def overrides(data: Path, model: Path, run_dir: Path, steps: int, world: int, weights: str) -> list[str]:
-    from klppo.commands.demo import ppo_overrides
+    from klppo.commands.demo_recipe import ppo_overrides
 
     base = [o for o in ppo_overrides(data, model, run_dir, seed=0, steps=steps) if not o.startswith("data.val_files")]
     return base + ["data.val_files=null", "trainer.test_freq=-1", "trainer.logger=[]",
@@ -70,7 +70,7 @@ def main(argv=None) -> dict[str, float]:
         return backends_child(Path(args.child), args.prompts, args.tokens, args.repeats)
     if args.backends:
         return compare_backends(args)
-    from klppo.commands.demo import prepare
+    from klppo.commands.demo_recipe import prepare
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from klppo.cli_support import quiet_libraries
-from klppo.commands.demo import LORA, ppo_overrides, warm_start, with_changes
+from klppo.commands.demo_recipe import LORA, ppo_overrides, warm_start, with_changes
 
 RUN = "ppo_reward_hacking"
 
