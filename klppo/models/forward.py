@@ -19,12 +19,9 @@ is None AND there is no cache. With ``use_cache=False`` the sdpa and eager imple
 then get a block-diagonal causal mask and each sequence sees only itself: exact. With the
 cache on (a causal LM's default when ``config.use_cache`` is true) the detection is skipped
 and every token attends to the earlier sequences of the row, silently. So every forward here
-passes ``use_cache=False``. That mask is (N, N): attention costs N^2 instead of the sum of
-the squared sequence lengths, which on a row of thousands of tokens is most of the forward.
-``use_packed_attention`` therefore switches an sdpa model to ``PACKED_SDPA``, which runs sdpa
-causally on each sequence of a packed row (from ``cu_seq_lens_q``, or from the position ids)
-and is plain sdpa for everything else. Flash-attention models (CUDA, ``flash_attention_2``)
-read the same ``cu_seq_lens_*`` / ``max_length_*`` keyword arguments and run varlen kernels.
+passes ``use_cache=False``, and the sequences' bounds as flash-attention's ``cu_seq_lens_*`` /
+``max_length_*`` keyword arguments. Which attention runs the row (one varlen kernel per layer
+on CUDA, a loop over the sequences on CPU) is chosen once per run: ``klppo.models.attention``.
 
 How log-probs are read from the head (``HeadSettings``): by default the (.., V) logits are
 computed whole, upcast to fp32 and reduced; ``fused`` reads them chunk by chunk through the
@@ -33,7 +30,6 @@ head instead (``klppo.models.fused_head``), never holding the logits of all toke
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -42,106 +38,16 @@ from functools import partial
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
 from klppo.algo import entropy_from_logits, logprobs_from_logits
 from klppo.data.batching import PackedBatch, pack
+from klppo.models.attention import PACKED_SDPA, ROW_BOUNDS, use_packed_attention  # noqa: F401 - re-exported
 from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_head_unsupported, fused_lm_head
-
-PACKED_SDPA = "klppo_packed_sdpa"
-# The keyword argument that hands PACKED_SDPA each row's sequence bounds once per forward.
-ROW_BOUNDS = "klppo_row_bounds"
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, L) bool -> (B, L) long positions counting real tokens only (left padding gets 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-# ---- attention for packed rows ----
-
-
-def _segment_bounds(position_ids: torch.Tensor) -> list[int]:
-    """Start of each packed sequence in one row of position ids, then the row length."""
-    steps = torch.diff(position_ids, prepend=position_ids[:1] - 1)
-    return (steps != 1).nonzero().flatten().tolist() + [position_ids.shape[0]]  # host-device sync
-
-
-def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """sdpa, run causally on each sequence of a packed row; plain sdpa otherwise.
-
-    query (B, H, L, D), key/value (B, Hkv, L, D) -> (B, L, H, D). A row is packed when no mask
-    is given and its position ids restart (or ``cu_seq_lens_q`` marks the sequences).
-
-    klppo's forwards pass each row's bounds ``[0, end_1, ..., L]`` as ``klppo_row_bounds``
-    (``_bounds_kwargs``), read on the host once per forward. Without them (generation, other
-    callers) they are read here from ``cu_seq_lens_q`` or the position ids: a host-device sync
-    in every layer, which also stalls FSDP2's prefetch of the next layer.
-    """
-    rows = query.shape[0]
-    bounds = kwargs.pop(ROW_BOUNDS, None)
-    position_ids = kwargs.get("position_ids")
-    cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if attention_mask is not None or query.shape[2] != key.shape[2] or (
-            bounds is None and position_ids is None and cu_seqlens is None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if bounds is None and cu_seqlens is not None and rows == 1:
-        bounds = [cu_seqlens.tolist()]  # host-device sync
-    elif bounds is None:
-        bounds = [_segment_bounds(position_ids.expand(rows, -1)[r]) for r in range(rows)]
-    if all(len(b) <= 2 for b in bounds):  # one sequence per row: nothing is packed
-        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("packed rows with sliding-window attention; set model.use_remove_padding=false")
-    out = []
-    for r, row_bounds in enumerate(bounds):
-        lengths = [b - a for a, b in zip(row_bounds[:-1], row_bounds[1:]) if b > a]
-        # One split per tensor: its backward is one concatenation, where slicing per sequence
-        # would add a zero-filled full-size gradient per sequence.
-        splits = (t[r : r + 1].split(lengths, dim=2) for t in (query, key, value))
-        pieces = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
-                  for q, k, v in zip(*splits)]
-        out.append(torch.cat(pieces, dim=1))  # (1, L, H, D)
-    return torch.cat(out, dim=0), None
-
-
-def _packed_sdpa_mask(*args, **kwargs):
-    """sdpa's mask, but none for rows without padding and cache: packing is read from positions."""
-    if (kwargs.get("attention_mask") is None and kwargs.get("local_size") is None and not kwargs.get("q_offset")
-            and not kwargs.get("kv_offset") and kwargs.get("q_length") == kwargs.get("kv_length")):
-        return None
-    return sdpa_mask(*args, **kwargs)
-
-
-AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
-AttentionMaskInterface.register(PACKED_SDPA, _packed_sdpa_mask)
-
-
-def packed_attention_for(device_type: str, compute_dtype: torch.dtype | None, flash_installed: bool) -> str:
-    """The attention packed rows run with: flash-attention's varlen kernels on CUDA when the
-    ``flash_attn`` package is installed and the model computes in bf16 or fp16 (its kernels
-    take nothing else), else ``PACKED_SDPA``."""
-    if device_type == "cuda" and flash_installed and compute_dtype in (torch.bfloat16, torch.float16):
-        return "flash_attention_2"
-    return PACKED_SDPA
-
-
-def use_packed_attention(model: torch.nn.Module, compute_dtype: torch.dtype | None = None,
-                         device_type: str | None = None) -> str:
-    """Switch an sdpa model to the attention for packed rows (``packed_attention_for``; other
-    implementations are kept); returns the one in use. ``device_type``: where the model will run
-    (default: where its parameters are; a model built on the meta device must say).
-
-    Both are exact for padded and packed input alike, so they can stay on for generation and
-    the padded path. Neither is saved with the model: ``save_pretrained`` does not write it.
-    """
-    if model.config._attn_implementation == "sdpa":
-        device_type = device_type or next(model.parameters()).device.type
-        flash = importlib.util.find_spec("flash_attn") is not None
-        model.set_attn_implementation(packed_attention_for(device_type, compute_dtype, flash))
-    return model.config._attn_implementation
 
 
 # ---- where the response is read ----
@@ -206,7 +112,8 @@ def _packed_forward(model, input_ids, attention_mask, response_length, lm: bool,
 
 
 def _varlen(packed: PackedBatch) -> dict:
-    """flash-attention's varlen arguments; PACKED_SDPA reads cu_seq_lens_q; sdpa/eager ignore them."""
+    """flash-attention's varlen arguments: the packed attentions (PACKED_VARLEN, flash_attention_2) run
+    the row's sequences from them; sdpa/eager ignore them (their mask comes from the position ids)."""
     return {"cu_seq_lens_q": packed.cu_seqlens, "cu_seq_lens_k": packed.cu_seqlens,
             "max_length_q": packed.max_seqlen, "max_length_k": packed.max_seqlen}
 
@@ -362,8 +269,9 @@ def sequence_scores(reward_model: torch.nn.Module, input_ids: torch.Tensor, atte
     try:
         if packed:
             rows = pack(input_ids, attention_mask)
+            bounds = _bounds_kwargs(reward_model, [list(itertools.accumulate(rows.lengths, initial=0))])
             reward_model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=None,
-                         use_cache=False, **_varlen(rows))
+                         use_cache=False, **_varlen(rows), **bounds)
         else:
             reward_model(input_ids=input_ids, attention_mask=attention_mask.long(),
                          position_ids=position_ids_from_mask(attention_mask), use_cache=False)

@@ -5,12 +5,12 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from klppo.data.batching import pack
-from klppo.models.forward import (
-    PACKED_SDPA, packed_attention_for, response_logprobs, response_values, use_packed_attention,
-)
+from klppo.models.attention import PACKED_SDPA, PACKED_VARLEN, set_packed_attention, use_packed_attention
+from klppo.models.forward import response_logprobs, response_values
 from klppo.models.tiny import tiny_model_config
 
-IMPLEMENTATIONS = ["sdpa", "eager", PACKED_SDPA]
+# PACKED_VARLEN runs fp32 packed rows as one sdpa call with a block-diagonal mask (no varlen kernel on CPU)
+IMPLEMENTATIONS = ["sdpa", "eager", PACKED_SDPA, PACKED_VARLEN]
 
 
 def _models(implementation: str):
@@ -100,23 +100,25 @@ def test_with_the_cache_on_transformers_lets_packed_sequences_see_each_other(imp
     assert (leaked[:, first:] - isolated[:, first:]).abs().max() > 1e-2
 
 
-def test_packed_attention_gradients_equal_sdpa_gradients():
+@pytest.mark.parametrize("packed_attention", [PACKED_SDPA, PACKED_VARLEN])
+def test_packed_attention_gradients_equal_sdpa_gradients(packed_attention):
     ids, mask, width = _batch()
     grads = {}
-    for implementation in ("sdpa", PACKED_SDPA):
+    for implementation in ("sdpa", packed_attention):
         actor, _ = _models(implementation)
         lp, ent = response_logprobs(actor, ids, mask, width, with_entropy=True, packed=True)
         (lp.sum() + ent.sum()).backward()
         grads[implementation] = [p.grad.clone() for p in actor.parameters()]
-    for a, b in zip(grads["sdpa"], grads[PACKED_SDPA]):
+    for a, b in zip(grads["sdpa"], grads[packed_attention]):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)  # sums over the whole row: fp32 noise
 
 
-def test_packed_attention_generates_like_sdpa_and_is_not_saved(tmp_path):
+@pytest.mark.parametrize("packed_attention", [PACKED_SDPA, PACKED_VARLEN])
+def test_packed_attention_generates_like_sdpa_and_is_not_saved(tmp_path, packed_attention):
     ids, mask, _ = _batch(response_lens=(0, 0, 0, 0, 0), response_width=0)  # left-padded prompts
     plain, _ = _models("sdpa")
     switched, _ = _models("sdpa")
-    assert use_packed_attention(switched) == PACKED_SDPA
+    assert set_packed_attention(switched, packed_attention) == packed_attention
     kwargs = dict(input_ids=ids, attention_mask=mask.long(), max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(switched.generate(**kwargs), plain.generate(**kwargs))
     switched.save_pretrained(tmp_path)
@@ -126,14 +128,3 @@ def test_packed_attention_generates_like_sdpa_and_is_not_saved(tmp_path):
 def test_use_packed_attention_keeps_eager():
     actor, _ = _models("eager")
     assert use_packed_attention(actor) == "eager"
-
-
-@pytest.mark.parametrize("device, dtype, flash, expected", [
-    ("cuda", torch.bfloat16, True, "flash_attention_2"),
-    ("cuda", torch.float16, True, "flash_attention_2"),
-    ("cuda", None, True, PACKED_SDPA),  # fp32 compute: flash-attention's kernels take bf16/fp16 only
-    ("cuda", torch.bfloat16, False, PACKED_SDPA),  # the flash_attn package is not installed
-    ("cpu", torch.bfloat16, True, PACKED_SDPA),
-])
-def test_packed_rows_use_flash_attention_varlen_only_where_it_runs(device, dtype, flash, expected):
-    assert packed_attention_for(device, dtype, flash) == expected

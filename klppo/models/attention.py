@@ -1,0 +1,232 @@
+"""Attention for packed rows: one implementation per run, chosen by device, dtype and what is installed.
+
+Legend: N real tokens of a packed (1, N) row, H query heads, Hkv key/value heads, D head size.
+A packed row (``klppo.models.forward``, verl's ``use_remove_padding``) holds many sequences,
+its position ids restarting at 0 per sequence; each sequence must attend only to itself.
+
+The candidates (``packed_attention_for`` picks one; benchmarks/README.md has the figures):
+- ``PACKED_VARLEN`` (CUDA, bf16/fp16): PyTorch's own variable-length flash kernel,
+  ``torch.nn.attention.varlen.varlen_attn``, forward and backward, one call per layer for
+  the whole row; no extra package. torch 2.10 takes ``is_causal``, 2.11 on ``window_size``
+  (``(-1, 0)`` is causal), 2.12 on also ``enable_gqa``; older ones expand the key/value heads.
+- ``flash_attention_2`` (CUDA, bf16/fp16, the ``flash_attn`` package): transformers' own; it
+  reads the same ``cu_seq_lens_*`` / ``max_length_*`` keyword arguments and runs varlen kernels.
+- ``sdpa``: transformers' sdpa, which finds the packed sequences in the position ids and
+  builds one (N, N) block-diagonal causal mask per forward: one sdpa call per layer, but N^2
+  work where the sequences need the sum of their squared lengths.
+- ``PACKED_SDPA``: sdpa run causally on each sequence of the row, a Python loop. Free on CPU
+  and the fastest there (4x the masked sdpa on 16 sequences of 64-512 tokens); on an H200 it
+  left the GPU waiting on Python (32,800 sdpa calls = 55 s of host time in 2 steps), so CUDA
+  never gets it (STYLE.md rule 11).
+
+Rows that are not packed (the padded path, with its attention mask) and generation (a KV
+cache: query and key lengths differ) run plain sdpa under every choice, so one choice serves
+every model of a run: actor, reference, critic, reward models and the generation copy
+(``set_packed_attention``; the copy shares the actor's config). None is saved with a model.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable, Iterable
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+PACKED_SDPA = "klppo_packed_sdpa"
+PACKED_VARLEN = "klppo_packed_varlen"
+# The keyword argument that hands PACKED_SDPA each row's sequence bounds once per forward.
+ROW_BOUNDS = "klppo_row_bounds"
+# What each choice is called on the command line of the benchmarks (benchmarks/gpu_check.py --attn).
+ATTENTION_NAMES = {"varlen": PACKED_VARLEN, "flash_attention_2": "flash_attention_2", "sdpa_mask": "sdpa",
+                   "sdpa_loop": PACKED_SDPA}
+# The dtypes varlen kernels take (torch's and flash-attn's alike).
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+# Measured on CPU (benchmarks/packed_attention.py): the per-sequence loop beats one masked sdpa call.
+CPU_PACKED_ATTENTION = PACKED_SDPA
+OUR_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_VARLEN)
+
+
+# ---- the choice ----
+
+
+def packed_attention_for(device_type: str, compute_dtypes: Iterable[torch.dtype | None], *, torch_varlen: bool,
+                         flash_installed: bool) -> str:
+    """The attention every model of a run uses for packed rows.
+
+    ``compute_dtypes``: what each model's forward runs in (None: float32); the varlen kernels
+    take bf16/fp16 only, so they are chosen only when every model computes in one of those.
+    ``torch_varlen``: this torch has ``varlen_attn`` and its flash kernels (``torch_varlen_runs``).
+    CUDA: torch's varlen > flash-attn's varlen > one masked sdpa call per layer; elsewhere the
+    fastest measured there (``CPU_PACKED_ATTENTION``).
+    """
+    if device_type != "cuda":
+        return CPU_PACKED_ATTENTION
+    half = all(dtype in VARLEN_DTYPES for dtype in compute_dtypes)
+    if torch_varlen and half:
+        return PACKED_VARLEN
+    if flash_installed and half:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def torch_varlen_runs(device_type: str) -> bool:
+    """Whether this torch has ``varlen_attn`` and can run it on ``device_type``: CUDA only (its CPU
+    build has no flash kernel), built with flash attention, on a card of compute capability 8.0+."""
+    if device_type != "cuda" or _varlen_api() is None or not torch.backends.cuda.is_flash_attention_available():
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+
+
+def choose_packed_attention(device_type: str, compute_dtypes: Iterable[torch.dtype | None]) -> str:
+    """``packed_attention_for`` with what this process has installed; call once per run."""
+    return packed_attention_for(device_type, list(compute_dtypes), torch_varlen=torch_varlen_runs(device_type),
+                                flash_installed=importlib.util.find_spec("flash_attn") is not None)
+
+
+def set_packed_attention(model: torch.nn.Module, implementation: str) -> str:
+    """Switch an sdpa model (or one already switched) to ``implementation``; other implementations
+    (eager, flash) are kept. Returns the one in use. Not saved: ``save_pretrained`` writes sdpa."""
+    if model.config._attn_implementation in ("sdpa", *OUR_IMPLEMENTATIONS):
+        model.set_attn_implementation(implementation)
+    return model.config._attn_implementation
+
+
+def use_packed_attention(model: torch.nn.Module, compute_dtype: torch.dtype | None = None,
+                         device_type: str | None = None) -> str:
+    """``set_packed_attention`` with the choice for this one model (a run of several models chooses
+    once for all of them, ``choose_packed_attention``). ``device_type``: where the model will run
+    (default: where its parameters are; a model built on the meta device must say)."""
+    device_type = device_type or next(model.parameters()).device.type
+    return set_packed_attention(model, choose_packed_attention(device_type, [compute_dtype]))
+
+
+# ---- torch's varlen kernel ----
+
+
+@functools.cache
+def _varlen_api() -> tuple[Callable, frozenset[str]] | None:
+    """torch's ``varlen_attn`` and the names of its parameters, or None where torch has none (< 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def torch_varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                        max_len: int, scale: float | None) -> torch.Tensor:
+    """(N, H, D) queries, (N, Hkv, D) keys and values -> (N, H, D): causal attention within each
+    sequence of ``cu_seqlens`` (int32, (S + 1,)), one kernel for all of them, with autograd."""
+    varlen_attn, params = _varlen_api()
+    # torch 2.10 says causal with is_causal; 2.11 replaced it with a window, (-1, 0) = causal.
+    # varlen_attn compares the tuple itself to (-1, 0), so it must be a tuple, not a list.
+    extra = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:  # query head h reads key/value head h // group, as transformers' repeat_kv lays them out
+            group = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **extra)
+
+
+# ---- the attention functions ----
+
+
+def _packed_row(query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs: dict) -> bool:
+    """A packed row as klppo's forwards pass it: one row, no mask, no cache, and its sequences in
+    ``cu_seq_lens_q`` (transformers' flash convention; a row without them is one sequence)."""
+    return (attention_mask is None and query.shape[0] == 1 and query.shape[2] == key.shape[2]
+            and kwargs.get("cu_seq_lens_q") is not None and kwargs.get("max_length_q") is not None)
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+    """(N, N) bool, True where token i may attend to token j: the same sequence and j <= i."""
+    tokens = torch.arange(n, device=cu_seqlens.device)
+    sequence = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)  # (N,) sequence of each token
+    return (sequence[:, None] == sequence[None, :]) & (tokens[:, None] >= tokens[None, :])
+
+
+def packed_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """torch's varlen kernel over a packed row (``cu_seq_lens_q``, ``max_length_q``); plain sdpa otherwise.
+
+    query (1, H, N, D), key/value (1, Hkv, N, D) -> (1, N, H, D). Where the kernel cannot run
+    (fp32, dropout) a packed row gets one sdpa call with ``block_causal_mask`` instead: exact,
+    still one kernel per layer; ``packed_attention_for`` never picks this for an fp32 run.
+    """
+    if not _packed_row(query, key, attention_mask, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("packed rows with sliding-window attention; set model.use_remove_padding=false")
+    assert getattr(module, "is_causal", True), "packed rows are for causal models"
+    cu_seqlens = kwargs["cu_seq_lens_q"]
+    if query.dtype not in VARLEN_DTYPES or dropout:
+        mask = block_causal_mask(cu_seqlens, query.shape[2])[None, None]  # (1, 1, N, N)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (N, H or Hkv, D)
+    max_len = kwargs["max_length_q"]  # an int from klppo's forwards (a tensor here would be a host sync per layer)
+    out = torch_varlen_causal(q, k, v, cu_seqlens.to(torch.int32), int(max_len), scaling)
+    return out.unsqueeze(0), None  # (1, N, H, D)
+
+
+def _segment_bounds(position_ids: torch.Tensor) -> list[int]:
+    """Start of each packed sequence in one row of position ids, then the row length."""
+    steps = torch.diff(position_ids, prepend=position_ids[:1] - 1)
+    return (steps != 1).nonzero().flatten().tolist() + [position_ids.shape[0]]  # host-device sync
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """sdpa, run causally on each sequence of a packed row; plain sdpa otherwise.
+
+    query (B, H, L, D), key/value (B, Hkv, L, D) -> (B, L, H, D). A row is packed when no mask
+    is given and its position ids restart (or ``cu_seq_lens_q`` marks the sequences).
+
+    klppo's forwards pass each row's bounds ``[0, end_1, ..., L]`` as ``klppo_row_bounds``
+    (``_bounds_kwargs``), read on the host once per forward. Without them (generation, other
+    callers) they are read here from ``cu_seq_lens_q`` or the position ids: a host-device sync
+    in every layer, which also stalls FSDP2's prefetch of the next layer.
+    """
+    rows = query.shape[0]
+    bounds = kwargs.pop(ROW_BOUNDS, None)
+    position_ids = kwargs.get("position_ids")
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if attention_mask is not None or query.shape[2] != key.shape[2] or (
+            bounds is None and position_ids is None and cu_seqlens is None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if bounds is None and cu_seqlens is not None and rows == 1:
+        bounds = [cu_seqlens.tolist()]  # host-device sync
+    elif bounds is None:
+        bounds = [_segment_bounds(position_ids.expand(rows, -1)[r]) for r in range(rows)]
+    if all(len(b) <= 2 for b in bounds):  # one sequence per row: nothing is packed
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("packed rows with sliding-window attention; set model.use_remove_padding=false")
+    out = []
+    for r, row_bounds in enumerate(bounds):
+        lengths = [b - a for a, b in zip(row_bounds[:-1], row_bounds[1:]) if b > a]
+        # One split per tensor: its backward is one concatenation, where slicing per sequence
+        # would add a zero-filled full-size gradient per sequence.
+        splits = (t[r : r + 1].split(lengths, dim=2) for t in (query, key, value))
+        pieces = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
+                  for q, k, v in zip(*splits)]
+        out.append(torch.cat(pieces, dim=1))  # (1, L, H, D)
+    return torch.cat(out, dim=0), None
+
+
+def _packed_sdpa_mask(*args, **kwargs):
+    """sdpa's mask, but none for rows without padding and cache: packing is read from positions."""
+    if (kwargs.get("attention_mask") is None and kwargs.get("local_size") is None and not kwargs.get("q_offset")
+            and not kwargs.get("kv_offset") and kwargs.get("q_length") == kwargs.get("kv_length")):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+for _name, _function in ((PACKED_SDPA, packed_sdpa_attention), (PACKED_VARLEN, packed_varlen_attention)):
+    AttentionInterface.register(_name, _function)
+    AttentionMaskInterface.register(_name, _packed_sdpa_mask)
