@@ -273,8 +273,9 @@ def sequence_scores(reward_model: torch.nn.Module, input_ids: torch.Tensor, atte
             reward_model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=None,
                          use_cache=False, **_varlen(rows), **bounds)
         else:
+            bounds = _bounds_kwargs(reward_model, [[0, input_ids.shape[1]]] * input_ids.shape[0])  # one sequence a row
             reward_model(input_ids=input_ids, attention_mask=attention_mask.long(),
-                         position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+                         position_ids=position_ids_from_mask(attention_mask), use_cache=False, **bounds)
     finally:
         hook.remove()
     if packed:  # (1, N, 1): each sequence ends just before the next one starts

@@ -15,6 +15,7 @@ import torch
 
 from klppo.algo import AdaptiveKLController, FixedKLController
 from klppo.config import PPOConfig
+from klppo.config.lora import lora_enabled
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.schema import FSDPConfig
 from klppo.data.parquet import parquet_columns
@@ -24,6 +25,7 @@ from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
 from klppo.data.sampler import PromptBatches, run_length
 from klppo.distributed import DistEnv
 from klppo.errors import UserError
+from klppo.models.attention import choose_packed_attention
 from klppo.models.load import check_same_tokenizer, check_trained_score_head, load_tokenizer
 from klppo.monitoring.memory import available_bytes
 from klppo.plan.model_shape import GOLD_ROLE
@@ -31,7 +33,7 @@ from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.vllm import VLLMEngine, require_vllm
 from klppo.run.offload import Offloader
-from klppo.run.settings import KLSettings, PPOSettings, compile_ppo, uses_critic, uses_reference
+from klppo.run.settings import KLSettings, PPOSettings, compile_ppo, compute_dtype, uses_critic, uses_reference
 from klppo.run.adapters import base_values, trained_values
 from klppo.run.setup import (
     Sharder, build_optimizer_and_scheduler, join_world, load_model, lora_spec, seed_everything,
@@ -93,6 +95,21 @@ def start_processes(cfg: PPOConfig) -> DistEnv:
     trainer = cfg.trainer
     return join_world(trainer.device, trainer.n_gpus_per_node, trainer.nnodes, fsdp_sections(cfg).values(),
                       timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+
+
+def run_attention(cfg: PPOConfig, env: DistEnv) -> str:
+    """The attention for packed rows of every model this run builds, its generation copy included,
+    chosen once (``choose_packed_attention``): varlen kernels only where all of them compute in
+    bf16/fp16. Models that never see a packed row get it too; it runs their padded rows as sdpa."""
+    arf = cfg.actor_rollout_ref
+    built = [arf.actor.fsdp_config]
+    if uses_reference(cfg) and not lora_enabled(arf.model):
+        built.append(arf.ref.fsdp_config)
+    if uses_critic(cfg):
+        built.append(cfg.critic.model.fsdp_config)
+    if cfg.reward_model.enable or cfg.trainer.gold_reward.model_path:
+        built.append(cfg.reward_model.model.fsdp_config)
+    return choose_packed_attention(env.device.type, [compute_dtype(f) for f in built])
 
 
 def prompt_batches(cfg: PPOConfig, num_prompts: int) -> PromptBatches:
@@ -210,14 +227,15 @@ def build_offloader(device, fsdp: dict[str, FSDPConfig], actor, actor_optimizer,
     return offloader
 
 
-def _load_actor_and_ref(cfg: PPOConfig, env: DistEnv, sharder: Sharder):
+def _load_actor_and_ref(cfg: PPOConfig, env: DistEnv, sharder: Sharder, attention: str):
     """The actor and, when a KL term needs it, the frozen reference (both from model.path).
 
     A LoRA actor needs no reference model: the actor with its adapters at their starting values
     (or with ``ref.lora_reference: base``, without them) is the reference (``forwards.reference_model``).
     """
     model_cfg, arf = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref
-    common = dict(key="actor_rollout_ref.model.path", env=env, sharder=sharder, packed=model_cfg.use_remove_padding)
+    common = dict(key="actor_rollout_ref.model.path", env=env, sharder=sharder, packed=model_cfg.use_remove_padding,
+                  attention=attention)
     lora = lora_spec(model_cfg, "actor_rollout_ref.model")
     actor = load_model("causal_lm", model_cfg.path, fsdp=arf.actor.fsdp_config, seed=cfg.data.seed, lora=lora,
                        gradient_checkpointing=model_cfg.enable_gradient_checkpointing, **common)
@@ -227,7 +245,8 @@ def _load_actor_and_ref(cfg: PPOConfig, env: DistEnv, sharder: Sharder):
     return actor, ref
 
 
-def _load_reward_models(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder) -> list[torch.nn.Module]:
+def _load_reward_models(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder, attention: str
+                        ) -> list[torch.nn.Module]:
     """reward_model.model.path and its extra_paths, frozen and sharded; [] without reward_model.enable."""
     if not cfg.reward_model.enable:
         return []
@@ -238,12 +257,13 @@ def _load_reward_models(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharde
         check_same_tokenizer(tokenizer, path, key)
         check_trained_score_head(path, key)
         model = load_model("reward_model", path, key=key, env=env, sharder=sharder, fsdp=rm_model.fsdp_config,
-                           packed=rm_model.use_remove_padding)
+                           packed=rm_model.use_remove_padding, attention=attention)
         models.append(model.eval().requires_grad_(False))
     return models
 
 
-def _load_gold_reward_model(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder) -> Optional[torch.nn.Module]:
+def _load_gold_reward_model(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder, attention: str
+                            ) -> Optional[torch.nn.Module]:
     """trainer.gold_reward.model_path, frozen and sharded as the reward models are; None without one."""
     path, key, rm_model = cfg.trainer.gold_reward.model_path, "trainer.gold_reward.model_path", cfg.reward_model.model
     if not path:
@@ -251,17 +271,17 @@ def _load_gold_reward_model(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sh
     check_same_tokenizer(tokenizer, path, key)
     check_trained_score_head(path, key)
     model = load_model("reward_model", path, key=key, env=env, sharder=sharder, fsdp=rm_model.fsdp_config,
-                       packed=rm_model.use_remove_padding)
+                       packed=rm_model.use_remove_padding, attention=attention)
     return model.eval().requires_grad_(False)
 
 
-def _load_critic(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder) -> torch.nn.Module:
+def _load_critic(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder, attention: str) -> torch.nn.Module:
     critic_cfg = cfg.critic.model
     check_same_tokenizer(tokenizer, critic_cfg.path, "critic.model.path")
     return load_model("critic", critic_cfg.path, key="critic.model.path", env=env, sharder=sharder,
                       fsdp=critic_cfg.fsdp_config, seed=cfg.data.seed, lora=lora_spec(critic_cfg, "critic.model"),
                       gradient_checkpointing=critic_cfg.enable_gradient_checkpointing,
-                      packed=critic_cfg.use_remove_padding)
+                      packed=critic_cfg.use_remove_padding, attention=attention)
 
 
 def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None) -> PPOParts:
@@ -285,13 +305,14 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log)
     batches = prompt_batches(cfg, len(train))
     total_steps = run_length(trainer.total_training_steps, trainer.total_epochs, batches.steps_per_epoch)
-    actor, ref = _load_actor_and_ref(cfg, env, sharder)
+    attention = run_attention(cfg, env)  # once, for every model
+    actor, ref = _load_actor_and_ref(cfg, env, sharder, attention)
     actor_optimizer, actor_scheduler = build_optimizer_and_scheduler(actor, cfg.actor_rollout_ref.actor.optim, total_steps)
-    reward_models = _load_reward_models(cfg, tokenizer, env, sharder)
-    gold_model = _load_gold_reward_model(cfg, tokenizer, env, sharder)
+    reward_models = _load_reward_models(cfg, tokenizer, env, sharder, attention)
+    gold_model = _load_gold_reward_model(cfg, tokenizer, env, sharder, attention)
     critic = critic_optimizer = critic_scheduler = None
     if uses_critic(cfg):
-        critic = _load_critic(cfg, tokenizer, env, sharder)
+        critic = _load_critic(cfg, tokenizer, env, sharder, attention)
         critic_optimizer, critic_scheduler = build_optimizer_and_scheduler(critic, cfg.critic.optim, total_steps)
     offloader = build_offloader(env.device, fsdp_sections(cfg), actor, actor_optimizer, ref, reward_models, critic,
                                 critic_optimizer)

@@ -24,7 +24,7 @@ from klppo.distributed import (
     materialize, parameter_device,
 )
 from klppo.errors import UserError
-from klppo.models.forward import use_packed_attention
+from klppo.models.attention import choose_packed_attention, set_packed_attention
 from klppo.models.load import ROLES, check_model_folder, empty_model_for, load_causal_lm, load_critic, load_reward_model
 from klppo.models.lora import LoraSpec, attach_adapters, read_adapter_config, with_adapters
 from klppo.models.sharded_load import WeightReader, full_tensors
@@ -179,7 +179,7 @@ def lora_spec(model_cfg: LoraKeys, prefix: str) -> LoraSpec | None:
 
 
 def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder, fsdp: FSDPConfig, seed: int = 0,
-               gradient_checkpointing: bool = False, packed: bool = False,
+               gradient_checkpointing: bool = False, packed: bool = False, attention: str | None = None,
                keep_root_gathered: bool = False, lora: LoraSpec | None = None) -> torch.nn.Module:
     """The actor, reference, critic or reward model (``role``: causal_lm | critic | reward_model) of
     folder ``path``, on this rank's device, sharded when the run has a process group.
@@ -187,7 +187,9 @@ def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder
     One process loads with ``from_pretrained``. Ranks build the model with its parameters on the
     meta device, shard it, and fill their shards from rank 0's reading of the folder one tensor at
     a time (``klppo.models.sharded_load``): no rank ever holds the whole model in fp32, and the
-    weights are those ``from_pretrained`` gives. ``packed``: attention for packed rows.
+    weights are those ``from_pretrained`` gives. ``attention``: the run's attention for packed rows
+    (``klppo.models.attention.choose_packed_attention``, chosen once for all of its models); None
+    with ``packed``: this one model's own choice (a run of one model).
 
     ``lora``: LoRA adapters (``klppo.models.lora``) go into the backbone before sharding, so that
     FSDP2 shards them with the frozen weights of their blocks; only the adapters (and a critic's
@@ -196,18 +198,20 @@ def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder
     """
     dtype = PARAM_DTYPES[fsdp.dtype]
     train_head = role != "causal_lm"
+    if attention is None and packed:  # one process computes in fp32: nothing casts it
+        attention = choose_packed_attention(env.device.type, [dtype if env.is_distributed else None])
     if not env.is_distributed:
         kwargs = {"seed": seed} if role != "causal_lm" else {}
         model = _LOADERS[role](path, key=key, device=env.device, gradient_checkpointing=gradient_checkpointing,
                                **kwargs)
         if lora is not None:
             attach_adapters(model, lora, seed=seed, train_head=train_head)
-        if packed:
-            use_packed_attention(model, dtype)
+        if attention is not None:
+            set_packed_attention(model, attention)
         return model
     model = empty_model_for(role, path, key=key, gradient_checkpointing=gradient_checkpointing)
-    if packed:
-        use_packed_attention(model, dtype, device_type=env.device.type)
+    if attention is not None:
+        set_packed_attention(model, attention)
     # Before sharding (new heads are initialised on plain tensors), and on every rank, so a bad
     # folder fails everywhere at once (reading the names is a header read; tensors are read later).
     tensor_of = full_tensors(model, WeightReader(check_model_folder(path, key), key), new_heads=ROLES[role][2],

@@ -1,0 +1,253 @@
+"""The attention for packed rows: which one a run chooses, that the CUDA choice runs one kernel per
+layer (counted on CPU through a stand-in for torch's varlen kernel), that every candidate scores
+and differentiates packed rows as the padded path does, and that every model of a run gets it."""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
+
+from klppo.models import attention
+from klppo.models.attention import (
+    PACKED_SDPA, PACKED_VARLEN, block_causal_mask, choose_packed_attention, packed_attention_for,
+    set_packed_attention, torch_varlen_runs,
+)
+from klppo.models.forward import response_logprobs, response_values
+from klppo.models.tiny import tiny_model_config
+
+LAYERS = 3
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+# ---- (a) the choice ----
+
+
+@pytest.mark.parametrize("device, dtypes, varlen, flash, expected", [
+    ("cuda", [BF16], True, True, PACKED_VARLEN),  # torch's own kernel first: no extra package
+    ("cuda", [FP16, BF16], True, False, PACKED_VARLEN),
+    ("cuda", [BF16], False, True, "flash_attention_2"),  # torch < 2.10 (or no flash in its build)
+    ("cuda", [BF16], False, False, "sdpa"),  # one masked sdpa call per layer
+    ("cuda", [BF16, None], True, True, "sdpa"),  # one model in fp32: varlen kernels take bf16/fp16 only
+    ("cuda", [FP32], True, True, "sdpa"),
+    ("cpu", [BF16], True, True, PACKED_SDPA),  # measured fastest on CPU (benchmarks/README.md)
+    ("cpu", [None], False, False, PACKED_SDPA),
+])
+def test_a_run_chooses_varlen_then_flash_then_the_masked_sdpa_on_cuda(device, dtypes, varlen, flash, expected):
+    assert packed_attention_for(device, dtypes, torch_varlen=varlen, flash_installed=flash) == expected
+
+
+def _cuda_host(monkeypatch, *, capability=(9, 0), flash_kernels=True, flash_attn=False):
+    """This process as a CUDA host of the given card, torch build and packages."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: flash_kernels)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" and flash_attn else find_spec(name, *a))
+
+
+@pytest.mark.parametrize("host, has_varlen, expected", [
+    (dict(), True, PACKED_VARLEN),
+    (dict(), False, "sdpa"),  # torch < 2.10
+    (dict(flash_attn=True), False, "flash_attention_2"),
+    (dict(flash_kernels=False, flash_attn=True), True, "flash_attention_2"),  # torch built without flash
+    (dict(capability=(7, 5)), True, "sdpa"),  # flash kernels need compute capability 8.0+
+])
+def test_on_a_cuda_host_the_choice_follows_torch_and_the_installed_packages(monkeypatch, host, has_varlen, expected):
+    _cuda_host(monkeypatch, **host)
+    if not has_varlen:
+        monkeypatch.setattr(attention, "_varlen_api", lambda: None)
+    assert choose_packed_attention("cuda", [BF16]) == expected
+
+
+def test_this_torch_has_varlen_attn_but_not_on_cpu():
+    assert attention._varlen_api() is not None, "torch >= 2.10 has torch.nn.attention.varlen"
+    assert not torch_varlen_runs("cpu")
+    assert choose_packed_attention("cpu", [BF16]) == PACKED_SDPA
+
+
+# ---- (b) one kernel per layer on the CUDA path ----
+
+
+class FakeVarlen:
+    """A CPU stand-in for torch's ``varlen_attn`` with the parameters of one torch version: causal
+    sdpa per sequence (the reference), differentiable; it counts its calls and checks its arguments."""
+
+    def __init__(self, params: frozenset[str]):
+        self.params, self.calls = params, 0
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=None, is_causal=None,
+                 enable_gqa=False):
+        self.calls += 1
+        if "window_size" in self.params:  # 2.11+: a tuple, which varlen_attn compares to (-1, 0)
+            assert window_size == (-1, 0) and isinstance(window_size, tuple) and is_causal is None
+        else:  # 2.10
+            assert is_causal is True and window_size is None
+        assert enable_gqa == (k.shape[1] != q.shape[1]) and (enable_gqa is False or "enable_gqa" in self.params)
+        assert cu_q is cu_k and cu_q.dtype == torch.int32 and isinstance(max_q, int) and max_q == max_k
+        bounds = cu_q.tolist()
+        assert max_q == max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        out = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
+                                              scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
+               for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return torch.cat(out)  # (N, H, D)
+
+
+TORCH_VERSIONS = {  # the parameters varlen_attn has in each (found in pytorch's history)
+    "2.10": frozenset({"is_causal", "scale"}),
+    "2.11": frozenset({"window_size", "scale"}),
+    "2.12+": frozenset({"window_size", "enable_gqa", "scale"}),
+}
+
+
+@pytest.fixture(params=list(TORCH_VERSIONS))
+def fake_varlen(request, monkeypatch) -> FakeVarlen:
+    """torch's varlen kernel replaced by ``FakeVarlen``, and fp32 let through to it (CPU tests run fp32)."""
+    fake = FakeVarlen(TORCH_VERSIONS[request.param])
+    monkeypatch.setattr(attention, "_varlen_api", lambda: (fake, fake.params))
+    monkeypatch.setattr(attention, "VARLEN_DTYPES", (BF16, FP16, FP32))
+    return fake
+
+
+def _models(implementation: str):
+    """A tiny actor and critic (4 query heads over 2 key/value heads), large random weights."""
+    config = tiny_model_config(64, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+                               num_key_value_heads=2)
+    config.initializer_range, config.num_labels = 0.5, 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        # eval: the critic's head has dropout (gradients flow all the same)
+        actor, critic = Qwen2ForCausalLM(config).eval(), Qwen2ForTokenClassification(config).eval()
+    for model in (actor, critic):
+        model.config.use_cache = False
+        set_packed_attention(model, implementation)
+    return actor, critic
+
+
+def _batch():
+    """Left-padded prompts + right-padded responses, one response empty."""
+    prompt_lens, response_lens, width, response_width = (6, 3, 1, 4, 2), (7, 1, 4, 0, 3), 6, 8
+    ids = torch.randint(2, 64, (5, width + response_width), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(5, width + response_width, dtype=torch.bool)
+    for row, (p, t) in enumerate(zip(prompt_lens, response_lens)):
+        mask[row, width - p : width + t] = True
+    return torch.where(mask, ids, 0), mask, response_width
+
+
+def test_the_varlen_path_runs_one_kernel_per_layer_forward_and_backward(fake_varlen):
+    actor, critic = _models(PACKED_VARLEN)
+    ids, mask, width = _batch()
+    log_probs, entropy = response_logprobs(actor, ids, mask, width, packed=True, with_entropy=True)
+    assert fake_varlen.calls == LAYERS  # 5 sequences, one call per layer
+    (log_probs.sum() + entropy.sum()).backward()
+    assert fake_varlen.calls == LAYERS  # backward runs through autograd, calls nothing again
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in actor.model.layers.parameters())
+    response_values(critic, ids, mask, width, packed=True)
+    assert fake_varlen.calls == 2 * LAYERS
+
+
+def test_padded_rows_and_generation_never_reach_the_varlen_kernel(fake_varlen):
+    actor, _ = _models(PACKED_VARLEN)
+    ids, mask, width = _batch()
+    response_logprobs(actor, ids, mask, width)  # the padded path
+    prompts = torch.randint(2, 64, (2, 4), generator=torch.Generator().manual_seed(2))
+    actor.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=3, do_sample=False,
+                   pad_token_id=0, use_cache=True)
+    assert fake_varlen.calls == 0
+
+
+# ---- (c) every candidate equals the padded path ----
+
+
+def _scores_and_grads(implementation: str, packed: bool):
+    actor, critic = _models(implementation)
+    ids, mask, width = _batch()
+    log_probs, entropy = response_logprobs(actor, ids, mask, width, packed=packed, with_entropy=True, temperature=0.7)
+    values = response_values(critic, ids, mask, width, packed=packed)
+    (log_probs.sum() + entropy.sum() + values.sum()).backward()
+    grads = [p.grad for model in (actor, critic) for p in model.parameters()]
+    return (log_probs.detach(), entropy.detach(), values.detach()), grads
+
+
+def _assert_close_grads(grads, expected):
+    """Equal to fp32 rounding: each is a sum over every token, up to ~50 with these weights."""
+    scale = max(g.abs().max() for g in expected)
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b, atol=2e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", PACKED_SDPA, PACKED_VARLEN])
+def test_packed_rows_score_and_differentiate_as_the_padded_path(implementation, fake_varlen):
+    # PACKED_VARLEN through the fake kernel; "sdpa" is transformers' block-diagonal mask, one call a layer
+    padded, padded_grads = _scores_and_grads("sdpa", packed=False)
+    packed, packed_grads = _scores_and_grads(implementation, packed=True)
+    for a, b in zip(packed, padded):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    _assert_close_grads(packed_grads, padded_grads)
+    assert fake_varlen.calls == (2 * LAYERS if implementation == PACKED_VARLEN else 0)
+
+
+def test_fp32_rows_on_the_varlen_path_use_one_masked_sdpa_call_and_match(monkeypatch):
+    calls = []
+    sdpa = attention.sdpa_attention_forward
+    monkeypatch.setattr(attention, "sdpa_attention_forward",
+                        lambda *a, **k: calls.append(a[4] is not None) or sdpa(*a, **k))  # a[4]: the mask
+    packed, packed_grads = _scores_and_grads(PACKED_VARLEN, packed=True)
+    # actor and critic, one masked call per layer, no loop over the 5 sequences (the calls without a
+    # mask are fused_head's one unpacked forward that measures the actor's logit scale)
+    assert sum(calls) == 2 * LAYERS
+    padded, padded_grads = _scores_and_grads("sdpa", packed=False)
+    for a, b in zip(packed, padded):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    _assert_close_grads(packed_grads, padded_grads)
+
+
+def test_the_block_causal_mask_keeps_each_sequence_to_itself():
+    mask = block_causal_mask(torch.tensor([0, 2, 2, 5], dtype=torch.int32), 5)  # lengths 2, 0, 3
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [0, 0, 1, 0, 0],
+                             [0, 0, 1, 1, 0],
+                             [0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+# ---- (d) every model of a run ----
+
+
+def test_every_model_a_run_builds_gets_the_one_attention_chosen_for_the_run(
+        ppo_overrides, task_dir, tiny_model_dir, tmp_path, monkeypatch):
+    from transformers import AutoModelForSequenceClassification
+
+    from klppo.config import load_ppo_config
+    from klppo.distributed import close
+    from klppo.run import build
+    from klppo.trainer.responses import generation_copy
+
+    torch.manual_seed(0)
+    rm = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(rm)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (rm / name).write_bytes((tiny_model_dir / name).read_bytes())
+    chosen = []
+    monkeypatch.setattr(attention, "CPU_PACKED_ATTENTION", PACKED_VARLEN)  # not what CPU runs get: it must travel
+    monkeypatch.setattr(build, "choose_packed_attention",
+                        lambda *a: chosen.append(a) or choose_packed_attention(*a))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = load_ppo_config(None, ppo_overrides(**{
+        "actor_rollout_ref.model.use_remove_padding": "true", "critic.model.use_remove_padding": "true",
+        "reward_model.enable": "true", "reward_model.model.path": rm, "trainer.gold_reward.model_path": rm,
+        "data.val_files": task_dir / "val.parquet", "actor_rollout_ref.ref.fsdp_config.reshard_after_forward": "false",
+    }))  # a group of one (FSDP2), so that generation gathers a copy; the reward models run padded rows
+    env = build.start_processes(cfg)
+    try:
+        parts = build.build_ppo(cfg, log=lambda *a, **k: None, env=env)
+        models = {"actor": parts.actor, "ref": parts.ref, "critic": parts.critic, "gold": parts.gold_reward_model,
+                  "reward_model": parts.reward_models[0], "generation copy": generation_copy(parts.actor, FP32, env.device)}
+        assert {name: m.config._attn_implementation for name, m in models.items()} == dict.fromkeys(models, PACKED_VARLEN)
+        assert len(chosen) == 1  # chosen once per run
+    finally:
+        close(env)
