@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from klppo.algo import compute_grpo_outcome_advantage
 from klppo.data.batching import MicroBatching
 from klppo.distributed import DistEnv, apply_fsdp2, build_mesh, close, init_distributed
-from klppo.models.forward import use_packed_attention
+from klppo.models.attention import ATTENTION_NAMES, choose_packed_attention, set_packed_attention, torch_varlen_runs
 from klppo.models.tiny import tiny_model_config
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
 from klppo.monitoring.memory import PeakMemory
@@ -60,8 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--size", choices=["0.5b", "tiny"], default="0.5b",
                    help="0.5b: Qwen2.5-0.5B's shape (GPU); tiny: 2 layers, hidden 64 (CPU smoke run)")
-    p.add_argument("--attn", choices=["sdpa", "flash_attention_2"], default="sdpa",
-                   help="attention; sdpa runs klppo's packed sdpa, flash_attention_2 needs the flash_attn package")
+    p.add_argument("--attn", choices=["auto", *ATTENTION_NAMES], default="auto",
+                   help="attention for the packed rows: auto = what a run chooses here (klppo.models.attention); "
+                        "varlen = torch's varlen kernel (CUDA, bf16); flash_attention_2 needs the flash_attn package; "
+                        "sdpa_mask = one sdpa call with a block-diagonal mask; sdpa_loop = one sdpa call per sequence")
     p.add_argument("--batch", type=int, default=64, help="sequences per rank per iteration")
     p.add_argument("--prompt-len", type=int, default=512, help="longest prompt; lengths are uniform in [half, all] of it")
     p.add_argument("--max-response-len", type=int, default=1024,
@@ -84,14 +86,29 @@ def request_problem(args, device_type: str) -> str | None:
     if device_type == "cpu" and args.size == "0.5b":
         return ("the default 0.5b model is the GPU configuration; on CPU run "
                 "`python benchmarks/gpu_check.py --device cpu --size tiny --batch 8`")
-    if args.attn == "flash_attention_2" and (device_type != "cuda" or importlib.util.find_spec("flash_attn") is None):
-        return "--attn flash_attention_2 needs a CUDA device and the flash_attn package; use --attn sdpa"
+    half = args.dtype in ("bfloat16", "float16")
+    if args.attn == "flash_attention_2" and (device_type != "cuda" or not half or not flash_attn_installed()):
+        return "--attn flash_attention_2 needs a CUDA device, --dtype bfloat16 and the flash_attn package; use --attn auto"
+    if args.attn == "varlen" and (not half or not torch_varlen_runs(device_type)):
+        return ("--attn varlen needs torch's varlen kernel (torch >= 2.10 with flash attention, a CUDA card of "
+                "compute capability 8.0+) and --dtype bfloat16; use --attn auto")
     if args.iterations < 2:
         return f"--iterations {args.iterations}: the first iteration is a warm-up, so at least 2 are needed"
     if args.prompt_len + args.max_response_len > args.token_budget:
         return (f"--token-budget {args.token_budget} cannot hold the longest sequence "
                 f"({args.prompt_len} + {args.max_response_len} tokens); raise it or shorten the lengths")
     return None
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def attention_of(args, device_type: str) -> str:
+    """The attention implementation ``--attn`` names (auto: a run's own choice for this device and dtype)."""
+    if args.attn == "auto":
+        return choose_packed_attention(device_type, [DTYPES[args.dtype]])
+    return ATTENTION_NAMES[args.attn]
 
 
 def requested_device_type(device: str) -> str:
@@ -124,8 +141,8 @@ def build_models(config: Qwen2Config, args, env: DistEnv):
     mesh = build_mesh(env.world_size, device_type=env.device.type)
     with torch.random.fork_rng(devices=[env.device] if env.device.type == "cuda" else []), env.device:
         torch.manual_seed(args.seed)  # the same weights on every rank before sharding
-        actor = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn, dtype=torch.float32)
-        ref = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn, dtype=torch.float32)
+        actor = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     ref.load_state_dict(actor.state_dict())
     ref.requires_grad_(False).eval()
     if args.gradient_checkpointing:
@@ -133,7 +150,7 @@ def build_models(config: Qwen2Config, args, env: DistEnv):
     param_dtype = DTYPES[args.dtype] if args.dtype != "float32" else None
     for model in (actor, ref):
         model.config.use_cache = False
-        use_packed_attention(model)  # sdpa -> packed sdpa; flash_attention_2 is kept (it reads cu_seq_lens)
+        set_packed_attention(model, attention_of(args, env.device.type))
         apply_fsdp2(model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
     return actor, ref
 
@@ -204,7 +221,8 @@ def figures(args, env: DistEnv, config, n_params: int, batch: RolloutBatch, time
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     return {
         "device": device_name, "world_size": env.world_size, "size": args.size, "params_b": n_params / 1e9,
-        "dtype": args.dtype, "attn": args.attn, "gradient_checkpointing": args.gradient_checkpointing,
+        "dtype": args.dtype, "attn": args.attn,
+        "attn_implementation": attention_of(args, env.device.type), "gradient_checkpointing": args.gradient_checkpointing,
         "sequences_per_gpu": len(seq_lens), "tokens_per_iteration_per_gpu": tokens,
         "response_tokens_per_iteration_per_gpu": response_tokens,
         "median_sequence_tokens": statistics.median(seq_lens), "token_budget": args.token_budget,
@@ -228,7 +246,7 @@ def print_table(f: dict) -> None:
         ("device", f["device"]),
         ("world size", f["world_size"]),
         ("params (B)", f"{f['params_b']:.3g}"),
-        ("dtype", f"{f['dtype']} ({f['attn']}{', grad ckpt' if f['gradient_checkpointing'] else ''})"),
+        ("dtype", f"{f['dtype']} ({f['attn']}: {f['attn_implementation']}{', grad ckpt' if f['gradient_checkpointing'] else ''})"),
         ("tokens per iteration per GPU", f"{f['tokens_per_iteration_per_gpu']} ({f['sequences_per_gpu']} sequences)"),
         ("actor update tokens/s/GPU", f"{f['actor_update_tokens_per_s_per_gpu']:.0f}"),
         ("actor update MFU (%)", mfu_text),

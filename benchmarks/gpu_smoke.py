@@ -9,14 +9,15 @@ generation, a critic (GAE), a reference (KL in the reward), a reward model (the 
 with a score head, saved as a sequence-classification folder: PPO refuses a head it would have to
 initialise) and validation before training and every 2 steps; every model in
 bf16 under FSDP2 (a process group of one), packed sequences under a token budget
-(flash-attention's varlen kernels when ``flash_attn`` is installed, klppo's packed sdpa
-otherwise) and the actor under ``offload_policy`` (parameters, gradients and optimiser state
+(the attention a run chooses: torch's varlen kernel on a recent CUDA GPU,
+``klppo.models.attention``) and the actor under ``offload_policy`` (parameters, gradients and optimiser state
 on CPU). It saves at step 2 and at the end; a second run resumes from step 2 and must repeat
 the first run's last steps exactly (on CUDA with deterministic algorithms, see gpu_smoke.sh).
 
 Checks, each printed as ``PASS|FAIL|SKIP  <check>: <figure>``: the run, finite metrics,
 validation with the reward model, offload_policy, the save, the exact resume, the export,
-peak memory, MFU (known GPUs only), the memory plan's estimate per phase (judged on a GPU), the host syncs of a packed forward and backward, an
+peak memory, MFU (known GPUs only), the memory plan's estimate per phase (judged on a GPU), the host syncs of a packed forward and backward,
+packed rows against the padded path in bf16 with the attention a run chooses (judged on a GPU), an
 offline step whose KL probe runs with the actor and reference under param_offload, and (where
 vLLM is installed: ``bash scripts/setup.sh --vllm``) a bf16 run with vLLM rollouts in a process
 of its own: TP=1, the engine asleep while the models train and woken weights -> sync -> KV cache
@@ -321,6 +322,40 @@ def check_host_syncs(model_dir: Path, device: torch.device) -> None:
           f"{total} with {model.config.num_hidden_layers} layers ({attention}; at most {SYNC_LIMIT}, whatever the depth)")
 
 
+def _logprobs_and_grads(model, ids, mask, response: int, packed: bool):
+    """Response log-probs (fp32) and the flattened gradient of their sum."""
+    model.zero_grad(set_to_none=True)
+    log_probs, _ = response_logprobs(model, ids, mask, response, packed=packed)
+    log_probs.sum().backward()
+    return log_probs.detach().float(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+
+def check_packed_matches_padded(model_dir: Path, device: torch.device) -> None:
+    """Packed rows against the padded path in bf16 on the device, with the attention a run chooses
+    there (torch's varlen kernel on a recent CUDA GPU): each path's log-probs and gradient are
+    measured against the fp32 padded path, and the packed path may differ from it by at most twice
+    what the padded path does in the same bf16 (plus 1e-3). Judged on a GPU; shown on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    models = {dtype: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+              for dtype in (torch.float32, torch.bfloat16)}
+    attention = use_packed_attention(models[torch.bfloat16], torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(24, 96, (8,), generator=g)
+    ids = torch.randint(3, models[torch.float32].config.vocab_size, (8, 96), generator=g).to(device)
+    mask = (torch.arange(96) >= 96 - lengths[:, None]).to(device)  # left-padded, 8 lengths
+    reference = _logprobs_and_grads(models[torch.float32], ids, mask, 16, packed=False)
+    errors = {}
+    for packed in (False, True):
+        lp, grad = _logprobs_and_grads(models[torch.bfloat16], ids, mask, 16, packed)
+        errors[packed] = ((lp - reference[0]).abs().max().item(),  # host sync
+                          ((grad - reference[1]).norm() / reference[1].norm()).item())  # host sync
+    within = all(errors[True][i] <= 2 * errors[False][i] + 1e-3 for i in range(2))
+    check("packed rows match the padded path in bf16", within if device.type == "cuda" else None,
+          f"{attention}: max |log-prob - fp32| packed {errors[True][0]:.3g} vs padded {errors[False][0]:.3g}; "
+          f"gradient relative error packed {errors[True][1]:.3g} vs padded {errors[False][1]:.3g}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="tiny shape on CPU (what tests/benchmarks/test_gpu_smoke.py runs)")
@@ -356,6 +391,7 @@ def main(argv=None) -> int:
         check_memory_and_mfu(records, device)
         check_memory_plan(overrides(*common, run_a, device.type, prompts, n, response, steps), records, device)
         check_host_syncs(model, device)
+        check_packed_matches_padded(model, device)
         check_offline_probe_offloaded(model, root, device.type, prompts, response)
         check_vllm_rollout(root, device.type, prompts, response)
     finally:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # klppo's GPU smoke test: one online PPO run through the paths a CPU run cannot show (bf16,
-# packing with flash-attention when installed, offload_policy, a reward model scoring
+# packing with the attention a run chooses (torch's varlen kernel on CUDA), offload_policy, a reward model scoring
 # validation on the device, save and exact resume, peak memory, MFU, host syncs); one line
 # per check, PASS / FAIL / SKIP with its figure. See benchmarks/gpu_smoke.py.
 #

@@ -39,3 +39,13 @@ def test_default_gpu_configuration_on_cpu_is_refused_in_one_line():
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--size tiny" in lines[0], result.stderr
     assert result.stdout == ""
+
+
+def test_the_auto_attention_on_cpu_is_the_loop_and_varlen_is_refused_there(tmp_path):
+    out = tmp_path / "figures.json"
+    result = gpu_check("--device", "cpu", "--size", "tiny", "--batch", 4, "--iterations", 2, "--json", out)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(out.read_text())
+    assert (figures["attn"], figures["attn_implementation"]) == ("auto", "klppo_packed_sdpa")
+    refused = gpu_check("--device", "cpu", "--size", "tiny", "--attn", "varlen")
+    assert refused.returncode == 2 and "--attn varlen needs torch's varlen kernel" in refused.stderr
