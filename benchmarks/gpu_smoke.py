@@ -46,7 +46,8 @@ from klppo.cli_support import quiet_libraries
 from klppo.config import load_ppo_config
 from klppo.data.arithmetic import arithmetic_corpus, write_arithmetic_offline_parquet, write_arithmetic_parquet
 from klppo.distributed import close
-from klppo.models.forward import response_logprobs, use_packed_attention
+from klppo.models.attention import use_packed_attention
+from klppo.models.forward import response_logprobs
 from klppo.models.tiny import build_tiny_model_folder
 from klppo.monitoring.flops import peak_flops
 from klppo.monitoring.logger import read_metrics

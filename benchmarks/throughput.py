@@ -35,7 +35,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from klppo.algo import apply_kl_penalty, compute_gae_advantage_return
-from klppo.models.forward import use_packed_attention
+from klppo.models.attention import use_packed_attention
 from klppo.monitoring.flops import model_flops
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rewards.token_scores import scores_at_last_token

@@ -7,15 +7,16 @@ its position ids restarting at 0 per sequence; each sequence must attend only to
 The candidates (``packed_attention_for`` picks one; benchmarks/README.md has the figures):
 - ``PACKED_VARLEN`` (CUDA, bf16/fp16): PyTorch's own variable-length flash kernel,
   ``torch.nn.attention.varlen.varlen_attn``, forward and backward, one call per layer for
-  the whole row; no extra package. torch 2.10 takes ``is_causal``, 2.11 on ``window_size``
-  (``(-1, 0)`` is causal), 2.12 on also ``enable_gqa``; older ones expand the key/value heads.
+  the whole row; no extra package, no CPU kernel. Its arguments moved: torch 2.10 takes
+  ``is_causal``; 2.11 replaced it with ``window_size`` (``(-1, 0)`` is causal); 2.12 added
+  ``enable_gqa``, without which the key/value heads are expanded here (``torch_varlen_causal``).
 - ``flash_attention_2`` (CUDA, bf16/fp16, the ``flash_attn`` package): transformers' own; it
   reads the same ``cu_seq_lens_*`` / ``max_length_*`` keyword arguments and runs varlen kernels.
 - ``sdpa``: transformers' sdpa, which finds the packed sequences in the position ids and
   builds one (N, N) block-diagonal causal mask per forward: one sdpa call per layer, but N^2
   work where the sequences need the sum of their squared lengths.
 - ``PACKED_SDPA``: sdpa run causally on each sequence of the row, a Python loop. Free on CPU
-  and the fastest there (4x the masked sdpa on 16 sequences of 64-512 tokens); on an H200 it
+  and the fastest there (2-3x the masked sdpa on 16 sequences of 64-512 tokens); on an H200 it
   left the GPU waiting on Python (32,800 sdpa calls = 55 s of host time in 2 steps), so CUDA
   never gets it (STYLE.md rule 11).
 
@@ -23,6 +24,8 @@ Rows that are not packed (the padded path, with its attention mask) and generati
 cache: query and key lengths differ) run plain sdpa under every choice, so one choice serves
 every model of a run: actor, reference, critic, reward models and the generation copy
 (``set_packed_attention``; the copy shares the actor's config). None is saved with a model.
+PACKED_VARLEN knows a packed row by its ``cu_seq_lens_q``, which every packed forward of
+``klppo.models.forward`` passes (PACKED_SDPA also finds the sequences in the position ids).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from klppo.algo import entropy_from_logits, logprobs_from_logits
 from klppo.data.batching import PackedBatch, pack
-from klppo.models.attention import PACKED_SDPA, ROW_BOUNDS, use_packed_attention  # noqa: F401 - re-exported
+from klppo.models.attention import PACKED_SDPA, ROW_BOUNDS, use_packed_attention  # noqa: F401 - also found here
 from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_head_unsupported, fused_lm_head
 
 

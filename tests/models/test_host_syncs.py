@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from klppo.models.forward import PACKED_SDPA, response_logprobs, response_values, use_packed_attention
+from klppo.models.attention import PACKED_SDPA, use_packed_attention
+from klppo.models.forward import response_logprobs, response_values
 from klppo.models.fused_head import head_logit_scale
 from klppo.models.rng import seeded
 from klppo.models.tiny import tiny_model_config

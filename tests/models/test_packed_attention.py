@@ -148,6 +148,15 @@ def test_the_varlen_path_runs_one_kernel_per_layer_forward_and_backward(fake_var
     assert fake_varlen.calls == 2 * LAYERS
 
 
+def test_with_gradient_checkpointing_backward_recomputes_one_kernel_per_layer(fake_varlen):
+    actor, _ = _models(PACKED_VARLEN)
+    actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    actor.train()  # transformers checkpoints only in training mode (the tiny model has no dropout)
+    ids, mask, width = _batch()
+    response_logprobs(actor, ids, mask, width, packed=True)[0].sum().backward()
+    assert fake_varlen.calls == 2 * LAYERS  # the recomputation gets the row's bounds too
+
+
 def test_padded_rows_and_generation_never_reach_the_varlen_kernel(fake_varlen):
     actor, _ = _models(PACKED_VARLEN)
     ids, mask, width = _batch()

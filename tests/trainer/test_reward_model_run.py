@@ -82,7 +82,7 @@ def test_raw_scores_of_several_reward_models_are_averaged(ppo_overrides, task_di
 
 def _rm_batch(tiny_model_dir, answer_batch):
     from klppo.models.load import load_reward_model
-    from klppo.models.forward import use_packed_attention
+    from klppo.models.attention import use_packed_attention
 
     model = load_reward_model(str(_reward_model_folder(tiny_model_dir, tiny_model_dir.parent / "rm_scores", 3)),
                               key="reward_model.model.path", device=torch.device("cpu"))
