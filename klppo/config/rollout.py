@@ -68,6 +68,15 @@ class RolloutConfig:
     # with the sharded actor (least memory); `auto`: gathered when the copy fits in half the free
     # memory, on runs of several ranks.
     generation_weights: Literal["auto", "gathered", "sharded"] = "auto"
+    # How Hugging Face generate decodes (hf; a klppo key): `dynamic` is transformers' default KV
+    # cache, grown at every token, run eagerly; `static` allocates the cache once for
+    # data.max_prompt_length + response_length tokens per row; `compiled` is the static cache with
+    # the decoding step compiled by torch.compile (CUDA graphs on a GPU), which compiles on the
+    # first generation (and again at the first batch of another size, and at a batch of one row)
+    # and then replays for every token; `auto`: compiled on CUDA, dynamic on CPU (compiling took
+    # a minute there and saved a fifth). The sharded actor (generation_weights: sharded) always
+    # decodes dynamically: FSDP2's per-layer hooks cannot be compiled.
+    hf_decoding: Literal["auto", "dynamic", "static", "compiled"] = "auto"
     # ---- the vLLM engine (rollout.name: vllm) ----
     # Ranks that hold one engine's tensor-parallel shards: consecutive ranks form a group that
     # samples the same prompts together; the groups split the step's prompts (data parallel).
@@ -168,8 +177,23 @@ def rollout_notes(cfg: PPOConfig) -> list[str]:
         if set_keys:
             notes.append(f"warning: {ROLLOUT}.{{{', '.join(set_keys)}}} configure the vLLM engine and have no "
                          f"effect with {ROLLOUT}.name = 'hf'; set {ROLLOUT}.name=vllm to use them")
+    notes += _decoding_notes(rollout)
     notes += _truncated_sampling_notes(cfg)
     return notes
+
+
+def _decoding_notes(rollout: RolloutConfig) -> list[str]:
+    """``hf_decoding`` set where it decodes nothing: with vLLM, or for the sharded actor."""
+    if rollout.hf_decoding in ("auto", "dynamic"):
+        return []
+    if rollout.name == "vllm":
+        return [f"warning: {ROLLOUT}.hf_decoding = '{rollout.hf_decoding}' configures Hugging Face generate and has "
+                f"no effect with {ROLLOUT}.name = 'vllm'"]
+    if rollout.generation_weights == "sharded":
+        return [f"warning: {ROLLOUT}.hf_decoding = '{rollout.hf_decoding}' has no effect with {ROLLOUT}."
+                "generation_weights = 'sharded': the sharded actor decodes with the dynamic cache (FSDP2's "
+                "per-layer hooks cannot be compiled); generation_weights=auto decodes with a plain copy"]
+    return []
 
 
 def _truncated_sampling_notes(cfg: PPOConfig) -> list[str]:
