@@ -350,8 +350,9 @@ def compare_decoding(args) -> dict:
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     actor = sharded_actor(args.shape, dtype, env.device)
     generator = torch.Generator().manual_seed(1)
-    records = [PromptRecord(i, "bench", None, torch.randint(2, VOCAB, (int(k),), generator=generator).tolist(), None, {})
-               for i, k in enumerate(torch.randint(24, 48, (args.prompts,), generator=generator))]
+    lengths = torch.randint(24, 48, (args.prompts,), generator=generator)
+    records = [PromptRecord(i, "bench", None, torch.randint(2, VOCAB, (int(k),), generator=generator).tolist(), None,
+                            {}) for i, k in enumerate(lengths)]
     results = decoding_runs(actor, records, args, dtype, env.device)
     if args.before:
         results["fsdp2 actor"] = fsdp2_actor_run(actor, records, args, dtype, env.device)

@@ -187,7 +187,8 @@ def passes(cfg: PPOConfig, world_size: int, lengths: Lengths, device: str = "cpu
     return Passes(update_tokens=update[0], update_response_tokens=update[1], critic_tokens=critic_update[0],
                   forward_tokens=forward[0], forward_response_tokens=forward[1],
                   gen_rows=step_rows if rollout.name != "offline" else 0,
-                  gen_tokens=(cfg.data.max_prompt_length if static_kv_cache(cfg, device) else lengths.max_prompt) + response,
+                  gen_tokens=response + (cfg.data.max_prompt_length if static_kv_cache(cfg, device)
+                                         else lengths.max_prompt),
                   gen_response_tokens=response, probe_rows=min(probe, cfg.data.train_batch_size * n))
 
 

@@ -154,10 +154,11 @@ def uses_gathered_copy(parts: PPOParts) -> bool:
     too_big = float(needed > available_bytes(env.device) // 2)
     fits = max_over_ranks({"too_big": too_big})["too_big"] == 0.0  # every rank decides the same
     if not fits and env.rank == 0:
-        warnings.warn(f"rollout.generation_weights=auto: a plain copy of the actor for generation ({needed / 2**30:.2f} "
-                      "GiB) does not fit in half the free memory, so generation runs through the sharded actor, "
-                      "with FSDP2's hooks (and on several ranks an all-gather) in every layer for every token: "
-                      "slow. Free memory (param_offload, smaller batches), or set generation_weights=sharded.",
+        warnings.warn(f"rollout.generation_weights=auto: a plain copy of the actor for generation "
+                      f"({needed / 2**30:.2f} GiB) does not fit in half the free memory, so generation runs "
+                      "through the sharded actor, with FSDP2's hooks (and on several ranks an all-gather) in "
+                      "every layer for every token: slow. Free memory (param_offload, smaller batches), or set "
+                      "generation_weights=sharded.",
                       stacklevel=2)
     return fits
 

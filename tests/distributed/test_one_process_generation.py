@@ -18,6 +18,7 @@ from klppo.data.rl_dataset import load_rl_dataset
 from klppo.distributed import DistEnv, inference_copy_bytes
 from klppo.models.load import load_tokenizer
 from klppo.rollout.hf import Decoding, SamplingParams, hf_rollout
+from klppo.trainer import responses
 from klppo.trainer.responses import generation_decoding, generation_model
 from klppo.trainer.setup import Sharder, load_model
 
@@ -97,3 +98,12 @@ def test_one_process_fp32_generation_shares_the_actors_parameters_and_bf16_adds_
         assert shared == {p.to_local().data_ptr() for p in fp32.actor.parameters()}
     with generation_model(bf16) as (model, _):
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_with_no_memory_free_auto_still_shares_fp32_parameters_but_warns_and_decodes_sharded_in_bf16(
+        actor_parts, monkeypatch):
+    monkeypatch.setattr(responses, "available_bytes", lambda device: 0)
+    assert responses.uses_gathered_copy(actor_parts("float32"))  # adds nothing
+    with pytest.warns(UserWarning, match="does not fit in half the free memory"):
+        assert not responses.uses_gathered_copy(actor_parts("bfloat16"))
+    assert responses.uses_gathered_copy(actor_parts("bfloat16", weights="gathered"))  # asked for: no check

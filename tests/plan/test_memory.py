@@ -174,7 +174,8 @@ def test_a_static_kv_cache_holds_the_longest_prompt_the_data_allows_in_the_compu
     rows, per_token = _plan(qwen05_dir, task_dir).settings.passes.probe_rows, 24 * 2 * 2 * 64
     assert rows == 8 * 4  # kl_ctrl.probe_prompts x rollout.n
     assert kv() == rows * (64 + 256) * per_token * 4
-    assert kv(device="cuda") == kv("actor_rollout_ref.rollout.hf_decoding=compiled") == rows * (128 + 256) * per_token * 4
+    static = rows * (128 + 256) * per_token * 4
+    assert kv(device="cuda") == kv("actor_rollout_ref.rollout.hf_decoding=compiled") == static
     assert kv("actor_rollout_ref.rollout.hf_decoding=static", "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16") == \
         rows * (128 + 256) * per_token * 2
 
