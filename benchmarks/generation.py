@@ -48,7 +48,7 @@ RUNS = (("1 process", 1, "auto"), ("2 ranks, sharded", 2, "sharded"), ("2 ranks,
 
 
 def overrides(data: Path, model: Path, run_dir: Path, steps: int, world: int, weights: str) -> list[str]:
-    from klppo.trainer.demo import ppo_overrides
+    from klppo.commands.demo_recipe import ppo_overrides
 
     base = [o for o in ppo_overrides(data, model, run_dir, seed=0, steps=steps) if not o.startswith("data.val_files")]
     return base + ["data.val_files=null", "trainer.test_freq=-1", "trainer.logger=[]",
@@ -89,7 +89,7 @@ def main(argv=None) -> dict[str, float]:
         return backends_child(Path(args.child), args.prompts, args.tokens, args.repeats)
     if args.backends:
         return compare_backends(args)
-    from klppo.trainer.demo import prepare
+    from klppo.commands.demo_recipe import prepare
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -100,7 +100,7 @@ def main(argv=None) -> dict[str, float]:
                 run_dir = work / f"run_{world}_{weights}_{repeat}"
                 launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone",
                                                   f"--nproc_per_node={world}"]
-                run([sys.executable, *launcher, "-m", "klppo.trainer.main_ppo",
+                run([sys.executable, *launcher, "-m", "klppo.commands.main_ppo",
                      *overrides(data, model, run_dir, args.steps, world, weights)])
                 seconds[name] += gen_seconds(run_dir)
     means = {name: sum(v) / len(v) for name, v in seconds.items()}
@@ -191,7 +191,7 @@ def backends_child(model_dir: Path, n_prompts: int, new_tokens: int, repeats: in
 def online_step(smollm2: Path, backend: str, work: Path) -> dict[str, float]:
     """Two steps of the online SmolLM2 example with ``backend`` (no validation); step 2's timings."""
     run_dir = work / f"online_{backend}"
-    cmd = [sys.executable, "-m", "klppo.trainer.main_ppo", "--config", str(ROOT / "examples/smollm2/ppo_online.yaml"),
+    cmd = [sys.executable, "-m", "klppo.commands.main_ppo", "--config", str(ROOT / "examples/smollm2/ppo_online.yaml"),
            f"actor_rollout_ref.model.path={smollm2 / 'model'}", f"data.train_files={smollm2 / 'online_train.parquet'}",
            "data.val_files=null", "trainer.val_before_train=false", "trainer.test_freq=-1",
            "trainer.total_training_steps=2", "trainer.logger=[]", f"trainer.default_local_dir={run_dir}",

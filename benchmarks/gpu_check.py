@@ -46,7 +46,7 @@ from klppo.monitoring.memory import PeakMemory
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.forwards import compute_log_prob
-from klppo.trainer.settings import ActorUpdateSettings
+from klppo.run.settings import ActorUpdateSettings
 from klppo.trainer.update import update_actor
 from throughput import synthetic_batch
 

@@ -112,9 +112,9 @@ def overrides(model: Path, reward_model: Path, train: Path, val: Path, run_dir: 
 def ppo_run(args: list[str]) -> tuple[list[dict], dict]:
     """One PPO run in this process (as ``main_ppo`` runs it); returns its records and what was
     seen of its models before training."""
-    from klppo.trainer.build import build_ppo, start_processes
+    from klppo.run.build import build_ppo, start_processes
     from klppo.trainer.ppo_trainer import PPOTrainer
-    from klppo.trainer.run_state import resume_target
+    from klppo.run.state import resume_target
 
     cfg = load_ppo_config(None, args)
     env = start_processes(cfg)
@@ -222,7 +222,7 @@ def check_vllm_rollout(root: Path, device: str, prompts: int, response: int) -> 
             f"{arf}.actor.optim.lr=1e-5", f"{arf}.actor.fsdp_config.dtype=bfloat16", f"{arf}.actor.use_kl_loss=true",
             "algorithm.adv_estimator=grpo", "trainer.total_training_steps=2", "trainer.save_freq=-1",
             "trainer.logger=[]", f"trainer.device={device}", f"trainer.default_local_dir={run_dir}"]
-    done = subprocess.run([sys.executable, "-m", "klppo.trainer.main_ppo", *args], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "klppo.commands.main_ppo", *args], capture_output=True, text=True)
     if done.returncode:
         check(VLLM_CHECK, False, done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else "failed")
         return

@@ -184,8 +184,8 @@ def run(cmd: list[str], env: dict, log: Path) -> tuple[int, float]:
 def measure(model: Path, data: Path, work: Path, world: int, args, label: str = "base",
             changes: tuple[str, ...] = ()) -> dict:
     run_dir = work / f"run_{args.mode}_{world}" if label == "base" else work / f"run_{args.mode}_{world}_{label}"
-    launcher = ["-m", "klppo.trainer.main_ppo"] if world == 1 else [
-        "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", "klppo.trainer.main_ppo"]
+    launcher = ["-m", "klppo.commands.main_ppo"] if world == 1 else [
+        "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", "klppo.commands.main_ppo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1" if world > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
            "TQDM_DISABLE": "1", "PYTHONPATH": str(ROOT)}
     code, peak = run([sys.executable, *launcher, *overrides(model, data, run_dir, world, args), *changes], env,

@@ -46,7 +46,7 @@ BASELINE_PROBE = """
 import sys
 from pathlib import Path
 import pyarrow.parquet as pq
-import klppo.trainer.build, klppo.trainer.ppo_trainer, klppo.trainer.main_ppo  # what a run imports
+import klppo.run.build, klppo.trainer.ppo_trainer, klppo.commands.main_ppo  # what a run imports
 from transformers import AutoTokenizer, Qwen2ForCausalLM  # noqa: F401  (the model classes' modules)
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 rows = pq.read_table(sys.argv[2]).to_pylist()

@@ -42,7 +42,7 @@ from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
 from klppo.data.batching import MicroBatching
 from klppo.trainer.forwards import compute_log_prob, compute_values
-from klppo.trainer.settings import ActorUpdateSettings, CriticUpdateSettings
+from klppo.run.settings import ActorUpdateSettings, CriticUpdateSettings
 from klppo.trainer.update import update_actor, update_critic
 
 PHASES = ("old_log_prob", "ref", "values", "update_critic", "update_actor")

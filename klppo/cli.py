@@ -8,16 +8,16 @@ import sys
 from klppo.cli_support import run_cli
 
 # Sub-commands that own their argument parsing (so `klppo ppo --config x.yaml a.b=1` reaches
-# main_ppo exactly as `python -m klppo.trainer.main_ppo --config x.yaml a.b=1` would).
+# main_ppo exactly as `python -m klppo.commands.main_ppo --config x.yaml a.b=1` would).
 DELEGATED = {
-    "ppo": ("klppo.trainer.main_ppo", "train with KL-regularised PPO (--config x.yaml key=value ...)"),
-    "sft": ("klppo.trainer.main_sft", "supervised warm start (--config x.yaml key=value ...)"),
-    "rm": ("klppo.trainer.main_rm", "train a reward model from ranked responses (--config x.yaml key=value ...)"),
-    "demo": ("klppo.trainer.demo", "build a task and a tiny model, warm-start it, train it with PPO"),
+    "ppo": ("klppo.commands.main_ppo", "train with KL-regularised PPO (--config x.yaml key=value ...)"),
+    "sft": ("klppo.commands.main_sft", "supervised warm start (--config x.yaml key=value ...)"),
+    "rm": ("klppo.commands.main_rm", "train a reward model from ranked responses (--config x.yaml key=value ...)"),
+    "demo": ("klppo.commands.demo", "build a task and a tiny model, warm-start it, train it with PPO"),
     "report": ("klppo.monitoring.report", "plots, guard events and a diagnosis of a run (RUN_DIR [--format html])"),
     "plan": ("klppo.plan.command", "batches, memory per rank and phase, and time of a config, before it runs "
              "(CONFIG [key=value ...] [--gpus-per-node N --device-memory 80GiB ...])"),
-    "score-logprobs": ("klppo.trainer.score_logprobs", "fill rollout_log_probs of recorded responses with a model "
+    "score-logprobs": ("klppo.commands.score_logprobs", "fill rollout_log_probs of recorded responses with a model "
                        "(--model DIR --input IN --output OUT)"),
 }
 

@@ -10,7 +10,7 @@ The YAML files expect the default --out.
 import argparse
 from pathlib import Path
 
-from klppo.trainer.demo import prepare
+from klppo.commands.demo import prepare
 
 
 def main() -> None:

@@ -37,11 +37,11 @@ class IncompatibleCheckpoint(UserError):
 
 _RUN_NAMES = {"ppo": "a PPO run", "sft": "an SFT run", "rm": "a reward-model run",
               "supervised": "an SFT or reward-model run"}
-# What each kind of run saves in trainer_state.pt (klppo/trainer/run_state.py, supervised.py).
+# What each kind of run saves in trainer_state.pt (klppo/run/state.py, supervised.py).
 _SHARED_KEYS = {"ppo": ("step", "actor_scheduler", "kl_ctrl", "data", "guard"),
                 "sft": ("step", "scheduler", "data"), "rm": ("step", "scheduler", "data")}
 _GUARD_KEYS = ("rollbacks", "nonfinite_in_a_row", "good_checkpoints", "pending_checkpoint", "lr_override")
-# The fields of a guard event the guard's record may hold (klppo/trainer/guards.py, GuardEvent).
+# The fields of a guard event the guard's record may hold (klppo/safety/guards.py, GuardEvent).
 _EVENT_FIELDS = {"step": int, "kind": str, "message": str, "values": dict}
 # The top-level names of the sharded state (models and optimisers) each kind saves.
 _SHARDED_NAMES = {"ppo": ("actor", "actor_optimizer"), "sft": ("model", "optimizer"), "rm": ("model", "optimizer")}
@@ -176,7 +176,7 @@ def _numbers(values: Any) -> bool:
 
 
 def _is_health_record(health: Any) -> bool:
-    """The run-health detectors' state (klppo/trainer/health.py): per model, gradient norms and
+    """The run-health detectors' state (klppo/safety/health.py): per model, gradient norms and
     the steps of skipped spikes; the entropy trend's values and its open episode (or None)."""
     if not (isinstance(health, dict) and isinstance(health.get("grads"), dict) and "entropy" in health):
         return False

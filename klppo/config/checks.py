@@ -12,25 +12,23 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass
 from typing import Optional
 
 from klppo.config.batch_sizes import batch_size_problems, divisor_below, world_size
 from klppo.config.lora import lora_enabled, lora_problems
-from klppo.config.rollout import engine_problems, resolve_rollout_engine, rollout_notes
+from klppo.config.problems import Problem
+from klppo.config.rollout_checks import engine_problems, resolve_rollout_engine, rollout_notes
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs, rollout_correction_active
 from klppo.config.schema import (
     ActorConfig,
     CriticConfig,
     OptimConfig,
     PPOConfig,
-    RMConfig,
     RolloutConfig,
-    SFTConfig,
-    SFTTrainerConfig,
     TrainerConfig,
     ValKwargsConfig,
 )
+from klppo.config.supervised import RMConfig, SFTConfig, SFTTrainerConfig
 
 ARF = "actor_rollout_ref"
 ACTOR = "actor_rollout_ref.actor"
@@ -39,13 +37,6 @@ ROLLOUT = "actor_rollout_ref.rollout"
 # Estimators that use the other responses to the same prompt as the baseline.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a config: the dotted keys it concerns and a message naming the fix."""
-
-    keys: tuple[str, ...]
-    message: str
 
 
 # ---- derived defaults ----
@@ -267,7 +258,7 @@ def _check_critic_warmup(cfg: PPOConfig, out: list[Problem]) -> None:
 
 
 # The shortest trainer.guard.window: the entropy trend compares the mean of its newest 3 steps
-# with the median of at least 3 earlier ones (klppo/trainer/health.py, RECENT_STEPS).
+# with the median of at least 3 earlier ones (klppo/safety/health.py, RECENT_STEPS).
 MIN_GUARD_WINDOW = 6
 
 

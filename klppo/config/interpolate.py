@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from klppo.config.checks import Problem
+from klppo.config.problems import Problem
 
 _DOTTED = re.compile(r"\.*[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]*)*")
 _MISSING = "???"  # OmegaConf's "mandatory, not set"

@@ -21,10 +21,12 @@ from typing import Any, Callable, Literal, Sequence, TypeVar, Union, get_args, g
 
 import yaml
 
-from klppo.config.checks import Problem, check_ppo, check_rm, check_sft, resolve_ppo, resolve_sft
+from klppo.config.checks import check_ppo, check_rm, check_sft, resolve_ppo, resolve_sft
 from klppo.config.files import read_yaml
 from klppo.config.interpolate import INVALID, DefaultTest, Interpolator, Invalid
-from klppo.config.schema import PPOConfig, RMConfig, SFTConfig
+from klppo.config.problems import Problem
+from klppo.config.schema import PPOConfig
+from klppo.config.supervised import RMConfig, SFTConfig
 from klppo.config.verl import split_verl_keys, summary, verl_defaults, verl_sections
 from klppo.errors import UserError
 

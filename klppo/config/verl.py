@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
-from klppo.config.checks import Problem
+from klppo.config.problems import Problem
 from klppo.config.interpolate import absolute_key, get_dotted
 from klppo.config.verl_reasons import FOLLOWS, REFUSE, RULES
 

@@ -36,7 +36,7 @@ from klppo.trainer.forwards import StepShards, score_batch, score_log_probs, sco
 from klppo.trainer.responses import step_responses
 
 if TYPE_CHECKING:
-    from klppo.trainer.build import PPOParts
+    from klppo.run.build import PPOParts
 
 # training/filter_groups/gen_batches: generation batches the step drew; kept_groups: prompts with spread
 # they held (the first train_batch_size of them are trained on); dropped_groups: prompts that tied.

@@ -26,10 +26,10 @@ from klppo.trainer.forwards import (
 from klppo.trainer.responses import (
     VALIDATION, engine_seeds, generation_decoding, generation_model, sync_engine_weights,
 )
-from klppo.trainer.setup import same_on_every_rank
+from klppo.run.setup import same_on_every_rank
 
 if TYPE_CHECKING:
-    from klppo.trainer.build import PPOParts
+    from klppo.run.build import PPOParts
 
 WHOLE = MicroBatching()  # validation forwards take each batch at once
 CPU = torch.device("cpu")

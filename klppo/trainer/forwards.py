@@ -23,12 +23,12 @@ from klppo.rewards.distill import group_ranking_rewards
 from klppo.rewards.score import score_responses_with_components
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.adapters import adapters_at
-from klppo.trainer.settings import RewardModelForward, RewardSettings
-from klppo.trainer.setup import same_on_every_rank
+from klppo.run.adapters import adapters_at
+from klppo.run.settings import RewardModelForward, RewardSettings
+from klppo.run.setup import same_on_every_rank
 
 if TYPE_CHECKING:
-    from klppo.trainer.build import PPOParts
+    from klppo.run.build import PPOParts
 
 
 @dataclasses.dataclass(frozen=True)

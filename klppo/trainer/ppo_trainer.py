@@ -1,10 +1,11 @@
 """The PPO loop, top-down: batch, responses, score, shape, advantages, guard, update, log, save.
 
-Everything it needs is built beforehand (``klppo.trainer.build.build_ppo``); it reads only the
+Everything it needs is built beforehand (``klppo.run.build.build_ppo``); it reads only the
 run's ``PPOSettings``, never the config. This file orders the phases of one iteration
 (DESIGN.md, "One PPO iteration"); the scoring forwards live in ``forwards``, the updates in
-``update``, validation in ``evaluate``, what a checkpoint holds in ``run_state`` and the
-guards' decisions in ``guards``.
+``update``, validation in ``evaluate``, a step's own metrics in ``step_metrics``, what a
+checkpoint holds and a rollback restores in ``klppo.run.state``, the guards' decisions in
+``klppo.safety.guards``.
 """
 
 from __future__ import annotations
@@ -17,26 +18,24 @@ from typing import Callable
 import torch
 
 from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
-from klppo.checkpoint.state import checkpoint_steps, step_dir
-from klppo.data.batching import seqlen_balance_metrics
+from klppo.checkpoint.state import checkpoint_steps
 from klppo.distributed import max_over_ranks, mean_over_ranks, on_rank_zero
-from klppo.monitoring.flops import UpdateWork, update_efficiency_metrics
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.monitoring.memory import PeakMemory
-from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics, reward_component_metrics
 from klppo.monitoring.overlap import OverlapMeasure, profiled
 from klppo.monitoring.progress import Progress
-from klppo.monitoring.timer import PEAK_MEMORY, PhaseTimer
+from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer import run_state
-from klppo.trainer.adapters import export_model
-from klppo.trainer.build import GOLD_ROLE, PPOParts
-from klppo.trainer.evaluate import offline_policy_kl, validation_metrics
+from klppo.run import state as run_state
+from klppo.run.adapters import export_model
+from klppo.run.build import GOLD_ROLE, PPOParts
+from klppo.run.folder import RunFolder
+from klppo.safety.guards import GRAD_MODELS, Action, RunGuard, most_severe
 from klppo.trainer.dynamic_sampling import scored_step_batch
+from klppo.trainer.evaluate import offline_policy_kl, validation_metrics
 from klppo.trainer.forwards import reward_model_roles
-from klppo.trainer.guards import GRAD_MODELS, Action, RunGuard, most_severe
-from klppo.trainer.run_folder import RunFolder
+from klppo.trainer.step_metrics import data_metrics, memory_metrics, performance_metrics
 from klppo.trainer.update import OptimizerSteps, update_actor, update_critic
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
@@ -108,7 +107,7 @@ class PPOTrainer:
             last = self.step == self.p.total_steps
             metrics, action = self.train_step()
             if action is Action.ROLLBACK:
-                self._rollback()
+                run_state.roll_back(self.p, self.guard)
             if action is Action.CONTINUE and has_val and s.test_freq > 0 and (self.step % s.test_freq == 0 or last):
                 validated = self._validate()
                 metrics.update(validated)
@@ -167,22 +166,11 @@ class PPOTrainer:
                 metrics.update(self._update(batch.select(shards.mine), timer, steps))
                 action = self._guard_after_update(metrics, steps)
         # step 8. metrics
-        data_metrics = compute_data_metrics(batch, self.s.response_length, grouped=adv.grouped)
-        data_metrics["response_length/mean_trend"] = self.guard.observe_response_length(
-            float(data_metrics["response_length/mean"]))  # host sync
-        if batch.reward_components is not None:
-            data_metrics.update(reward_component_metrics(batch.reward_components))
-        if self.s.rollout == "offline" and "actor/kl_to_ref" in data_metrics:  # recorded: not a KL of the policy
-            data_metrics["actor/kl_to_ref_recorded"] = data_metrics.pop("actor/kl_to_ref")
-            if kl is not None:
-                data_metrics["actor/kl_to_ref"] = kl
-        metrics.update(data_metrics)
+        metrics.update(data_metrics(p, batch, kl, self.guard))
         metrics.update(timer.metrics())
-        metrics.update(self._memory_metrics(timer))
-        metrics.update(compute_throughput_metrics(batch, timer.seconds["step"], n_devices=self.env.world_size))
-        metrics.update(self._efficiency_metrics(batch.select(shards.mine), timer.seconds))
-        if self.s.balance_batch:
-            metrics.update(seqlen_balance_metrics(batch.attention_mask.sum(-1).tolist(), shards.rows))
+        metrics.update(memory_metrics(timer, self.setup_peak_gb))
+        self.setup_peak_gb = None  # the setup's peak is logged with the first step only
+        metrics.update(performance_metrics(p, batch, shards, timer.seconds))
         metrics.update({"training/epoch": p.batches.epoch, "guard/rollbacks": self.guard.rollbacks})
         return metrics, action
 
@@ -278,27 +266,6 @@ class PPOTrainer:
             return Action.CONTINUE
         return self.guard.check_validation(self.step, metrics["val-core/reward/mean"], metrics["val-gold/reward/mean"])
 
-    def _memory_metrics(self, timer: PhaseTimer) -> dict[str, float]:
-        """Each phase's peak memory, the largest over ranks; ``perf/max_memory_allocated_gb`` the step's."""
-        peaks = timer.peak_metrics()
-        if self.setup_peak_gb is not None:
-            peaks[f"{PEAK_MEMORY}/setup"], self.setup_peak_gb = self.setup_peak_gb, None
-        peaks = max_over_ranks(peaks)
-        peaks["perf/max_memory_allocated_gb"] = max(v for k, v in peaks.items() if not k.endswith("/setup"))
-        return peaks
-
-    def _efficiency_metrics(self, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, float]:
-        """perf/mfu/{actor,critic} where the device's peak is known, and peak memory."""
-        responses = batch.response_mask.sum(-1)
-        lengths, responses = torch.stack([batch.prompt_mask.sum(-1) + responses, responses]).tolist()  # host sync
-        s, tokens = self.s, sum(lengths)
-        # The actor's LM head runs at the response positions only; the critic's value head everywhere.
-        updated = {"actor": UpdateWork(self.p.actor.config, s.actor.ppo_epochs, s.actor.compute_dtype, sum(responses))}
-        if self.p.critic is not None:
-            updated["critic"] = UpdateWork(self.p.critic.config, s.critic.ppo_epochs, s.critic.compute_dtype, tokens,
-                                           head_outputs=1)
-        return update_efficiency_metrics(self.p.device, seconds, lengths, updated)
-
     def _validate(self) -> dict[str, float]:
         timer = PhaseTimer(self.progress, self.memory)
         models = ("actor", "ref", *reward_model_roles(self.p), GOLD_ROLE)  # the roles a run has
@@ -312,15 +279,6 @@ class PPOTrainer:
         self.guard.checkpoint_saved(self.step)  # first: a run resumed from this checkpoint certifies it too
         with self.p.offloader.resident("actor", "critic"):
             return run_state.save(self.p, self.step, self.guard, keep=self.s.max_ckpt_to_keep)
-
-    def _rollback(self) -> None:
-        target = self.guard.rollback_target(set(checkpoint_steps(self.s.run_dir)))
-        with self.p.offloader.resident("actor", "critic", "ref"):
-            if target is None:
-                run_state.restore_initial_actor(self.p)
-            else:
-                run_state.restore(self.p, step_dir(self.s.run_dir, target), self.guard, weights_only=True)
-        run_state.apply_lr_override(self.p, self.guard.lr_override)
 
     def _resume(self, folder: Path | None) -> None:
         """Restore checkpoint ``folder``'s state (None: a fresh run); nothing is written yet (``RunFolder``)."""

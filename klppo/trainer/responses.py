@@ -43,10 +43,10 @@ from klppo.rollout.batch import RolloutBatch, assemble_batch
 from klppo.rollout.hf import DYNAMIC, Decoding, SamplingParams, hf_rollout
 from klppo.rollout.offline import offline_rollout
 from klppo.rollout.vllm import request_seed
-from klppo.trainer.adapters import merged_weights
+from klppo.run.adapters import merged_weights
 
 if TYPE_CHECKING:
-    from klppo.trainer.build import PPOParts
+    from klppo.run.build import PPOParts
 
 
 def step_responses(parts: PPOParts, records: list[PromptRecord], timer: PhaseTimer, step: int,

@@ -26,7 +26,7 @@ import torch
 from klppo.algo import compute_policy_loss, compute_policy_loss_reinforce, compute_rollout_correction_and_rejection_mask
 from klppo.distributed import all_gather_rows, my_rows
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.settings import ActorUpdateSettings, RolloutCorrectionSettings
+from klppo.run.settings import ActorUpdateSettings, RolloutCorrectionSettings
 
 
 def _correct(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor,

@@ -24,14 +24,15 @@ from klppo.checkpoint.state import (
 from klppo.checkpoint.verify import find_resume_folder
 from klppo.cli_support import quiet_libraries
 from klppo.config import RMConfig, SFTConfig, format_config
-from klppo.config.schema import FSDPConfig, SFTTrainerConfig
+from klppo.config.schema import FSDPConfig
+from klppo.config.supervised import SFTTrainerConfig
 from klppo.data.sampler import PromptBatches, run_length
 from klppo.distributed import DistEnv, load_training_state, run_on_ranks, shard_range, training_state
 from klppo.errors import UserError
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
-from klppo.trainer.adapters import export_model
-from klppo.trainer.run_folder import RunFolder
-from klppo.trainer.setup import (
+from klppo.run.adapters import export_model
+from klppo.run.folder import RunFolder
+from klppo.run.setup import (
     Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, return_freed_memory, same_on_every_rank,
     seed_everything,
 )
@@ -88,7 +89,7 @@ def _train(cfg: SupervisedConfig, env: DistEnv, prepare: PrepareJob, print_fn: C
     start = run.resume(resume_from)  # and restored: its data position may not fit the data
     folder = RunFolder(run.run_dir, (METRICS_FILE,), format_config(cfg), env, None if resume_from is None else start)
 
-    def open_logger() -> MetricsLogger:  # at the first step's log (klppo.trainer.run_folder)
+    def open_logger() -> MetricsLogger:  # at the first step's log (klppo.run.folder)
         folder.open(print_fn)
         return MetricsLogger(run.run_dir, cfg.trainer.logger, print_fn=print_fn, rank=env.rank,
                              console_keys=job.console_keys)

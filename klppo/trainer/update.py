@@ -39,7 +39,7 @@ from klppo.distributed import all_reduce_max_int, reduce_counts, reduce_stats
 from klppo.models.forward import response_logprobs, response_values
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.rollout_correction import policy_loss, with_rollout_correction
-from klppo.trainer.settings import ActorUpdateSettings, CriticUpdateSettings
+from klppo.run.settings import ActorUpdateSettings, CriticUpdateSettings
 
 # (micro-batch, global token count, global sequence count) -> (loss, summed stats, token-mean stats)
 MicroLoss = Callable[[RolloutBatch, torch.Tensor, torch.Tensor], tuple]

@@ -231,7 +231,7 @@ def test_a_guard_health_record_that_is_not_one_is_refused_before_anything_is_res
 
 
 def test_the_health_record_a_guard_saves_passes(save, tmp_path):
-    from klppo.trainer.guards import GuardSettings, RunGuard
+    from klppo.safety.guards import GuardSettings, RunGuard
 
     guard = RunGuard(GuardSettings(early_stop_kl=None, rollback_kl=None, rollback_lr=1e-6, max_rollbacks=1,
                                    max_nonfinite_steps=2, entropy_floor=None, clipfrac_max=None, grad_spike=10.0,

@@ -4,7 +4,7 @@ import pytest
 
 from klppo.config import load_ppo_config
 from klppo.errors import UserError
-from klppo.trainer.settings import FilterGroupsSettings, compile_ppo
+from klppo.run.settings import FilterGroupsSettings, compile_ppo
 
 FG = "algorithm.filter_groups"
 REQUIRED = ["data.train_files=train.parquet", "actor_rollout_ref.model.path=models/tiny", "data.train_batch_size=8",

@@ -3,7 +3,7 @@
 import pytest
 
 from klppo.config import load_ppo_config
-from klppo.trainer.settings import RolloutCorrectionSettings, compile_ppo
+from klppo.run.settings import RolloutCorrectionSettings, compile_ppo
 from klppo.errors import UserError
 
 REQUIRED = ["data.train_files=train.parquet", "actor_rollout_ref.model.path=models/tiny",

@@ -6,7 +6,7 @@ import pytest
 
 from klppo.config import load_ppo_config
 from klppo.errors import UserError
-from klppo.trainer.settings import compile_ppo, engine_load_format
+from klppo.run.settings import compile_ppo, engine_load_format
 
 REQUIRED = ["data.train_files=train.parquet", "actor_rollout_ref.model.path=models/tiny"]
 ROLLOUT = "actor_rollout_ref.rollout"

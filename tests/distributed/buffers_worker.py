@@ -1,4 +1,4 @@
-"""One rank of the persistent-buffer test: load a folder on ranks through klppo.trainer.setup.load_model,
+"""One rank of the persistent-buffer test: load a folder on ranks through klppo.run.setup.load_model,
 then (rank 0) save what the sharded model, its generation copy and its export hold.
 
 argv: model folder, tokenizer folder, out folder. Writes ``<out>/buffers.pt`` ({"sharded": whole
@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from klppo.checkpoint.export import export_hf
 from klppo.config.schema import FSDPConfig
 from klppo.distributed import close, full_state_dict, inference_copy, init_distributed
-from klppo.trainer.setup import Sharder, load_model
+from klppo.run.setup import Sharder, load_model
 
 if __name__ == "__main__":
     model_dir, tokenizer_dir, out = (Path(a) for a in sys.argv[1:4])

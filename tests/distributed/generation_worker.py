@@ -16,7 +16,7 @@ from klppo.distributed import all_gather_objects, close, inference_copy, init_di
 from klppo.models.load import load_tokenizer
 from klppo.monitoring.overlap import is_communication
 from klppo.rollout.hf import SamplingParams, hf_rollout
-from klppo.trainer.setup import Sharder, load_model
+from klppo.run.setup import Sharder, load_model
 
 
 def sample(model, records, tokenizer, sharded: bool):

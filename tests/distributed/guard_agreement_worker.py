@@ -14,8 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from klppo.trainer import dynamic_sampling, guards, ppo_trainer
-from klppo.trainer.main_ppo import main
+from klppo.safety import guards
+from klppo.trainer import dynamic_sampling, ppo_trainer
+from klppo.commands.main_ppo import main
 
 RANK = int(os.environ["RANK"])
 DECISIONS: list = []

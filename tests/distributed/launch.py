@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-PPO, SFT, RM = "klppo.trainer.main_ppo", "klppo.trainer.main_sft", "klppo.trainer.main_rm"
+PPO, SFT, RM = "klppo.commands.main_ppo", "klppo.commands.main_sft", "klppo.commands.main_rm"
 
 ROOT = Path(__file__).parents[2]
 

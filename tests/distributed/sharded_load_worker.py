@@ -1,4 +1,4 @@
-"""One rank of the sharded-loading test: load folders through klppo.trainer.setup.load_model on ranks,
+"""One rank of the sharded-loading test: load folders through klppo.run.setup.load_model on ranks,
 then gather each model whole and (rank 0) save its state as ``<out>/<name>.pt``.
 
 argv: out folder, then name=role:path pairs.
@@ -11,7 +11,7 @@ import torch
 
 from klppo.config.schema import FSDPConfig
 from klppo.distributed import close, full_state_dict, init_distributed
-from klppo.trainer.setup import Sharder, load_model
+from klppo.run.setup import Sharder, load_model
 
 if __name__ == "__main__":
     out, specs = Path(sys.argv[1]), sys.argv[2:]

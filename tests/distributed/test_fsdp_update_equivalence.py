@@ -24,7 +24,7 @@ from klppo.distributed import DistEnv, all_reduce_max_int, all_reduce_sum, reduc
 from klppo.models.load import load_critic
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.forwards import compute_log_prob, compute_values
-from klppo.trainer.settings import ActorUpdateSettings, CriticUpdateSettings
+from klppo.run.settings import ActorUpdateSettings, CriticUpdateSettings
 from klppo.trainer.update import update_actor, update_critic
 
 HERE = Path(__file__).parent

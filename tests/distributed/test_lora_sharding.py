@@ -31,7 +31,7 @@ def test_the_frozen_root_stays_whole_and_tied_in_fp32_only(group_of_one, param_d
 def test_merged_weights_of_a_bf16_sharded_model_merge_its_fp32_masters_even_after_a_forward(group_of_one):
     from klppo.distributed import fill_sharded
     from klppo.models.lora import initial_adapter_values
-    from klppo.trainer.adapters import merged_weights
+    from klppo.run.adapters import merged_weights
 
     config = tiny_model_config(50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
     spec = LoraSpec("x", rank=4, alpha=8, target_modules="all-linear")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import klppo.trainer.setup as setup
+import klppo.run.setup as setup
 from klppo.config.schema import FSDPConfig
 from klppo.distributed import DistEnv, build_mesh, parameter_device
 from klppo.models.lora import LoraSpec

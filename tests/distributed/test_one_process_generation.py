@@ -20,7 +20,7 @@ from klppo.models.load import load_tokenizer
 from klppo.rollout.hf import Decoding, SamplingParams, hf_rollout
 from klppo.trainer import responses
 from klppo.trainer.responses import generation_decoding, generation_model
-from klppo.trainer.setup import Sharder, load_model
+from klppo.run.setup import Sharder, load_model
 
 ONE_PROCESS = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), is_distributed=True)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -1,4 +1,4 @@
-"""PPO runs on several ranks, launched as users launch them: ``torchrun ... -m klppo.trainer.main_ppo``.
+"""PPO runs on several ranks, launched as users launch them: ``torchrun ... -m klppo.commands.main_ppo``.
 
 The strongest checks are equivalences: two ranks (and an HSDP mesh of four) train exactly as
 one process does on the same global batch, and a 2-rank run saved and resumed in new
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from klppo.errors import UserError
 from klppo.monitoring.logger import read_metrics
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 STEPS = 4
 

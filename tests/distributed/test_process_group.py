@@ -11,7 +11,7 @@ import torch.distributed as dist
 from klppo.config import load_ppo_config
 from klppo.distributed import env as env_module
 from klppo.errors import UserError
-from klppo.trainer import build, setup
+from klppo.run import build, setup
 
 
 @pytest.fixture

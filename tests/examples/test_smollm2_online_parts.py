@@ -9,7 +9,7 @@ import pytest
 
 from klppo.data.arithmetic import is_held_out
 from klppo.monitoring.logger import read_metrics
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2"
 REPO = EXAMPLE.parents[1]

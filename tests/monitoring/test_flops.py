@@ -8,7 +8,7 @@ import torch
 
 from klppo.config import load_ppo_config
 from klppo.monitoring import flops
-from klppo.trainer.settings import compile_ppo
+from klppo.run.settings import compile_ppo
 
 # hidden 4, 1 layer, 2 heads of dim 2, 1 KV head, MLP 8, vocabulary 10
 CONFIG = SimpleNamespace(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

@@ -212,7 +212,7 @@ def test_the_planner_refuses_a_world_where_the_config_degenerates_with_the_same_
 
 
 def test_the_run_refuses_a_world_where_the_combination_degenerates_when_it_compiles_its_settings():
-    from klppo.trainer.settings import compile_ppo
+    from klppo.run.settings import compile_ppo
 
     cfg = config("data.train_batch_size=16", f"{ACTOR}.ppo_mini_batch_size=16", f"{ACTOR}.ppo_micro_batch_size_per_gpu=8")
     compile_ppo(cfg, 2)  # 8 samples per rank: one micro-batch of 8

@@ -18,7 +18,7 @@ from klppo.data.arithmetic import write_arithmetic_offline_parquet, write_arithm
 from klppo.errors import UserError
 from klppo.plan.inputs import lora_parameters
 from klppo.plan.model_shape import read_model_shape
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = [p for p in sorted((ROOT / "examples").rglob("*.yaml")) if "sft" not in p.stem]

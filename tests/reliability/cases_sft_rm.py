@@ -280,7 +280,7 @@ def rm_model_folder_without_tokenizer_files(ws):
 @rm("trainer.default_local_dir", "cannot write into", "a folder you can write to")
 def rm_output_folder_not_writable(ws):
     from klppo.errors import UserError
-    from klppo.trainer.setup import check_run_dir
+    from klppo.run.setup import check_run_dir
 
     try:
         check_run_dir(UNWRITABLE)

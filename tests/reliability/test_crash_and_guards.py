@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from klppo.checkpoint.state import LATEST_FILE
 from klppo.monitoring.jsonl import EVENTS_FILE, read_jsonl
 from klppo.monitoring.logger import read_metrics
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 
 def quiet(*args, **kwargs) -> None:
@@ -30,7 +30,7 @@ def _train_cli(overrides, stdout=subprocess.DEVNULL):
     # One thread per process: multi-threaded CPU kernels may sum in a different order when the
     # cores are contended, and this test compares two processes' numbers exactly.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "klppo.trainer.main_ppo", *overrides],
+    return subprocess.Popen([sys.executable, "-m", "klppo.commands.main_ppo", *overrides],
                             stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -212,7 +212,7 @@ def test_an_offline_policy_that_runs_away_is_rolled_back_though_its_recorded_kl_
     import pyarrow.parquet as pq
 
     from klppo.config import load_sft_config
-    from klppo.trainer.main_sft import run_sft
+    from klppo.commands.main_sft import run_sft
 
     sft = run_sft(load_sft_config(None, [
         f"data.train_files={task_dir / 'sft.parquet'}", "data.max_length=96", "data.train_batch_size=16",

@@ -1,7 +1,7 @@
 """Resuming through the real CLI never runs code from a checkpoint, and refuses one it cannot use.
 
 A real 1-step run's checkpoint gets one file replaced by a crafted pickle whose unpickling would
-create a marker file (trainer state, rank file, DCP metadata); ``python -m klppo.trainer.main_ppo``
+create a marker file (trainer state, rank file, DCP metadata); ``python -m klppo.commands.main_ppo``
 resuming from it exits 2 with one message naming the file, prints no traceback, and the marker
 never appears. The damaged and foreign targets below are refused the same way, and a refused
 resume leaves the run folder byte-identical.
@@ -50,9 +50,9 @@ def _ppo_overrides(run_dir: Path, tiny_model_dir: Path, task_dir: Path, steps: i
 def runs(tiny_model_dir, task_dir, tmp_path_factory):
     """A finished 1-step PPO run and a 1-step SFT run, both with a checkpoint at step 1."""
     out = tmp_path_factory.mktemp("runs")
-    done = _cli("klppo.trainer.main_ppo", _ppo_overrides(out / "ppo", tiny_model_dir, task_dir, 1))
+    done = _cli("klppo.commands.main_ppo", _ppo_overrides(out / "ppo", tiny_model_dir, task_dir, 1))
     assert done.returncode == 0, done.stderr[-3000:]
-    done = _cli("klppo.trainer.main_sft", [
+    done = _cli("klppo.commands.main_sft", [
         f"data.train_files={task_dir / 'sft.parquet'}", "data.max_length=96", "data.train_batch_size=16",
         "data.micro_batch_size_per_gpu=8", f"model.partial_pretrain={tiny_model_dir}", "trainer.total_training_steps=1",
         "trainer.save_freq=1", "trainer.logger=[]", "trainer.device=cpu", f"trainer.default_local_dir={out / 'sft'}"])
@@ -67,7 +67,7 @@ def resume(runs, tiny_model_dir, task_dir, tmp_path):
     shutil.copytree(runs / "ppo", tmp_path / "ppo")
 
     def run(*extra: str) -> subprocess.CompletedProcess:
-        return _cli("klppo.trainer.main_ppo", _ppo_overrides(tmp_path / "ppo", tiny_model_dir, task_dir, 2, *extra))
+        return _cli("klppo.commands.main_ppo", _ppo_overrides(tmp_path / "ppo", tiny_model_dir, task_dir, 2, *extra))
 
     return run
 

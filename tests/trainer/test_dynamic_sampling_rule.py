@@ -14,7 +14,7 @@ from klppo.rollout.batch import RolloutBatch, concat_batches
 from klppo.rollout.vllm import request_seed
 from klppo.trainer import dynamic_sampling
 from klppo.trainer.responses import engine_seeds
-from klppo.trainer.settings import FilterGroupsSettings
+from klppo.run.settings import FilterGroupsSettings
 
 
 def verl_dapo_rows(draws: list[list[float]], n: int, train_batch_size: int, max_num_gen_batches: int):

@@ -8,7 +8,7 @@ from klppo.data.arithmetic import write_arithmetic_offline_parquet
 from klppo.errors import UserError
 from klppo.monitoring.logger import read_metrics
 from klppo.trainer import ppo_trainer
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 FG = "algorithm.filter_groups"
 

@@ -12,8 +12,8 @@ from klppo.distributed import SINGLE_PROCESS, DistEnv
 from klppo.rollout.batch import assemble_batch
 from klppo.rollout.hf import Decoding, SamplingParams
 from klppo.trainer import evaluate
-from klppo.trainer.offload import Offloader
-from klppo.trainer.settings import KLSettings
+from klppo.run.offload import Offloader
+from klppo.run.settings import KLSettings
 
 
 def records(n: int) -> list[PromptRecord]:

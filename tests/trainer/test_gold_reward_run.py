@@ -8,7 +8,7 @@ import pytest
 from klppo.checkpoint.state import load_checkpoint
 
 from klppo.errors import UserError
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 REWARDS = '''
 CALLS = [0]
@@ -105,7 +105,7 @@ def test_the_gold_reward_is_logged_but_never_trained_on(gold_runs):
 
 
 def test_the_length_trend_is_the_slope_of_the_last_window_steps_mean_lengths(gold_runs):
-    from klppo.trainer.reward_hacking import least_squares_slope
+    from klppo.safety.reward_hacking import least_squares_slope
 
     steps = [r for r in gold_runs[2] if r["step"] >= 1]
     means = [r["response_length/mean"] for r in steps]
@@ -131,7 +131,7 @@ def test_a_resumed_run_keeps_the_detectors_windows_as_the_uninterrupted_run(gold
 
 def test_a_gold_reward_file_that_does_not_exist_is_refused_before_any_model_loads(ppo_overrides, task_dir,
                                                                                   tmp_path, monkeypatch):
-    from klppo.trainer import build
+    from klppo.run import build
 
     monkeypatch.setattr(build, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     overrides = ppo_overrides(**{"data.val_files": task_dir / "val.parquet",

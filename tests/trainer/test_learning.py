@@ -15,7 +15,7 @@ from statistics import mean
 
 import pytest
 
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 DIGITS = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
          "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"

@@ -18,10 +18,10 @@ from klppo.models.lora import is_adapter
 from klppo.monitoring.logger import read_metrics
 from klppo.rollout.hf import hf_rollout
 from klppo.rollout.offline import offline_rollout
-from klppo.trainer import run_state
-from klppo.trainer.build import PPOParts, build_ppo
+from klppo.run import state as run_state
+from klppo.run.build import PPOParts, build_ppo
 from klppo.trainer.forwards import compute_log_prob, reference_model
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 from klppo.trainer.ppo_trainer import PPOTrainer
 from klppo.trainer.responses import generation_model, uses_gathered_copy
 

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from klppo.config import load_rm_config, load_sft_config
 from klppo.monitoring.logger import read_metrics
-from klppo.trainer.main_rm import run_rm
-from klppo.trainer.main_sft import run_sft
+from klppo.commands.main_rm import run_rm
+from klppo.commands.main_sft import run_sft
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10]])
 

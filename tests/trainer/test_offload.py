@@ -3,7 +3,7 @@
 import torch
 from offload_kit import RecordingLinear
 
-from klppo.trainer.offload import Offloader, move_optimizer_state
+from klppo.run.offload import Offloader, move_optimizer_state
 
 
 def _stepped(model):

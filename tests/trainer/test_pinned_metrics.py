@@ -64,29 +64,29 @@ def pinned_runs(model: Path, task: Path, ranked: Path, words: Path) -> dict[str,
         "actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3", "trainer.total_training_steps=3",
     ]
     return {
-        "ppo_offline_gae_adaptive_kl_packed": ("klppo.trainer.main_ppo", ppo + [
+        "ppo_offline_gae_adaptive_kl_packed": ("klppo.commands.main_ppo", ppo + [
             f"data.train_files={task / 'offline.parquet'}", "actor_rollout_ref.rollout.name=offline",
             "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128", "algorithm.use_kl_in_reward=true",
             "algorithm.kl_ctrl.type=adaptive", "trainer.save_freq=2",
         ]),
-        "ppo_online_gae_with_validation": ("klppo.trainer.main_ppo", ppo + [
+        "ppo_online_gae_with_validation": ("klppo.commands.main_ppo", ppo + [
             f"data.train_files={task / 'train.parquet'}", f"data.val_files={task / 'val.parquet'}",
             "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "algorithm.use_kl_in_reward=true", "trainer.test_freq=2", "actor_rollout_ref.actor.entropy_coeff=0.01",
         ]),
-        "grpo_offline_rankings_kl_loss": ("klppo.trainer.main_ppo", ppo + [
+        "grpo_offline_rankings_kl_loss": ("klppo.commands.main_ppo", ppo + [
             f"data.train_files={ranked}", "actor_rollout_ref.rollout.name=offline",
             "actor_rollout_ref.rollout.n=4", "algorithm.adv_estimator=grpo",
             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         ]),
-        "sft": ("klppo.trainer.main_sft", [
+        "sft": ("klppo.commands.main_sft", [
             f"data.train_files={task / 'sft.parquet'}", f"data.val_files={task / 'sft.parquet'}",
             "data.max_length=96", "data.train_batch_size=16", "data.micro_batch_size_per_gpu=8",
             f"model.partial_pretrain={model}", "optim.lr=3e-3", "trainer.total_training_steps=4",
         ]),
-        "rm_bradley_terry": ("klppo.trainer.main_rm", [
+        "rm_bradley_terry": ("klppo.commands.main_rm", [
             f"data.train_files={words}", f"data.val_files={words}", "data.max_prompt_length=64",
             "data.max_response_length=16", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4",
             f"model.partial_pretrain={model}", "optim.lr=3e-3", "trainer.total_training_steps=4",

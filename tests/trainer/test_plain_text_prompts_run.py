@@ -12,9 +12,9 @@ from klppo.errors import UserError
 from klppo.models.load import load_tokenizer
 from klppo.models.tiny import build_tiny_model_folder
 from klppo.monitoring.logger import read_metrics
-from klppo.trainer.main_ppo import run_ppo
-from klppo.trainer.main_rm import run_rm
-from klppo.trainer.main_sft import run_sft
+from klppo.commands.main_ppo import run_ppo
+from klppo.commands.main_rm import run_rm
+from klppo.commands.main_sft import run_sft
 from tests.conftest import TINY
 
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from klppo.checkpoint.state import LATEST_FILE
 from klppo.errors import UserError
 from klppo.monitoring.logger import read_metrics
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 
 def quiet(*args, **kwargs) -> None:
@@ -132,7 +132,7 @@ def test_resumed_run_repeats_the_uninterrupted_run_exactly(ppo_overrides, task_d
 
 
 def test_exported_actor_loads_in_transformers_with_the_trained_logits(ppo_overrides, tmp_path):
-    from klppo.trainer.build import build_ppo
+    from klppo.run.build import build_ppo
     from klppo.config import load_ppo_config
     from klppo.trainer.ppo_trainer import PPOTrainer
 
@@ -149,7 +149,7 @@ def test_cli_runs_a_yaml_config_on_a_parquet_file(ppo_overrides, tmp_path):
     config = tmp_path / "x.yaml"
     config.write_text("algorithm:\n  adv_estimator: gae\n  kl_ctrl:\n    kl_coef: 0.01\n")
     result = subprocess.run(
-        [sys.executable, "-m", "klppo.trainer.main_ppo", "--config", str(config), *overrides],
+        [sys.executable, "-m", "klppo.commands.main_ppo", "--config", str(config), *overrides],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
@@ -162,8 +162,8 @@ def test_cli_runs_a_yaml_config_on_a_parquet_file(ppo_overrides, tmp_path):
 def test_looking_for_a_checkpoint_to_resume_leaves_a_fresh_runs_optimiser_untouched(ppo_overrides, mode):
     """Materialising the optimiser's state for the checkpoint check would make AdamW count a step."""
     from klppo.config import load_ppo_config
-    from klppo.trainer.build import build_ppo
-    from klppo.trainer.run_state import resume_target
+    from klppo.run.build import build_ppo
+    from klppo.run.state import resume_target
 
     parts = build_ppo(load_ppo_config(None, ppo_overrides(**{"trainer.resume_mode": mode})), log=quiet)
     assert resume_target(parts) is None

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from klppo.data.arithmetic import write_arithmetic_ranked_parquet
 from klppo.data.rl_dataset import encode_chats
 from klppo.rewards.distill import ranking_rewards
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 
 def quiet(*args, **kwargs) -> None:

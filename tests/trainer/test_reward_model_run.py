@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from klppo.rewards.distill import group_ranking_rewards
-from klppo.trainer.main_ppo import run_ppo
+from klppo.commands.main_ppo import run_ppo
 
 
 def quiet(*args, **kwargs) -> None:
@@ -93,7 +93,7 @@ def _rm_batch(tiny_model_dir, answer_batch):
 def test_packed_reward_model_scores_equal_padded_ones(tiny_model_dir, answer_batch):
     from klppo.data.batching import MicroBatching
     from klppo.trainer.forwards import compute_rm_scores
-    from klppo.trainer.settings import RewardModelForward
+    from klppo.run.settings import RewardModelForward
 
     model, batch = _rm_batch(tiny_model_dir, answer_batch)
     width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
@@ -107,7 +107,7 @@ def test_the_reward_model_reads_only_its_prompt_and_response_lengths(tiny_model_
     from klppo.data.batching import MicroBatching
     from klppo.models.forward import sequence_scores
     from klppo.trainer.forwards import compute_rm_scores
-    from klppo.trainer.settings import RewardModelForward
+    from klppo.run.settings import RewardModelForward
 
     model, batch = _rm_batch(tiny_model_dir, answer_batch)
     cut = compute_rm_scores(model, batch, RewardModelForward(MicroBatching(), prompt_length=6, response_length=4))

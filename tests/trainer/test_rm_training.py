@@ -9,7 +9,7 @@ from klppo.models.load import load_reward_model
 from klppo.monitoring.logger import read_metrics
 from klppo.rollout.batch import right_pad
 from klppo.data.ranked import ranked_pairs
-from klppo.trainer.main_rm import run_rm
+from klppo.commands.main_rm import run_rm
 
 
 def quiet(*args, **kwargs) -> None:

@@ -13,9 +13,9 @@ from klppo.data.rl_dataset import load_rl_dataset
 from klppo.errors import UserError
 from klppo.models.forward import response_logprobs
 from klppo.models.tiny import build_tiny_model_folder
-from klppo.trainer import build
-from klppo.trainer.build import ROLLOUT_CORRECTION_NEED
-from klppo.trainer.main_ppo import run_ppo
+from klppo.run import build
+from klppo.run.build import ROLLOUT_CORRECTION_NEED
+from klppo.commands.main_ppo import run_ppo
 from tests.conftest import TINY
 
 CORRECTED = {"algorithm.rollout_correction.rollout_is": "token",

@@ -12,7 +12,7 @@ from klppo.algo import masked_mean
 from klppo.data.batching import MicroBatching
 from klppo.models.forward import response_logprobs
 from klppo.trainer.forwards import compute_log_prob
-from klppo.trainer.settings import ActorUpdateSettings, RolloutCorrectionSettings
+from klppo.run.settings import ActorUpdateSettings, RolloutCorrectionSettings
 from klppo.trainer.update import update_actor
 
 

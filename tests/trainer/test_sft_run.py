@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM
 
 from klppo.config import load_sft_config
 from klppo.monitoring.logger import read_metrics
-from klppo.trainer.main_sft import run_sft
+from klppo.commands.main_sft import run_sft
 
 
 def quiet(*args, **kwargs) -> None:
@@ -27,7 +27,7 @@ def test_sft_lowers_the_loss_and_saves_a_folder_ppo_can_start_from(tiny_model_di
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model(torch.tensor([[3, 4, 5]])).logits.shape[-1] == model.config.vocab_size
 
-    from klppo.trainer.main_ppo import run_ppo
+    from klppo.commands.main_ppo import run_ppo
 
     records = run_ppo(None, ppo_overrides(**{"actor_rollout_ref.model.path": out, "trainer.total_training_steps": 1}),
                       print_fn=quiet)

@@ -14,7 +14,7 @@ from klppo.data.batching import MicroBatching, micro_batch_plan
 from klppo.models.load import load_critic
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.forwards import compute_log_prob, compute_values
-from klppo.trainer.settings import ActorUpdateSettings, CriticUpdateSettings
+from klppo.run.settings import ActorUpdateSettings, CriticUpdateSettings
 from klppo.trainer.update import update_actor, update_critic
 
 WHOLE = MicroBatching()

@@ -44,7 +44,7 @@ def overrides(vllm_model_dir, task_dir, tmp_path):
 
 def _start(overrides: list[str], stdout=subprocess.DEVNULL) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}  # one thread: exact comparisons
-    return subprocess.Popen([sys.executable, "-m", "klppo.trainer.main_ppo", *overrides], stdout=stdout,
+    return subprocess.Popen([sys.executable, "-m", "klppo.commands.main_ppo", *overrides], stdout=stdout,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from klppo.trainer.guards import Action, GuardSettings, RunGuard
-from klppo.trainer.reward_hacking import Divergence, DivergenceDetector, Trend, least_squares_slope
+from klppo.safety.guards import Action, GuardSettings, RunGuard
+from klppo.safety.reward_hacking import Divergence, DivergenceDetector, Trend, least_squares_slope
 
 SETTINGS = GuardSettings(early_stop_kl=None, rollback_kl=None, rollback_lr=1e-6, max_rollbacks=0,
                          max_nonfinite_steps=3, entropy_floor=None, clipfrac_max=None)

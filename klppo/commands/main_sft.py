@@ -1,4 +1,4 @@
-"""``klppo sft`` / ``python -m klppo.trainer.main_sft``: supervised warm start before PPO.
+"""``klppo sft`` / ``python -m klppo.commands.main_sft``: supervised warm start before PPO.
 
 Trains a causal LM on prompt/response Parquet with the loss on response tokens only (token
 mean over the whole batch, so micro-batching and the number of ranks do not change the
@@ -73,7 +73,7 @@ def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
 def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
     """The SFT data, the causal LM (sharded), and the step that trains it on a share of a batch."""
     from klppo.data.sft_dataset import collate_sft, load_sft_dataset
-    from klppo.trainer.setup import load_model, lora_spec
+    from klppo.run.setup import load_model, lora_spec
     from klppo.trainer.supervised import SupervisedJob
 
     data, key, device = cfg.data, "model.partial_pretrain", env.device

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from klppo.config.checks import MIN_GUARD_WINDOW
-from klppo.trainer.guards import Action, GuardSettings, RunGuard, most_severe
-from klppo.trainer.health import (
+from klppo.safety.guards import Action, GuardSettings, RunGuard, most_severe
+from klppo.safety.health import (
     MIN_NORMS, RECENT_STEPS, EntropyTrend, GradSpikeDetector, SkippedStep, relative_change, robust_center_scale,
 )
 from klppo.trainer.update import OptimizerSteps, optimizer_step

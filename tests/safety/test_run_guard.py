@@ -2,7 +2,7 @@
 
 import math
 
-from klppo.trainer.guards import Action, GuardSettings, RunGuard
+from klppo.safety.guards import Action, GuardSettings, RunGuard
 
 SETTINGS = GuardSettings(early_stop_kl=0.2, rollback_kl=0.15, rollback_lr=1e-6, max_rollbacks=1,
                          max_nonfinite_steps=2, entropy_floor=0.01, clipfrac_max=0.3)
@@ -67,6 +67,6 @@ def test_guard_record_round_trips_through_its_state_dict():
 
 
 def test_entropy_messages_give_small_fractions_their_digits():
-    from klppo.trainer.guards import percent
+    from klppo.safety.guards import percent
 
     assert (percent(0.5), percent(1.0), percent(2e-6)) == ("50%", "100%", "0.0002%")

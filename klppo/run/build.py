@@ -30,10 +30,10 @@ from klppo.plan.model_shape import GOLD_ROLE
 from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.vllm import VLLMEngine, require_vllm
-from klppo.trainer.offload import Offloader
-from klppo.trainer.settings import KLSettings, PPOSettings, compile_ppo, uses_critic, uses_reference
-from klppo.trainer.adapters import base_values, trained_values
-from klppo.trainer.setup import (
+from klppo.run.offload import Offloader
+from klppo.run.settings import KLSettings, PPOSettings, compile_ppo, uses_critic, uses_reference
+from klppo.run.adapters import base_values, trained_values
+from klppo.run.setup import (
     Sharder, build_optimizer_and_scheduler, join_world, load_model, lora_spec, seed_everything,
 )
 

@@ -1,4 +1,4 @@
-"""What a run does with LoRA adapters beyond training them (``klppo.trainer.adapters``): the merged
+"""What a run does with LoRA adapters beyond training them (``klppo.run.adapters``): the merged
 export and the merged weights an inference engine takes, for nn.Linear and GPT-2's Conv1D."""
 
 import pytest
@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from klppo.distributed import SINGLE_PROCESS
 from klppo.models.lora import ADAPTER, LoraSpec, attach_adapters, lora_layers
-from klppo.trainer.adapters import export_model, merged_weights
+from klppo.run.adapters import export_model, merged_weights
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
 

@@ -6,8 +6,8 @@ import pytest
 
 from klppo.config import load_ppo_config
 from klppo.rewards.arithmetic_demo import biased_grader, exact_match
-from klppo.trainer import demo, demo_reward_hacking
-from klppo.trainer.demo_reward_hacking import reward_hacking_overrides, validation_table
+from klppo.commands import demo
+from klppo.commands.demo_reward_hacking import reward_hacking_overrides, validation_table
 
 
 @pytest.mark.parametrize("text, score, right, one_too_many", [
@@ -48,7 +48,7 @@ def test_the_table_has_one_row_per_validation_with_the_share_of_right_answers_an
 def test_the_cli_runs_the_reward_hacking_demo_for_80_steps_unless_told(monkeypatch, tmp_path, argv, steps):
     called = {}
     record = lambda name: lambda out, seed, ppo_steps, lora: called.update(demo=name, steps=ppo_steps) or []  # noqa: E731
-    monkeypatch.setattr(demo_reward_hacking, "run_reward_hacking_demo", record("reward_hacking"))
+    monkeypatch.setattr(demo, "run_reward_hacking_demo", record("reward_hacking"))
     monkeypatch.setattr(demo, "run_demo", record("main"))
     assert demo.main([*argv, "--out", str(tmp_path)]) == 0
     assert called == {"demo": "reward_hacking" if argv else "main", "steps": steps}

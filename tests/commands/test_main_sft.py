@@ -10,7 +10,7 @@ from klppo.algo import logprobs_from_logits
 from klppo.data.sft_dataset import SFTExample, collate_sft
 from klppo.models.forward import HeadSettings, position_ids_from_mask
 from klppo.models.tiny import tiny_model_config
-from klppo.trainer.main_sft import sft_loss
+from klppo.commands.main_sft import sft_loss
 
 VOCAB = 61
 

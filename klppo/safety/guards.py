@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Optional
 
-from klppo.trainer.health import EntropyShift, EntropyTrend, GradSpikeDetector, SkippedStep
-from klppo.trainer.reward_hacking import DivergenceDetector, Trend
+from klppo.safety.health import EntropyShift, EntropyTrend, GradSpikeDetector, SkippedStep
+from klppo.safety.reward_hacking import DivergenceDetector, Trend
 
 GRAD_MODELS = ("actor", "critic")
 

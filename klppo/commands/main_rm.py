@@ -1,4 +1,4 @@
-"""``klppo rm`` / ``python -m klppo.trainer.main_rm``: train a reward model from ranked responses.
+"""``klppo rm`` / ``python -m klppo.commands.main_rm``: train a reward model from ranked responses.
 
 Each prompt's responses are scored by a sequence-classification model (a causal LM's backbone
 with a one-output head), and the scores are fitted to the rankings with the Bradley-Terry loss
@@ -130,7 +130,7 @@ def run_rm(cfg: RMConfig, print_fn=print) -> Path:
 def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
     """The ranked data, the reward model (sharded), and the step that fits it to a share of a batch."""
     from klppo.data.ranked import load_ranked_dataset
-    from klppo.trainer.setup import load_model, lora_spec
+    from klppo.run.setup import load_model, lora_spec
     from klppo.trainer.supervised import SupervisedJob
 
     data, key = cfg.data, "model.partial_pretrain"

@@ -5,7 +5,8 @@ import re
 import pyarrow.parquet as pq
 
 from klppo.data.arithmetic import is_held_out
-from klppo.trainer.demo import MAX_OPERAND, prepare, prepare_rankings, with_changes
+from klppo.commands.demo_rankings import prepare_rankings
+from klppo.commands.demo_recipe import MAX_OPERAND, prepare, with_changes
 
 SOLUTION = re.compile(r"^(\d+) ([+-]) (\d+) = ")
 

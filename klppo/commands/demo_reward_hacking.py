@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from klppo.cli_support import quiet_libraries
-from klppo.trainer.demo import LORA, ppo_overrides, warm_start, with_changes
+from klppo.commands.demo_recipe import LORA, ppo_overrides, warm_start, with_changes
 
 RUN = "ppo_reward_hacking"
 
@@ -55,7 +55,7 @@ def validation_table(records: list[dict], events: list[dict]) -> str:
 def run_reward_hacking_demo(out: Path, seed: int, ppo_steps: int, lora: bool = True, print_fn=print) -> list[dict]:
     """The demo (``lora`` is accepted for the CLI's sake: this demo always trains LoRA adapters)."""
     from klppo.monitoring.report import write_report
-    from klppo.trainer.main_ppo import run_ppo
+    from klppo.commands.main_ppo import run_ppo
 
     quiet_libraries()
     start = time.perf_counter()

@@ -27,8 +27,8 @@ from klppo.errors import UserError
 from klppo.models.forward import HeadSettings
 from klppo.rollout.hf import Decoding, SamplingParams
 from klppo.rollout.vllm import EngineSettings
-from klppo.trainer.guards import GuardSettings
-from klppo.trainer.setup import PARAM_DTYPES
+from klppo.safety.guards import GuardSettings
+from klppo.run.setup import PARAM_DTYPES
 
 ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

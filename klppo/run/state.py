@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 from klppo.checkpoint.state import (
-    load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint, set_rng_state,
+    checkpoint_steps, load_checkpoint, load_rank_state, load_sharded_state, rng_state, save_checkpoint, set_rng_state,
+    step_dir,
 )
 from klppo.checkpoint.verify import find_resume_folder
 from klppo.distributed import load_training_state, training_state
-from klppo.trainer.adapters import restore_values
-from klppo.trainer.build import PPOParts
-from klppo.trainer.guards import RunGuard
+from klppo.run.adapters import restore_values
+from klppo.run.build import PPOParts
+from klppo.safety.guards import RunGuard
 
 
 def _trained(parts: PPOParts) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
@@ -101,3 +102,17 @@ def apply_lr_override(parts: PPOParts, lr: float) -> None:
     for group in parts.actor_optimizer.param_groups:
         group["lr"] = group["initial_lr"] = lr
     parts.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(parts.actor_optimizer, lambda _: 1.0)
+
+
+def roll_back(parts: PPOParts, guard: RunGuard) -> None:
+    """The guard's rollback: the newest checkpoint it certified good (its weights only: the data
+    position, RNG and step go on), or the run's starting weights when none is; then its lower
+    learning rate."""
+    run_dir = parts.settings.run_dir
+    target = guard.rollback_target(set(checkpoint_steps(run_dir)))
+    with parts.offloader.resident("actor", "critic", "ref"):
+        if target is None:
+            restore_initial_actor(parts)
+        else:
+            restore(parts, step_dir(run_dir, target), guard, weights_only=True)
+    apply_lr_override(parts, guard.lr_override)

@@ -1,0 +1,83 @@
+"""``klppo ppo`` / ``python -m klppo.trainer.main_ppo --config x.yaml [key.path=value ...]``: one PPO run.
+
+The same command runs under ``torchrun --nproc_per_node N -m klppo.trainer.main_ppo ...``:
+every process joins the process group, trains its share, and leaves it cleanly; a process
+that fails leaves at once, and torchrun stops the others.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+from klppo.cli_support import parse_config_args, quiet_libraries, run_cli
+from klppo.config import format_config, load_ppo_config
+
+
+def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> list[dict]:
+    """Validate the config, build everything, train; returns the logged metrics records."""
+    from klppo.distributed import run_on_ranks
+    from klppo.run.build import start_processes
+    from klppo.run.setup import check_run_dir, return_freed_memory
+
+    cfg = load_ppo_config(config_path, overrides)
+    check_run_dir(cfg.trainer.default_local_dir)
+    return_freed_memory()
+    quiet_libraries()
+    env = start_processes(cfg)
+    return run_on_ranks(env, lambda log: _train(cfg, env, log), print_fn)
+
+
+def _train(cfg, env, print_fn) -> list[dict]:
+    from klppo.monitoring.memory import PeakMemory
+    from klppo.run.build import build_ppo
+    from klppo.trainer.ppo_trainer import PPOTrainer
+    from klppo.run.state import resume_target
+    from klppo.run.setup import same_on_every_rank
+
+    check_memory_plan(cfg, env, print_fn)  # before any model loads; a run that cannot fit stops here
+    setup_memory = PeakMemory(env.device)
+    setup_memory.reset()
+    parts = build_ppo(cfg, log=print_fn, env=env)  # the config's, data's and models' user errors surface here
+    with engine_stopped_at_the_end(parts):
+        resume_from = same_on_every_rank(lambda: resume_target(parts))  # so does a checkpoint that cannot be resumed
+        # The run folder is first written once the first step is logged (klppo.run.folder).
+        trainer = PPOTrainer(parts, print_fn=print_fn, setup_peak_gb=setup_memory.peak_gb(),
+                             config_text=format_config(cfg))
+        return trainer.fit(resume_from)
+
+
+def check_memory_plan(cfg, env, print_fn) -> None:
+    """The memory plan's short block (``trainer.plan_check``): the same on every rank, rank 0 prints;
+    under ``error`` a run whose estimate exceeds the device's memory by a clear margin stops with
+    the plan's knobs (a ``UserError`` on every rank) instead of running out of memory later."""
+    from klppo.monitoring.memory import available_bytes
+    from klppo.plan.check import check_at_start
+
+    check_at_start(cfg, world_size=env.world_size, device=env.device.type,
+                   free_bytes=lambda: available_bytes(env.device), print_fn=print_fn)
+
+
+@contextmanager
+def engine_stopped_at_the_end(parts):
+    """The vLLM engine is stopped after the run: after every rank's last collective when the run
+    succeeds; at once after a failure (stopping it leaves the process group, as ``abandon`` would)."""
+    from klppo.distributed import barrier
+
+    if parts.engine is None:
+        yield
+        return
+    try:
+        yield
+        barrier()
+    finally:
+        parts.engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_config_args(argv, "klppo ppo", "Train with KL-regularised PPO.")
+    return run_cli(lambda: run_ppo(args.config, args.overrides))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The checks and warnings of ``actor_rollout_ref.rollout`` (``config/rollout.py`` holds its keys).
+
+The engine keys act only with ``name: vllm``; set with ``hf`` to anything but klppo's or verl's
+default they are named in one warning (they configure an engine that run does not build).
+"""
+
+from __future__ import annotations
+
+from klppo.config.rollout import ENGINE_KEYS, ROLLOUT, RolloutConfig
+from klppo.config.rollout_correction import rollout_correction_active
+from klppo.config.schema import PPOConfig
+from klppo.config.verl import verl_defaults
+
+def resolve_rollout_engine(rollout: RolloutConfig, max_prompt_length: int, notes: list[str]) -> None:
+    """sglang generates with hf (one warning says so); vLLM's derived lengths are filled in."""
+    if rollout.name == "sglang":
+        notes.append(f"warning: {ROLLOUT}.name = 'sglang': generating with 'hf' (Hugging Face generate) instead, "
+                     "since klppo has no SGLang backend; the same sampling settings apply (temperature, top_p, "
+                     "top_k, n, response_length); rollout.name=vllm generates with vLLM")
+        rollout.name = "hf"
+    if rollout.max_model_len is None and rollout.response_length is not None:
+        rollout.max_model_len = max_prompt_length + rollout.response_length
+
+
+def engine_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
+    """(keys, message) of every engine key whose value cannot work (checked whatever the engine)."""
+    rollout, out = cfg.actor_rollout_ref.rollout, []
+    if rollout.tensor_model_parallel_size < 1:
+        out.append(((f"{ROLLOUT}.tensor_model_parallel_size",), f"{ROLLOUT}.tensor_model_parallel_size = "
+                    f"{rollout.tensor_model_parallel_size} must be >= 1 (ranks per engine)"))
+    if not 0 < rollout.gpu_memory_utilization <= 1:
+        out.append(((f"{ROLLOUT}.gpu_memory_utilization",), f"{ROLLOUT}.gpu_memory_utilization = "
+                    f"{rollout.gpu_memory_utilization!r} must lie in (0, 1], e.g. 0.5"))
+    for key in ("max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):
+        value = getattr(rollout, key)
+        if value is not None and value < 1:
+            out.append(((f"{ROLLOUT}.{key}",), f"{ROLLOUT}.{key} = {value} must be >= 1"))
+    if rollout.name == "vllm" and rollout_correction_active(cfg) and not rollout.calculate_log_probs:
+        out.append(((f"{ROLLOUT}.calculate_log_probs", "algorithm.rollout_correction"),
+                    f"algorithm.rollout_correction needs the engine's log-probs of the sampled tokens; set "
+                    f"{ROLLOUT}.calculate_log_probs=true, or switch the correction off"))
+    needed = cfg.data.max_prompt_length + (rollout.response_length or 0)
+    if rollout.max_model_len is not None and rollout.max_model_len < needed:
+        out.append(((f"{ROLLOUT}.max_model_len",), f"{ROLLOUT}.max_model_len = {rollout.max_model_len} is shorter "
+                    f"than data.max_prompt_length + rollout.response_length = {needed}; raise it or leave it null"))
+    return out
+
+
+def rollout_notes(cfg: PPOConfig) -> list[str]:
+    """Warnings about the rollout that is asked for: engine keys that configure nothing, and
+    sampling that is not from the policy's own distribution softmax(z / T)."""
+    rollout, notes = cfg.actor_rollout_ref.rollout, []
+    if rollout.name == "hf":
+        defaults, verl = RolloutConfig(), verl_defaults()
+        set_keys = [key for key in ENGINE_KEYS if getattr(rollout, key) not in
+                    (getattr(defaults, key), verl.get(f"{ROLLOUT}.{key}", getattr(defaults, key)))]
+        if set_keys:
+            notes.append(f"warning: {ROLLOUT}.{{{', '.join(set_keys)}}} configure the vLLM engine and have no "
+                         f"effect with {ROLLOUT}.name = 'hf'; set {ROLLOUT}.name=vllm to use them")
+    notes += _decoding_notes(rollout)
+    notes += _truncated_sampling_notes(cfg)
+    return notes
+
+
+def _decoding_notes(rollout: RolloutConfig) -> list[str]:
+    """``hf_decoding`` set where it decodes nothing: with vLLM, or for the sharded actor."""
+    if rollout.hf_decoding in ("auto", "dynamic"):
+        return []
+    if rollout.name == "vllm":
+        return [f"warning: {ROLLOUT}.hf_decoding = '{rollout.hf_decoding}' configures Hugging Face generate and has "
+                f"no effect with {ROLLOUT}.name = 'vllm'"]
+    if rollout.generation_weights == "sharded":
+        return [f"warning: {ROLLOUT}.hf_decoding = '{rollout.hf_decoding}' has no effect with {ROLLOUT}."
+                "generation_weights = 'sharded': the sharded actor decodes with the dynamic cache (FSDP2's "
+                "per-layer hooks cannot be compiled); generation_weights=auto decodes with a plain copy"]
+    return []
+
+
+def _truncated_sampling_notes(cfg: PPOConfig) -> list[str]:
+    """Online, PPO's ratio, the KL in the reward and the guards assume the responses were sampled
+    from the policy whose log-probs the trainer computes, softmax(z / T) over the whole vocabulary.
+    top_p < 1, top_k > 0 or greedy decoding sample from another distribution."""
+    rollout = cfg.actor_rollout_ref.rollout
+    truncated = [f"{k} = {v}" for k, v, off in (("top_p", rollout.top_p, 1.0), ("top_k", rollout.top_k, -1))
+                 if v != off]
+    if not rollout.do_sample:
+        truncated.append("do_sample = false")
+    if not truncated:
+        return []
+    offline = rollout.name == "offline"
+    uses_reference = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+    if offline and not (uses_reference and cfg.algorithm.kl_ctrl.offline_kl != "importance_weighted"):
+        return []  # nothing samples
+    what = ("the offline KL probe samples with them, so the KL it measures (for the controller and the guards) is "
+            "biased" if offline else "PPO's ratio treats them as on-policy when they are not, and the KL estimated "
+            "on them (in the reward, for the controller and the guards) is biased")
+    notes = [f"warning: {ROLLOUT}.{', '.join(truncated)}: responses are not sampled from softmax(logits / T), the "
+             f"distribution the trainer scores; {what}"]
+    if rollout_correction_active(cfg) and rollout.name == "vllm" and rollout.do_sample:
+        notes.append("warning: algorithm.rollout_correction with truncated sampling: the engine's log-probs are "
+                     "renormalised over the tokens top_p / top_k keep, while the trainer's pi_old spans the whole "
+                     "vocabulary, so every weight pi_old / mu is biased below 1 by the probability mass cut off")
+    return notes
