@@ -19,6 +19,18 @@ all-gathered for every generated token) and ``=gathered`` (one all-gather of the
 then decoding without collectives). Prints the mean ``timing_s/gen`` of each, side by side.
 
     python benchmarks/generation.py [--steps 4] [--repeats 2]
+
+``--decoding`` measures, in this process on its device (CUDA when there is one), how HF generate
+decodes (``rollout.hf_decoding``): dynamic, static and compiled KV caches, each from a fresh
+generation copy per call as a PPO step makes it (an actor wrapped by FSDP2 over a group of one,
+fp32 masters, computing in ``--dtype``; random weights of a Qwen2 shape, no EOS): the first call
+(compilation included), a call at another batch size (a validation batch: the recompilation),
+sampled tokens/s (best of ``--repeats`` further calls), and on CUDA the peak memory and what stays
+allocated once the copy is dropped (a compiled step must not keep it alive). ``--before`` adds
+the path one process took before: decoding through the FSDP2 actor itself, with its hook count.
+Greedy tokens of compiled vs dynamic decoding are compared too (bf16 kernels may round apart).
+
+    python benchmarks/generation.py --decoding [--shape 181m] [--prompts 32] [--n 8] [--tokens 256] [--before]
 """
 
 from __future__ import annotations
@@ -64,8 +76,15 @@ def main(argv=None) -> dict[str, float]:
                         help="the folder examples/smollm2/README.md's commands write (model/ and the online data)")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--decoding", action="store_true", help="dynamic vs static vs compiled KV cache (HF)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="--decoding: 181m on CUDA, 20m on CPU")
+    parser.add_argument("--n", type=int, default=None, help="--decoding: samples per prompt (8 on CUDA, 2 on CPU)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="--decoding: bf16 on CUDA")
+    parser.add_argument("--before", action="store_true", help="--decoding: also through the FSDP2 actor itself")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.decoding:
+        return compare_decoding(args)
     if args.child:
         return backends_child(Path(args.child), args.prompts, args.tokens, args.repeats)
     if args.backends:
@@ -213,6 +232,154 @@ def compare_backends(args) -> dict:
     gen_ratio = (steps["vllm"]["gen"] + steps["vllm"]["weight_sync"]) / steps["hf"]["gen"]
     print(f"vllm / hf: timing_s/gen (weight sync included) {gen_ratio:.2f}x, step {steps['vllm']['step'] / steps['hf']['step']:.2f}x")
     return {"generation": results, "online_step": steps}
+
+
+# ---- HF decoding: dynamic vs static vs compiled KV cache ----
+
+# Qwen2 shapes with the arithmetic task's 384-token vocabulary: gpu_smoke.py's 181M, and one for CPU.
+SHAPES = {"181m": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                       intermediate_size=2816),
+          "20m": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
+                      intermediate_size=1536),
+          "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)}
+VOCAB = 384
+
+
+def sharded_actor(shape: str, dtype, device):
+    """A random Qwen2 model of ``shape`` wrapped by FSDP2 over a group of one (fp32 masters, computing
+    in ``dtype``), as a one-process bf16 run holds its actor."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from klppo.distributed import apply_fsdp2, build_mesh, fill_sharded, materialize
+    from klppo.models.sharded_load import empty_model
+    from klppo.models.tiny import tiny_model_config
+
+    config = tiny_model_config(VOCAB, max_position_embeddings=4096, **SHAPES[shape])
+    torch.manual_seed(0)
+    state = AutoModelForCausalLM.from_config(config).state_dict()
+    actor = empty_model(AutoModelForCausalLM, config)
+    apply_fsdp2(actor, build_mesh(1, device_type=device.type), param_dtype=None if dtype == torch.float32 else dtype)
+    materialize(actor, device)
+    fill_sharded(actor, lambda name: state[name])
+    return actor
+
+
+def timed_generation(actor, records, params, decoding, dtype, device, copy: bool = True) -> dict:
+    """One generation as a PPO step runs it (a fresh generation copy, dropped afterwards): seconds,
+    response tokens, peak and left-over CUDA memory."""
+    import time
+
+    import torch
+
+    from klppo.rollout.hf import hf_rollout
+    from klppo.trainer.responses import generation_copy
+
+    never = type("Tok", (), {"pad_token_id": 0, "eos_token_id": VOCAB})()  # outside the vocabulary: no EOS
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    model = generation_copy(actor, dtype, device) if copy else actor
+    batch = hf_rollout(model, records, never, params, device=device, decoding=decoding)  # CPU tensors: synced
+    seconds = time.perf_counter() - start
+    del model
+    out = {"s": seconds, "tokens": int(batch.response_mask.sum()), "ids": batch.response_ids}
+    if cuda:
+        torch.cuda.empty_cache()
+        out.update(peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+                   left_gib=torch.cuda.memory_allocated(device) / 2**30)
+    return out
+
+
+def decoding_runs(actor, records, args, dtype, device) -> dict[str, dict]:
+    """Per mode: the first call, a call at half the prompts, and the best of ``args.repeats``."""
+    import dataclasses
+
+    from klppo.rollout.hf import Decoding, SamplingParams
+
+    params = SamplingParams(n=args.n, max_new_tokens=args.tokens)
+    cache = max(len(r.prompt_ids) for r in records) + args.tokens
+    results = {}
+    for mode in ("dynamic", "static", "compiled"):
+        decoding = Decoding(mode, cache)
+        first = timed_generation(actor, records, params, decoding, dtype, device)
+        other = timed_generation(actor, records[: max(1, len(records) // 2)], params, decoding, dtype, device)
+        runs = [timed_generation(actor, records, params, decoding, dtype, device) for _ in range(args.repeats)]
+        best = min(runs, key=lambda r: r["s"])
+        greedy = timed_generation(actor, records[:4], dataclasses.replace(params, do_sample=False), decoding, dtype,
+                                  device)
+        results[mode] = {"first_call_s": first["s"], "other_batch_s": other["s"], "best_s": best["s"],
+                         "tokens_per_s": best["tokens"] / best["s"], "greedy_ids": greedy["ids"],
+                         **{k: best[k] for k in ("peak_gib", "left_gib") if k in best}}
+    return results
+
+
+def fsdp2_actor_run(actor, records, args, dtype, device) -> dict:
+    """Decoding through the FSDP2 actor itself (one process's path before), counting its pre-forward hooks."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from klppo.rollout.hf import DYNAMIC, SamplingParams
+
+    calls, original = [0], FSDPParamGroup.pre_forward
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return original(self, *a, **k)
+
+    FSDPParamGroup.pre_forward = counted
+    try:
+        run = timed_generation(actor, records, SamplingParams(n=args.n, max_new_tokens=args.tokens), DYNAMIC, dtype,
+                               device, copy=False)
+    finally:
+        FSDPParamGroup.pre_forward = original
+    return {"best_s": run["s"], "tokens_per_s": run["tokens"] / run["s"], "pre_forward_hooks": calls[0]}
+
+
+def compare_decoding(args) -> dict:
+    import torch
+
+    from klppo.data.rl_dataset import PromptRecord
+    from klppo.distributed import close, init_distributed
+
+    env = init_distributed("auto", group_of_one=True)
+    cuda = env.device.type == "cuda"
+    args.shape = args.shape or ("181m" if cuda else "20m")
+    args.n = args.n or (8 if cuda else 2)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    actor = sharded_actor(args.shape, dtype, env.device)
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(24, 48, (args.prompts,), generator=generator)
+    records = [PromptRecord(i, "bench", None, torch.randint(2, VOCAB, (int(k),), generator=generator).tolist(), None,
+                            {}) for i, k in enumerate(lengths)]
+    results = decoding_runs(actor, records, args, dtype, env.device)
+    if args.before:
+        results["fsdp2 actor"] = fsdp2_actor_run(actor, records, args, dtype, env.device)
+    report_decoding(results, args, dtype, env.device)
+    close(env)
+    return results
+
+
+def report_decoding(results: dict, args, dtype, device) -> None:
+    import torch
+
+    rows = args.prompts * args.n
+    print(f"HF decoding on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} "
+          f"({torch.get_num_threads()} threads), shape {args.shape} in {dtype}, {rows} rows x {args.tokens} tokens, "
+          f"a fresh generation copy per call; best of {args.repeats}:")
+    print(f"  {'mode':12s} {'tok/s':>9s} {'best s':>7s} {'first s':>8s} {'half-batch s':>13s} {'peak GiB':>9s} "
+          f"{'left GiB':>9s}  greedy ids == dynamic's")
+    dynamic_ids = results["dynamic"]["greedy_ids"]
+    for mode, r in results.items():
+        same = "" if "greedy_ids" not in r else f"{(r['greedy_ids'] == dynamic_ids).float().mean():.3f}"
+        print(f"  {mode:12s} {r['tokens_per_s']:9.0f} {r['best_s']:7.2f} {r.get('first_call_s', float('nan')):8.2f} "
+              f"{r.get('other_batch_s', float('nan')):13.2f} {r.get('peak_gib', float('nan')):9.2f} "
+              f"{r.get('left_gib', float('nan')):9.2f}  {same}"
+              + (f"  ({r['pre_forward_hooks']} FSDP2 pre-forward hooks)" if "pre_forward_hooks" in r else ""))
+    summary = {mode: {k: v for k, v in r.items() if k != "greedy_ids"} for mode, r in results.items()}
+    print(json.dumps({"decoding": summary, "shape": args.shape, "rows": rows, "tokens": args.tokens,
+                      "dtype": str(dtype), "device": device.type}))
 
 
 if __name__ == "__main__":

@@ -57,11 +57,23 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: Optional[bool] = None
     # Token budget of one log-prob micro-batch; None = actor.ppo_max_token_len_per_gpu (as verl).
     log_prob_max_token_len_per_gpu: Optional[int] = None
-    # How sharded ranks generate (hf): `gathered` all-gathers the actor once per step into a whole
-    # copy in its compute dtype and decodes with it (no collective per token); `sharded` decodes
-    # with the sharded actor (least memory); `auto`: gathered when the copy fits in half the free
-    # memory, on runs of several ranks.
+    # How an FSDP2-wrapped actor generates (hf; several ranks, or one process under bf16 or
+    # offload_policy): `gathered` decodes with a plain model of its weights in the compute dtype,
+    # all-gathered once per generation (one process in fp32 shares the actor's parameters: no
+    # copy), so no FSDP2 hook or collective runs per token; `sharded` decodes with the actor
+    # itself, its hooks (and on several ranks an all-gather) in every layer for every token (least
+    # memory, slow); `auto`: gathered when what it adds fits in half the free memory (with a
+    # warning otherwise).
     generation_weights: Literal["auto", "gathered", "sharded"] = "auto"
+    # How Hugging Face generate decodes (hf; a klppo key): `dynamic` is transformers' default KV
+    # cache, grown at every token, run eagerly; `static` allocates the cache once for
+    # data.max_prompt_length + response_length tokens per row; `compiled` is the static cache with
+    # the decoding step compiled by torch.compile (CUDA graphs on a GPU), which compiles on the
+    # first generation (and again at the first batch of another size, and at a batch of one row)
+    # and then replays for every token; `auto`: compiled on CUDA, dynamic on CPU (compiling took
+    # a minute there and saved a fifth). The sharded actor (generation_weights: sharded) always
+    # decodes dynamically: FSDP2's per-layer hooks cannot be compiled.
+    hf_decoding: Literal["auto", "dynamic", "static", "compiled"] = "auto"
     # ---- the vLLM engine (rollout.name: vllm) ----
     # Ranks that hold one engine's tensor-parallel shards: consecutive ranks form a group that
     # samples the same prompts together; the groups split the step's prompts (data parallel).

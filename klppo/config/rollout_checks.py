@@ -57,8 +57,23 @@ def rollout_notes(cfg: PPOConfig) -> list[str]:
         if set_keys:
             notes.append(f"warning: {ROLLOUT}.{{{', '.join(set_keys)}}} configure the vLLM engine and have no "
                          f"effect with {ROLLOUT}.name = 'hf'; set {ROLLOUT}.name=vllm to use them")
+    notes += _decoding_notes(rollout)
     notes += _truncated_sampling_notes(cfg)
     return notes
+
+
+def _decoding_notes(rollout: RolloutConfig) -> list[str]:
+    """``hf_decoding`` set where it decodes nothing: with vLLM, or for the sharded actor."""
+    if rollout.hf_decoding in ("auto", "dynamic"):
+        return []
+    if rollout.name == "vllm":
+        return [f"warning: {ROLLOUT}.hf_decoding = '{rollout.hf_decoding}' configures Hugging Face generate and has "
+                f"no effect with {ROLLOUT}.name = 'vllm'"]
+    if rollout.generation_weights == "sharded":
+        return [f"warning: {ROLLOUT}.hf_decoding = '{rollout.hf_decoding}' has no effect with {ROLLOUT}."
+                "generation_weights = 'sharded': the sharded actor decodes with the dynamic cache (FSDP2's "
+                "per-layer hooks cannot be compiled); generation_weights=auto decodes with a plain copy"]
+    return []
 
 
 def _truncated_sampling_notes(cfg: PPOConfig) -> list[str]:

@@ -194,18 +194,29 @@ def plain_class(model: torch.nn.Module) -> type:
 @torch.no_grad()
 def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device,
                    prepare: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
-    """A plain, whole copy of a sharded Hugging Face model on every rank, in ``dtype`` (its
-    compute dtype), for generation: each FSDP unit is all-gathered once here (as a forward would),
-    so decoding with the copy runs no collective (verl's hybrid engine, without an inference
-    server). Collective. ``prepare``: as in ``plain_copy`` (a LoRA copy's adapters).
+    """A plain, whole model of a sharded Hugging Face model's weights on every rank, in ``dtype``
+    (its compute dtype), for generation: decoding with it runs no FSDP2 hook and no collective
+    (verl's hybrid engine, without an inference server). Collective. ``prepare``: as in
+    ``plain_copy`` (a LoRA copy's adapters).
 
-    One unit is whole at a time: its parameters are copied and it is resharded before the next
-    is gathered, so building the copy peaks at the copy plus one unit, not at two whole models
-    (every unit gathered at once, then copied: measured on 2 ranks of a 0.5B model, 6.0 GiB per
-    rank at generation where the plan's copy-plus-cache estimate was 4.2).
+    A parameter this rank already holds whole (``whole_locally``: one process's group of one, an
+    HSDP replica) is taken as it is when it is in ``dtype`` on ``device`` -- the model shares it,
+    nothing is copied -- and cast or moved otherwise. Through the FSDP2 model itself every
+    generated token ran each unit's pre- and post-forward hooks (one process, H200: 8,942 hooks and
+    10 s of unshard waits in one step's generation); with every unit held unsharded the hooks still
+    cost about 0.3 ms per unit per token on CPU (``benchmarks/README.md``, "Generation weights").
+
+    Sharded parameters are all-gathered once here, as a forward would, one unit at a time: its
+    parameters are copied and it is resharded before the next is gathered, so building the copy
+    peaks at the copy plus one unit, not at two whole models (every unit gathered at once, then
+    copied: measured on 2 ranks of a 0.5B model, 6.0 GiB per rank at generation where the plan's
+    copy-plus-cache estimate was 4.2).
     """
-    params: dict[str, torch.Tensor] = {}
-    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+    reshard(model)  # a unit left gathered by a forward holds plain tensors in its compute dtype
+    params = {name: _local(param).detach().to(device=device, dtype=dtype or param.dtype)
+              for name, param in model.named_parameters() if whole_locally(param)}
+    gathered = [m for m in model.modules() if isinstance(m, FSDPModule)] if len(params) < _count(model) else []
+    for unit in gathered:
         unit.unshard()
         try:  # while unsharded, the unit's parameters are plain, whole tensors (in FSDP2's compute dtype)
             for name, param in model.named_parameters():  # tied parameters come once
@@ -214,6 +225,32 @@ def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: to
         finally:
             unit.reshard()
     return plain_copy(model, params, prepare)
+
+
+def inference_copy_bytes(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> int:
+    """Bytes ``inference_copy`` allocates on this rank: every parameter it cannot share (gathered,
+    cast to ``dtype`` or moved to ``device``); 0 for one process computing in its parameters' dtype."""
+    reshard(model)
+    total = 0
+    for param in model.parameters():
+        local = _local(param)
+        shared = whole_locally(param) and local.dtype == (dtype or param.dtype) and local.device == device
+        total += 0 if shared else param.numel() * torch.finfo(dtype or param.dtype).bits // 8
+    return total
+
+
+def whole_locally(param: torch.Tensor) -> bool:
+    """Whether this rank holds ``param`` whole: a plain tensor, or a DTensor sharded only over mesh
+    dimensions of one rank (a process group of one; HSDP's ``fsdp_size: 1``). The same answer on
+    every rank, so ranks agree on which units ``inference_copy`` gathers."""
+    if not isinstance(param, DTensor):
+        return True
+    mesh = param.device_mesh
+    return all(p.is_replicate() or mesh.size(dim) == 1 for dim, p in enumerate(param.placements))
+
+
+def _count(model: torch.nn.Module) -> int:
+    return sum(1 for _ in model.named_parameters())
 
 
 def plain_copy(model: torch.nn.Module, params: dict[str, torch.Tensor],

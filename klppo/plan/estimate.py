@@ -89,6 +89,8 @@ def _candidates(cfg: PPOConfig, s: PlanSettings) -> list[tuple[str, object]]:
         rows = arf.actor.ppo_micro_batch_size_per_gpu or arf.actor.ppo_mini_batch_size * arf.rollout.n // s.world_size
         if rows > 1:
             out.append(("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", rows // 2))
+    if s.rollout != "vllm":  # a static KV cache holds data.max_prompt_length per row, not the longest prompt
+        out.append(("actor_rollout_ref.rollout.hf_decoding", "dynamic"))
     if s.generation_copy:
         out.append(("actor_rollout_ref.rollout.generation_weights", "sharded"))
     if cuda:

@@ -51,7 +51,7 @@ class Passes:
     forward_tokens: int  # no-grad scoring micro-batch (old_log_prob, ref, values)
     forward_response_tokens: int
     gen_rows: int  # sequences this rank decodes at once
-    gen_tokens: int  # prompt + response tokens each generated row reaches
+    gen_tokens: int  # prompt + response tokens each generated row's KV cache holds
     gen_response_tokens: int  # of them, response tokens (rollout.response_length)
     probe_rows: int  # offline: the KL probe's sampled sequences (0 online)
 
@@ -64,7 +64,7 @@ class PlanSettings:
     models: tuple[ModelPlan, ...]
     passes: Passes
     fused_head: bool  # use_fused_kernels (None: klppo's default, on)
-    generation_copy: bool  # generation decodes with a whole copy of the sharded (or LoRA) actor
+    generation_copy: bool  # generation holds a copy of the actor's weights (gathered, cast, merged or on the device)
     engine_share: float  # vLLM: rollout.gpu_memory_utilization
     engine_kv_bytes: Optional[int]  # vLLM: rollout.kv_cache_memory_bytes
     engine_tp: int
@@ -158,8 +158,15 @@ def _micro_tokens(rows: int, micro_rows: Optional[int], budget: Optional[int], p
     return take * (lengths.max_prompt + lengths.max_response), take * lengths.max_response
 
 
-def passes(cfg: PPOConfig, world_size: int, lengths: Lengths) -> Passes:
-    """Tokens per micro-batch of each pass on one rank, for a run on ``world_size`` ranks."""
+def static_kv_cache(cfg: PPOConfig, device: str) -> bool:
+    """Whether HF generation's KV cache is static (``rollout.hf_decoding``, ``rollout.hf.Decoding.on``):
+    allocated for ``data.max_prompt_length`` + response tokens per row, whatever the prompts' lengths."""
+    decoding = cfg.actor_rollout_ref.rollout.hf_decoding
+    return decoding in ("static", "compiled") or (decoding == "auto" and device == "cuda")
+
+
+def passes(cfg: PPOConfig, world_size: int, lengths: Lengths, device: str = "cpu") -> Passes:
+    """Tokens per micro-batch of each pass on one rank, for a run on ``world_size`` ranks of ``device``."""
     arf, n = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n
     actor, rollout, critic = arf.actor, arf.rollout, cfg.critic
     packed = arf.model.use_remove_padding
@@ -180,7 +187,9 @@ def passes(cfg: PPOConfig, world_size: int, lengths: Lengths) -> Passes:
     return Passes(update_tokens=update[0], update_response_tokens=update[1], critic_tokens=critic_update[0],
                   forward_tokens=forward[0], forward_response_tokens=forward[1],
                   gen_rows=step_rows if rollout.name != "offline" else 0,
-                  gen_tokens=lengths.max_prompt + response, gen_response_tokens=response, probe_rows=min(probe, cfg.data.train_batch_size * n))
+                  gen_tokens=response + (cfg.data.max_prompt_length if static_kv_cache(cfg, device)
+                                         else lengths.max_prompt),
+                  gen_response_tokens=response, probe_rows=min(probe, cfg.data.train_batch_size * n))
 
 
 def read_shapes(cfg: PPOConfig) -> dict[str, ModelShape]:
@@ -214,12 +223,17 @@ def _models(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int) -> t
     return tuple(models)
 
 
-def generation_copy(cfg: PPOConfig, actor: ModelPlan, world_size: int, device_bytes: int) -> bool:
-    """Whether HF generation decodes with a whole copy (``klppo.trainer.responses.uses_gathered_copy``):
-    never with ``sharded``; on one process only for LoRA (its merged copy); ``auto`` when the copy
-    takes at most half the device."""
+def generation_copy(cfg: PPOConfig, actor: ModelPlan, device: str, device_bytes: int) -> bool:
+    """Whether HF generation holds a copy of the actor's weights (``trainer.responses.uses_gathered_copy``,
+    ``distributed.inference_copy_bytes``): never with ``sharded``, nor where the plain model it
+    decodes with shares the actor's parameters (a rank holding them whole, in fp32, on the device:
+    one process, or ``fsdp_size: 1``); else the gathered, cast (bf16) or merged (LoRA) copy, or the
+    copy on the device of parameters ``offload_policy`` keeps on the host; ``auto`` when it takes at
+    most half the device."""
     weights = cfg.actor_rollout_ref.rollout.generation_weights
-    if weights == "sharded" or (world_size == 1 and not actor.lora_rank):
+    on_host = actor.offload_policy and device == "cuda"
+    shares = actor.shards == 1 and actor.compute_bytes == DTYPE_BYTES["float32"] and not on_host
+    if weights == "sharded" or (shares and not actor.lora_rank):
         return False
     return weights == "gathered" or actor.parameters * actor.compute_bytes <= device_bytes // 2
 
@@ -231,8 +245,8 @@ def plan_settings(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int
     models = _models(cfg, shapes, world_size)
     return PlanSettings(
         world_size=world_size, device=device, rollout=arf.rollout.name, models=models,
-        passes=passes(cfg, world_size, lengths), fused_head=arf.model.use_fused_kernels is not False,
-        generation_copy=generation_copy(cfg, models[0], world_size, device_bytes),
+        passes=passes(cfg, world_size, lengths, device), fused_head=arf.model.use_fused_kernels is not False,
+        generation_copy=generation_copy(cfg, models[0], device, device_bytes),
         engine_share=arf.rollout.gpu_memory_utilization, engine_kv_bytes=arf.rollout.kv_cache_memory_bytes,
         engine_tp=arf.rollout.tensor_model_parallel_size, uses_reference=uses_reference(cfg),
         device_bytes=device_bytes)

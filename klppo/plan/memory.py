@@ -193,8 +193,10 @@ def forward_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: i
 
 
 def generation_items(s: PlanSettings, rows: int, tokens: int) -> list[tuple[str, int]]:
-    """HF generate: a whole copy of the actor (gathered, or merged for LoRA) and every row's KV cache;
-    vLLM: the engine's share of the device (``gpu_memory_utilization``) or its weights and KV cache."""
+    """HF generate: a copy of the actor's weights where it needs one (``PlanSettings.generation_copy``)
+    and every row's KV cache, in the compute dtype (FSDP2's mixed precision computes in it, and so
+    does the copy); vLLM: the engine's share of the device (``gpu_memory_utilization``) or its
+    weights and KV cache."""
     actor = s.model("actor")
     sh = actor.shape
     if s.rollout == "vllm":
@@ -202,7 +204,7 @@ def generation_items(s: PlanSettings, rows: int, tokens: int) -> list[tuple[str,
             return [("vLLM engine (gpu_memory_utilization)", -1)]  # filled in by the caller: a share of the device
         kv = s.engine_kv_bytes or 0
         return [("vLLM engine weights", actor.parameters * actor.compute_bytes // s.engine_tp), ("vLLM KV cache", kv)]
-    dtype = actor.compute_bytes if (s.generation_copy or actor.shards > 1) else FP32
+    dtype = actor.compute_bytes
     items = [("generation copy", actor.parameters * dtype if s.generation_copy else 0)]
     items.append(("KV cache", rows * tokens * sh.num_hidden_layers * 2 * sh.num_key_value_heads * sh.head_dim * dtype))
     items.append(("last-token logits", 2 * rows * sh.vocab_size * FP32))

@@ -25,7 +25,7 @@ from klppo.config.schema import FSDPConfig
 from klppo.data.batching import MicroBatching
 from klppo.errors import UserError
 from klppo.models.forward import HeadSettings
-from klppo.rollout.hf import SamplingParams
+from klppo.rollout.hf import Decoding, SamplingParams
 from klppo.rollout.vllm import EngineSettings
 from klppo.safety.guards import GuardSettings
 from klppo.run.setup import PARAM_DTYPES
@@ -170,6 +170,7 @@ class PPOSettings:
     response_length: int
     sampling: SamplingParams
     generation_weights: str  # auto | gathered | sharded (rollout.generation_weights)
+    hf_decoding: Decoding  # rollout.hf_decoding, its static cache sized for data.max_prompt_length + response_length
     engine: Optional[EngineSettings]  # the vLLM engine (rollout.name: vllm); None otherwise
     val_sampling: SamplingParams
     val_batch_size: Optional[int]  # prompts per validation batch over all ranks; None = all at once
@@ -209,6 +210,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         run_dir=Path(trainer.default_local_dir), world_size=world_size, rollout=arf.rollout.name, n=arf.rollout.n,
         response_length=arf.rollout.response_length, sampling=sampling_params(cfg),
         generation_weights=arf.rollout.generation_weights, engine=engine_settings(cfg, world_size),
+        hf_decoding=Decoding(arf.rollout.hf_decoding, cfg.data.max_prompt_length + arf.rollout.response_length),
         val_sampling=sampling_params(cfg, validation=True), val_batch_size=cfg.data.val_batch_size,
         actor=actor, critic=critic, forwards=_forwards(cfg),
         advantage=AdvantageSettings(algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo,

@@ -19,11 +19,13 @@ from klppo.models.forward import HeadSettings
 from klppo.models.rng import seeded
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
-from klppo.rollout.hf import SamplingParams, hf_rollout
+from klppo.rollout.hf import DYNAMIC, Decoding, SamplingParams, hf_rollout
 from klppo.trainer.forwards import (
     compute_log_prob, compute_rm_scores, compute_scores, decode_responses, reference_model, response_scores, token_scores,
 )
-from klppo.trainer.responses import VALIDATION, engine_seeds, generation_model, sync_engine_weights
+from klppo.trainer.responses import (
+    VALIDATION, engine_seeds, generation_decoding, generation_model, sync_engine_weights,
+)
 from klppo.run.setup import same_on_every_rank
 
 if TYPE_CHECKING:
@@ -50,13 +52,14 @@ def validation_sampler(parts: PPOParts) -> Iterator[tuple[Sample, int]]:
         yield with_engine, parts.settings.engine.tensor_parallel_size
         return
     with generation_model(parts) as (model, sharded):
-        yield hf_sampler(model, parts.tokenizer, parts.env, sharded), 1
+        yield hf_sampler(model, parts.tokenizer, parts.env, sharded, generation_decoding(parts, sharded)), 1
 
 
-def hf_sampler(model, tokenizer, env: DistEnv, sharded: bool) -> Sample:
-    """Sampling with ``model.generate`` on the rank's device (``sharded``: every rank steps together)."""
+def hf_sampler(model, tokenizer, env: DistEnv, sharded: bool, decoding: Decoding = DYNAMIC) -> Sample:
+    """Sampling with ``model.generate`` on the rank's device (``sharded``: every rank steps together),
+    decoding as ``decoding`` says."""
     return lambda records, params: hf_rollout(model, records, tokenizer, params, synced_gpus=sharded,
-                                              device=env.device)
+                                              device=env.device, decoding=decoding)
 
 
 def validation_metrics(parts: PPOParts) -> dict[str, float]:
@@ -223,7 +226,7 @@ def sampled_kl_to_ref(
     actor, reference: Callable[[], ContextManager], records: list[PromptRecord], tokenizer, params: SamplingParams,
     *, batch_size: int | None = None, env: DistEnv = SINGLE_PROCESS, head: HeadSettings = HeadSettings(),
     sampler=None, sharded: bool | None = None, seed: int = 1, estimator: str = "kl", replicated: bool = False,
-    sample: Sample | None = None, group_size: int = 1,
+    sample: Sample | None = None, group_size: int = 1, decoding: Decoding = DYNAMIC,
 ) -> float:
     """KL(policy || reference) per token, estimated on responses *sampled from the policy* (k1 is
     unbiased only there; on recorded offline responses it is not a KL). ``reference()``: a context
@@ -233,13 +236,15 @@ def sampled_kl_to_ref(
     never negative, lower variance) as validation and the offline probe use.
 
     ``sampler``: the model that samples (the actor's gathered copy; default the actor itself),
-    ``sharded`` whether it is sharded (default: when there is a process group). Sampling draws
+    ``sharded`` whether it is sharded (default: when there is a process group), ``decoding`` how it
+    decodes (``responses.generation_decoding``). Sampling draws
     from a private stream seeded with ``seed`` (and the rank), so training's streams never move.
     ``replicated``: every rank samples all ``records`` from the same stream (a small probe whose
     value must not depend on the number of ranks) instead of its share. ``sample`` (instead of
     ``sampler``): how this rank samples (``validation_sampler``), ``group_size`` ranks together.
     """
-    sample = sample or hf_sampler(sampler or actor, tokenizer, env, env.is_distributed if sharded is None else sharded)
+    sample = sample or hf_sampler(sampler or actor, tokenizer, env, env.is_distributed if sharded is None else sharded,
+                                  decoding)
     total = torch.zeros((), dtype=torch.float64)
     tokens = torch.zeros((), dtype=torch.float64)
     parts = [(records, len(records))] if replicated else rank_parts(records, batch_size or len(records), env, group_size)
@@ -279,5 +284,5 @@ def offline_policy_kl(parts: PPOParts, batch: RolloutBatch, records: list[Prompt
     with parts.offloader.resident("actor", "ref"), generation_model(parts) as (sampler, sharded):
         kl = sampled_kl_to_ref(parts.actor, lambda: reference_model(parts), probe, parts.tokenizer, s.sampling,
                                env=parts.env, head=s.forwards.head, sampler=sampler, sharded=sharded, seed=1000 * step,
-                               estimator="low_var_kl", replicated=True)
+                               estimator="low_var_kl", replicated=True, decoding=generation_decoding(parts, sharded))
     return kl, {"actor/kl_to_ref_sampled": kl}

@@ -3,11 +3,14 @@
 Offline runs read the recorded responses. Online runs sample: with vLLM (``rollout.name:
 vllm``) each tensor-parallel group of ranks for its share of the prompts, after the actor's
 weights were streamed into its engine; with Hugging Face generate (``hf``) each rank for its
-share. Then the responses are gathered. With hf on sharded ranks the actor is either
-all-gathered once into a whole inference copy that decodes without any collective
-(``rollout.generation_weights: gathered``), or used sharded, which all-gathers every layer for
-every generated token but needs no second copy (``sharded``); ``auto`` picks the copy where it
-fits in half the memory free on this rank.
+share. Then the responses are gathered. With hf an FSDP2-wrapped actor (several ranks, or one
+process's group of one) either gives a plain model of its weights, gathered once per generation,
+that decodes without any FSDP2 hook or collective (``rollout.generation_weights: gathered``; on
+one process computing in fp32 the plain model shares the actor's parameters, no copy at all), or
+is used sharded, running FSDP2's hooks (and on several ranks an all-gather) in every layer for
+every generated token but needing no second copy (``sharded``); ``auto`` picks the plain model
+where what it adds fits in half the memory free on every rank. The plain model decodes as
+``rollout.hf_decoding`` says (a static KV cache, compiled on CUDA).
 
 A LoRA actor's copy is made also in one process. In fp32 it has its adapters merged into the
 weights (once per step): decoding through peft's adapter layers ran 1.15x (a 512-wide, 8-layer
@@ -22,6 +25,7 @@ the adapters decode in place.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Iterator
 
@@ -29,13 +33,14 @@ import torch
 
 from klppo.data.rl_dataset import PromptRecord
 from klppo.distributed import (
-    all_gather_groups, all_gather_padded, inference_copy, max_over_ranks, plain_copy, shard_range, tied_aliases,
+    all_gather_groups, all_gather_padded, inference_copy, inference_copy_bytes, is_sharded, max_over_ranks, plain_copy,
+    shard_range, tied_aliases,
 )
 from klppo.models.lora import add_adapters_like, has_adapters
 from klppo.monitoring.memory import available_bytes
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, assemble_batch
-from klppo.rollout.hf import SamplingParams, hf_rollout
+from klppo.rollout.hf import DYNAMIC, Decoding, SamplingParams, hf_rollout
 from klppo.rollout.offline import offline_rollout
 from klppo.rollout.vllm import request_seed
 from klppo.run.adapters import merged_weights
@@ -61,7 +66,8 @@ def step_responses(parts: PPOParts, records: list[PromptRecord], timer: PhaseTim
             return offline_rollout(records, n=s.n, tokenizer=tokenizer, max_response_length=s.response_length)
         mine = records[shard_range(len(records), env)]
         with parts.offloader.resident("actor"), generation_model(parts) as (model, sharded):
-            local = hf_rollout(model, mine, tokenizer, s.sampling, synced_gpus=sharded, device=env.device)
+            local = hf_rollout(model, mine, tokenizer, s.sampling, synced_gpus=sharded, device=env.device,
+                               decoding=generation_decoding(parts, sharded))
         if not env.is_distributed:
             return local
         return assemble_batch(records, s.n, tokenizer.pad_token_id,
@@ -128,25 +134,54 @@ def engine_weights(actor: torch.nn.Module, dtype: torch.dtype, device: torch.dev
 
 
 def uses_gathered_copy(parts: PPOParts) -> bool:
-    """Whether this step generates with a whole copy of the sharded (or LoRA) actor (``generation_weights``)."""
+    """Whether this step generates with a plain model of the actor's weights (``generation_copy``)
+    rather than the actor itself (``generation_weights``).
+
+    An FSDP2-wrapped actor runs its hooks in every layer's forward, for every generated token, on
+    any number of ranks: one process's group of one (bf16 mixed precision, offload_policy) too. So
+    it always gets the plain model, unless ``sharded`` is asked for, or ``auto`` finds that what the
+    plain model adds (``inference_copy_bytes``: nothing for one process computing in fp32, whose
+    plain model shares the actor's parameters; the cast copy under bf16) does not fit in half the
+    memory free on some rank. A LoRA actor always gets its copy (adapters merged or kept); a plain
+    actor (one process, no process group) decodes as it is.
+    """
     s, env = parts.settings, parts.env
-    if s.generation_weights == "sharded":
+    if s.generation_weights == "sharded" or not (is_sharded(parts.actor) or s.actor_lora):
         return False
-    if (env.world_size == 1 or not env.is_distributed) and not s.actor_lora:
-        return False  # one process: the actor itself is whole (a group of one shards nothing)
     if s.generation_weights == "gathered":
         return True
-    element = torch.finfo(s.actor.compute_dtype).bits // 8
-    needed = sum(p.numel() for p in parts.actor.parameters()) * element  # global numel of sharded params
+    needed = generation_copy_bytes(parts.actor, s.actor.compute_dtype, env.device)
     too_big = float(needed > available_bytes(env.device) // 2)
-    return max_over_ranks({"too_big": too_big})["too_big"] == 0.0  # every rank decides the same
+    fits = max_over_ranks({"too_big": too_big})["too_big"] == 0.0  # every rank decides the same
+    if not fits and env.rank == 0:
+        warnings.warn(f"rollout.generation_weights=auto: a plain copy of the actor for generation "
+                      f"({needed / 2**30:.2f} GiB) does not fit in half the free memory, so generation runs "
+                      "through the sharded actor, with FSDP2's hooks (and on several ranks an all-gather) in "
+                      "every layer for every token: slow. Free memory (param_offload, smaller batches), or set "
+                      "generation_weights=sharded.",
+                      stacklevel=2)
+    return fits
+
+
+def generation_copy_bytes(actor: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes ``generation_copy`` allocates on this rank: a LoRA actor's merged fp32 copy is new memory
+    whole; otherwise what ``inference_copy`` cannot share with the actor."""
+    if has_adapters(actor) and dtype == torch.float32:
+        return sum(p.numel() for p in actor.parameters()) * 4
+    return inference_copy_bytes(actor, dtype, device)
+
+
+def generation_decoding(parts: PPOParts, sharded: bool) -> Decoding:
+    """How ``generation_model``'s model decodes: as ``rollout.hf_decoding`` says, resolved for the device;
+    the sharded actor with the dynamic cache, eagerly (FSDP2's hooks cannot be compiled)."""
+    return DYNAMIC if sharded else parts.settings.hf_decoding.on(parts.env.device)
 
 
 @contextmanager
 def generation_model(parts: PPOParts) -> Iterator[tuple[torch.nn.Module, bool]]:
-    """(the model to generate with, whether it is sharded); a gathered copy is freed afterwards."""
+    """(the model to generate with, whether it is the sharded actor); a plain copy is freed afterwards."""
     if not uses_gathered_copy(parts):
-        yield parts.actor, parts.env.is_distributed
+        yield parts.actor, is_sharded(parts.actor)
         return
     copy = generation_copy(parts.actor, parts.settings.actor.compute_dtype, parts.env.device)
     try:
@@ -158,9 +193,10 @@ def generation_model(parts: PPOParts) -> Iterator[tuple[torch.nn.Module, bool]]:
 
 
 def generation_copy(actor: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """A whole copy of the (sharded or LoRA) actor on every rank, in ``dtype``; collective. A LoRA
-    actor's adapters are merged into the copy's weights in fp32, or kept under a half-precision
-    ``dtype`` (see the module's docstring)."""
+    """A plain, whole model of the (sharded or LoRA) actor's weights on every rank, in ``dtype``
+    (``inference_copy``: it shares the parameters a rank holds whole in ``dtype``); collective. A
+    LoRA actor's adapters are merged into the copy's weights in fp32, or kept under a
+    half-precision ``dtype`` (see the module's docstring)."""
     if not has_adapters(actor):
         return inference_copy(actor, dtype, device)
     if dtype == torch.float32:

@@ -81,6 +81,19 @@ def test_engine_keys_set_for_an_hf_rollout_are_named_in_one_warning():
     assert load(f"{ROLLOUT}.name=hf", f"{ROLLOUT}.tensor_model_parallel_size=2")[1] == []  # verl's default
 
 
+def test_hf_decoding_reaches_the_settings_sized_for_the_longest_prompt_and_is_named_where_it_decodes_nothing():
+    cfg, notes = load(f"{ROLLOUT}.name=hf", f"{ROLLOUT}.hf_decoding=compiled", "data.max_prompt_length=100",
+                      "data.max_response_length=28")
+    assert notes == []
+    decoding = compile_ppo(cfg, world_size=1).hf_decoding
+    assert (decoding.mode, decoding.cache_length) == ("compiled", 128)
+    _, notes = load(f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.hf_decoding=static")
+    assert len(notes) == 1 and "has no effect with actor_rollout_ref.rollout.name = 'vllm'" in notes[0]
+    _, notes = load(f"{ROLLOUT}.name=hf", f"{ROLLOUT}.hf_decoding=compiled", f"{ROLLOUT}.generation_weights=sharded")
+    assert len(notes) == 1 and "the sharded actor decodes with the dynamic cache" in notes[0]
+    assert load(f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.hf_decoding=auto")[1] == []
+
+
 def test_sglang_generates_with_hf_and_one_warning_says_why():
     cfg, notes = load(f"{ROLLOUT}.name=sglang", f"{ROLLOUT}.temperature=0.7")
     assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.actor_rollout_ref.rollout.temperature == 0.7

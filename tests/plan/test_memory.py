@@ -151,6 +151,35 @@ def test_the_fused_head_and_bf16_hold_less_than_whole_fp32_logits(qwen05_dir, ta
     assert _phase(bf16, "update_actor").total < _phase(fp32, "update_actor").total
 
 
+def test_one_process_generation_copies_the_weights_only_where_it_cannot_share_the_actors(qwen05_dir, task_dir):
+    """The offline KL probe generates: in fp32 from the actor's own parameters, under bf16 from a bf16
+    copy, under offload_policy from a copy on the GPU; the sharded actor needs none."""
+    def copy(*changes, device="cpu"):
+        return _item(_plan(qwen05_dir, task_dir, *changes, device=device), "kl_probe", "generation copy")
+
+    bf16 = "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16"
+    assert copy() == 0 and copy(device="cuda") == 0
+    assert copy(bf16) == copy(bf16, device="cuda") == 2 * P05
+    assert copy("actor_rollout_ref.actor.fsdp_config.offload_policy=true", device="cuda") == 4 * P05
+    assert copy(bf16, "actor_rollout_ref.rollout.generation_weights=sharded") == 0
+
+
+def test_a_static_kv_cache_holds_the_longest_prompt_the_data_allows_in_the_compute_dtype(qwen05_dir, task_dir):
+    """Per row and layer: K and V of 2 heads x 64 dims; static: data.max_prompt_length (128) + 256
+    tokens, dynamic: the longest prompt seen (64) + 256; auto is static on CUDA only."""
+    def kv(*changes, device="cpu"):
+        return _item(_plan(qwen05_dir, task_dir, "data.max_prompt_length=128", *changes, device=device),
+                     "kl_probe", "KV cache")
+
+    rows, per_token = _plan(qwen05_dir, task_dir).settings.passes.probe_rows, 24 * 2 * 2 * 64
+    assert rows == 8 * 4  # kl_ctrl.probe_prompts x rollout.n
+    assert kv() == rows * (64 + 256) * per_token * 4
+    static = rows * (128 + 256) * per_token * 4
+    assert kv(device="cuda") == kv("actor_rollout_ref.rollout.hf_decoding=compiled") == static
+    assert kv("actor_rollout_ref.rollout.hf_decoding=static", "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16") == \
+        rows * (128 + 256) * per_token * 2
+
+
 def test_knobs_each_lower_the_peak_until_it_fits(qwen05_dir, task_dir):
     cfg = _cfg(qwen05_dir, task_dir)
     base = estimate(cfg, read_shapes(cfg), LENGTHS, world_size=1, device="cpu", device_bytes=6 * 2**30)

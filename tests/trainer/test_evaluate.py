@@ -10,7 +10,7 @@ from offload_kit import RecordingLinear
 from klppo.data.rl_dataset import PromptRecord
 from klppo.distributed import SINGLE_PROCESS, DistEnv
 from klppo.rollout.batch import assemble_batch
-from klppo.rollout.hf import SamplingParams
+from klppo.rollout.hf import Decoding, SamplingParams
 from klppo.trainer import evaluate
 from klppo.run.offload import Offloader
 from klppo.run.settings import KLSettings
@@ -26,7 +26,7 @@ def test_validation_scores_the_batch_on_the_runs_device_not_where_the_rollout_le
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=device, is_distributed=False)
     rollout_devices, scored_devices = [], []
 
-    def fake_rollout(actor, part, tokenizer, params, *, synced_gpus, device):
+    def fake_rollout(actor, part, tokenizer, params, *, synced_gpus, device, decoding):
         rollout_devices.append(device)
         ids = torch.tensor([[3, 4, 1]] * len(part) * params.n)
         return assemble_batch(part, params.n, 0, ids, torch.tensor([[True, True, False]] * len(ids)))
@@ -47,7 +47,7 @@ def test_validation_leaves_the_training_random_stream_where_it_was(monkeypatch):
     env = DistEnv(rank=1, world_size=2, local_rank=0, device=torch.device("cpu"), is_distributed=False)
     drawn = []
 
-    def fake_rollout(actor, part, tokenizer, params, *, synced_gpus, device):
+    def fake_rollout(actor, part, tokenizer, params, *, synced_gpus, device, decoding):
         drawn.append(torch.rand(1))  # sampling draws from the global stream
         ids = torch.tensor([[3, 4]] * len(part) * params.n)
         return assemble_batch(part, params.n, 0, ids, torch.ones_like(ids, dtype=torch.bool))
@@ -72,7 +72,7 @@ def test_the_offline_kl_probe_samples_and_scores_with_actor_and_reference_on_the
     offloader.register("ref", ref, param_offload=True)
     kl_settings = KLSettings(True, "kl", "fixed", 0.1, 6.0, 10000, offline_kl="sampled", probe_prompts=2)
     parts = SimpleNamespace(actor=actor, ref=ref, offloader=offloader, tokenizer=None, env=SINGLE_PROCESS,
-                            settings=SimpleNamespace(kl=kl_settings, sampling=SamplingParams(),
+                            settings=SimpleNamespace(kl=kl_settings, sampling=SamplingParams(), hf_decoding=Decoding(),
                                                      forwards=SimpleNamespace(head=None)))
     where = []
 
