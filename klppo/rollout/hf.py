@@ -10,6 +10,8 @@ it for every token, without the per-kernel launch cost of eager decoding.
 
 from __future__ import annotations
 
+import copy
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
@@ -87,9 +89,8 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
     prompt_mask = prompt_mask.repeat_interleave(params.n, dim=0).to(device)
     was_training = model.training
     model.eval()
-    config = with_decoding(neutral_generation_config(params, tokenizer), decoding.on(device))
-    with generating_with(model, config):
-        output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), synced_gpus=synced_gpus)
+    output = _generate(model, prompt_ids, prompt_mask, neutral_generation_config(params, tokenizer),
+                       decoding.on(device), synced_gpus)
     model.train(was_training)
     response_ids = output[:, prompt_ids.shape[1] :].cpu()  # (B, T) with T <= max_new_tokens
     if response_ids.shape[1] == 0:
@@ -97,6 +98,59 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
     response_mask = mask_after_eos(response_ids, tokenizer.eos_token_id)
     response_ids = response_ids.masked_fill(~response_mask, tokenizer.pad_token_id)
     return assemble_batch(records, params.n, tokenizer.pad_token_id, response_ids, response_mask)
+
+
+# Model classes whose compiled decoding failed in this process: they decode with the dynamic cache
+# from then on (``_generate``), so the failure is paid and reported once, not at every step.
+_COMPILE_FAILED: set[type] = set()
+
+
+def _generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
+              decoding: Decoding, synced_gpus: bool) -> torch.Tensor:
+    """``model.generate`` decoding as ``decoding`` says; (B, P + T) ids.
+
+    Compiled decoding is an optimisation that torch.compile may not manage for every architecture,
+    torch version or device: where compiling or replaying the step raises (anything but running out
+    of memory), one warning says so and the same call, from the same RNG state, decodes with the
+    dynamic cache, as every later call of this model class does.
+    """
+    if decoding.mode == "compiled" and type(model) in _COMPILE_FAILED:
+        decoding = DYNAMIC
+    rng = _rng_states(prompt_ids.device)
+    try:
+        with generating_with(model, with_decoding(config, decoding)):
+            return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), synced_gpus=synced_gpus)
+    except Exception as error:  # noqa: BLE001 (the fallback re-raises what it cannot handle)
+        if decoding.mode != "compiled" or isinstance(error, torch.OutOfMemoryError):
+            raise
+        _COMPILE_FAILED.add(type(model))
+        warnings.warn(f"rollout.hf_decoding: compiled decoding failed for {type(model).__name__} "
+                      f"({_root_cause(error)}); decoding with "
+                      "the dynamic cache instead (set actor_rollout_ref.rollout.hf_decoding=dynamic to skip the attempt)",
+                      stacklevel=2)
+    _set_rng_states(rng)
+    with generating_with(model, config):
+        return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), synced_gpus=synced_gpus)
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost cause's type and first line (torch.compile wraps what its backend raised, as
+    ``inner_exception`` or the cause)."""
+    while (inner := getattr(error, "inner_exception", None) or error.__cause__ or error.__context__) is not None:
+        error = inner
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def _rng_states(device: torch.device) -> tuple:
+    return torch.random.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_states(states: tuple) -> None:
+    cpu, cuda = states
+    torch.random.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 def neutral_generation_config(params: SamplingParams, tokenizer) -> GenerationConfig:
@@ -114,7 +168,7 @@ def neutral_generation_config(params: SamplingParams, tokenizer) -> GenerationCo
 
 
 def with_decoding(config: GenerationConfig, decoding: Decoding) -> GenerationConfig:
-    """``config`` set to decode as ``decoding`` says (resolved: not ``auto``).
+    """A copy of ``config`` set to decode as ``decoding`` says (resolved: not ``auto``).
 
     transformers compiles the decoding step by itself whenever a static cache is used on CUDA
     (``_valid_auto_compile_criteria``, in 5.17 and 5.25 alike), and never on CPU unless the
@@ -126,6 +180,7 @@ def with_decoding(config: GenerationConfig, decoding: Decoding) -> GenerationCon
     assert decoding.mode in ("dynamic", "static", "compiled"), decoding
     if decoding.mode == "dynamic":
         return config
+    config = copy.deepcopy(config)
     config.cache_implementation = "static"
     config.max_cache_len = decoding.cache_length
     if decoding.mode == "static":

@@ -1,6 +1,7 @@
 """``rollout.hf_decoding``: a static KV cache, eager or compiled, samples exactly what transformers'
 dynamic cache samples (left-padded prompts, rows ending at EOS, greedy and sampled from one seed)."""
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -99,3 +100,22 @@ def test_each_mode_means_the_same_on_any_device():
     assert compiled.cache_implementation == "static" and not compiled.disable_compile
     assert compiled.compile_config._compile_all_devices
     assert hf.with_decoding(GenerationConfig(), Decoding("dynamic", CACHE)).cache_implementation is None
+
+
+def test_a_model_whose_compiled_decoding_fails_decodes_with_the_dynamic_cache_after_one_warning(
+        model_and_records, monkeypatch):
+    """torch.compile cannot compile every model everywhere; the run goes on, from the same RNG state."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("backend failed\nlong traceback")
+
+    monkeypatch.setattr(hf, "CompileConfig", lambda: CompileConfig(backend=refuse))
+    monkeypatch.setattr(hf, "_COMPILE_FAILED", set())
+    model, records, tokenizers = model_and_records
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="compiled decoding failed for Qwen2ForCausalLM .*backend failed"):
+        fell_back = sample(model, records, tokenizers[True], "compiled", True)
+    assert torch.equal(fell_back.response_ids, sample(model, records, tokenizers[True], "dynamic", True).response_ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: later calls decode dynamically without trying again
+        again = sample(model, records, tokenizers[True], "compiled", True)
+    assert torch.equal(again.response_ids, fell_back.response_ids)
