@@ -39,6 +39,11 @@ def engine_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
         out.append(((f"{ROLLOUT}.calculate_log_probs", "algorithm.rollout_correction"),
                     f"algorithm.rollout_correction needs the engine's log-probs of the sampled tokens; set "
                     f"{ROLLOUT}.calculate_log_probs=true, or switch the correction off"))
+    if raw_log_probs_off_temperature(rollout) and rollout_correction_active(cfg):
+        out.append(((f"{ROLLOUT}.logprobs_mode", "algorithm.rollout_correction"),
+                    f"{ROLLOUT}.logprobs_mode = 'raw_logprobs' at temperature = {rollout.temperature} gives log softmax(z), "
+                    f"while the trainer's pi_old is log softmax(z / T), so algorithm.rollout_correction's weights and "
+                    f"rejections would be biased; set {ROLLOUT}.logprobs_mode=processed_logprobs, or temperature=1.0"))
     needed = cfg.data.max_prompt_length + (rollout.response_length or 0)
     if rollout.max_model_len is not None and rollout.max_model_len < needed:
         out.append(((f"{ROLLOUT}.max_model_len",), f"{ROLLOUT}.max_model_len = {rollout.max_model_len} is shorter "
@@ -58,7 +63,21 @@ def rollout_notes(cfg: PPOConfig) -> list[str]:
             notes.append(f"warning: {ROLLOUT}.{{{', '.join(set_keys)}}} configure the vLLM engine and have no "
                          f"effect with {ROLLOUT}.name = 'hf'; set {ROLLOUT}.name=vllm to use them")
     notes += _truncated_sampling_notes(cfg)
+    if raw_log_probs_off_temperature(rollout) and not rollout_correction_active(cfg):  # with it: an error
+        notes.append(f"warning: {ROLLOUT}.logprobs_mode = 'raw_logprobs' at temperature = {rollout.temperature}: the "
+                     f"engine's log-probs are log softmax(z), the trainer's log softmax(z / T), so "
+                     f"training/rollout_probs_diff_* measure the temperature, not the engine; set "
+                     f"{ROLLOUT}.logprobs_mode=processed_logprobs")
     return notes
+
+
+def raw_log_probs_off_temperature(rollout: RolloutConfig) -> bool:
+    """Whether the engine's log-probs of the sampled tokens are not the trainer's: vLLM's raw_logprobs
+    are "the values before applying any logit processors", temperature among them
+    (``vllm/config/model.py``, ``logprobs_mode``), the trainer's pi_old is log softmax(z / T)
+    (``forward.response_logprobs``), so the two differ at every temperature but 1."""
+    return (rollout.name == "vllm" and rollout.calculate_log_probs and rollout.logprobs_mode == "raw_logprobs"
+            and rollout.temperature != 1.0)
 
 
 def _truncated_sampling_notes(cfg: PPOConfig) -> list[str]:

@@ -103,3 +103,16 @@ def test_an_offline_run_warns_about_truncated_sampling_only_where_its_kl_probe_s
     _, notes = load(f"{ROLLOUT}.name=offline", f"{ROLLOUT}.top_p=0.9", "algorithm.use_kl_in_reward=true")
     assert len(notes) == 1 and "offline KL probe" in notes[0]
     assert load(f"{ROLLOUT}.name=offline", f"{ROLLOUT}.top_p=0.9")[1] == []  # no reference: nothing samples
+
+
+def test_raw_log_probs_off_temperature_one_are_refused_with_rollout_correction_and_warned_about_otherwise():
+    raw = (f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.logprobs_mode=raw_logprobs")
+    with pytest.raises(UserError, match="logprobs_mode=processed_logprobs") as info:
+        load(*raw, f"{ROLLOUT}.temperature=0.7", "algorithm.rollout_correction.rollout_is=token")
+    assert "log softmax(z / T)" in str(info.value)
+    with pytest.raises(UserError, match="raw_logprobs"):
+        load(*raw, f"{ROLLOUT}.temperature=1.3", "algorithm.rollout_correction.bypass_mode=true")
+    _, notes = load(*raw, f"{ROLLOUT}.temperature=0.7")
+    assert len(notes) == 1 and "training/rollout_probs_diff_* measure the temperature" in notes[0]
+    assert load(*raw, "algorithm.rollout_correction.rollout_is=token")[1] == []  # T = 1: raw is what the trainer scores
+    assert load(f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.temperature=0.7", "algorithm.rollout_correction.rollout_is=token")[1] == []
