@@ -40,6 +40,20 @@ def test_the_engine_dtype_follows_the_actors_compute_dtype_unless_set():
     assert compile_ppo(load(f"{ROLLOUT}.name=hf")[0], 1).engine is None
 
 
+def test_a_lora_actor_computing_in_bf16_gets_an_fp32_engine_and_a_warning_where_bf16_is_asked_for():
+    import torch
+
+    lora = (f"{ROLLOUT}.name=vllm", "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
+            "actor_rollout_ref.model.lora_rank=8")
+    cfg, notes = load(*lora)
+    assert compile_ppo(cfg, 1).engine.dtype == torch.float32 and notes == []  # bf16 would round the merge's update away
+    cfg, notes = load(*lora, f"{ROLLOUT}.dtype=bfloat16")
+    assert compile_ppo(cfg, 1).engine.dtype == torch.bfloat16
+    assert len(notes) == 1 and "loses every update below its resolution" in notes[0]
+    cfg, _ = load(f"{ROLLOUT}.name=vllm", "actor_rollout_ref.model.lora_rank=8")
+    assert compile_ppo(cfg, 1).engine.dtype == torch.float32  # an fp32 actor: its own dtype
+
+
 def test_a_tensor_parallel_size_that_does_not_divide_the_ranks_is_an_error_naming_the_key():
     cfg, _ = load(f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.tensor_model_parallel_size=3")
     with pytest.raises(UserError, match="tensor_model_parallel_size=3 does not divide the 2 ranks"):
