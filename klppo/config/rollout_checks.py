@@ -37,7 +37,7 @@ def engine_dtype(cfg: PPOConfig) -> str:
     update's; the bf16 merge's change pointed along the update's at cos 0.22. The bf16 actor's own
     pi_old, adapters apart but rounded in every layer, is as far (7e-4) from either engine, so
     bf16 runs keep a sampler-trainer gap of that size either way. The price is the engine's
-    weights in fp32: twice their memory, and slower generation (``benchmarks/README.md``)."""
+    weights in fp32: twice their memory, and slower generation (README, "vLLM rollouts")."""
     rollout, fsdp = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor.fsdp_config
     if rollout.dtype != "auto":
         return rollout.dtype

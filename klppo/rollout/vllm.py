@@ -184,9 +184,10 @@ class VLLMEngine:
             trust_remote_code=False,
         )
         if distributed:
-            # verl's SPMD rollout (the external launcher, until vllm_rollout_spmd.py was retired) built
-            # its engines with disable_custom_all_reduce=True: the custom all-reduce's IPC buffers are
-            # allocated beside the training process's own memory and outside sleep mode's pool.
+            # verl's SPMD rollout, the external launcher's (vllm_rollout_spmd.py, retired in verl #4411),
+            # built its engines with disable_custom_all_reduce=True: vLLM's custom all-reduce shares
+            # CUDA IPC buffers between the ranks beside the trainer's NCCL group and outside sleep
+            # mode's pool. Kept off until a multi-GPU run measures it safe (and faster).
             kwargs.update(distributed_executor_backend="external_launcher", disable_custom_all_reduce=True)
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization,
