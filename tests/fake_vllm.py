@@ -9,6 +9,7 @@ a fixed run of tokens with log-prob -1 each, ending at ``eos`` where one is give
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from types import SimpleNamespace
@@ -109,9 +110,9 @@ def install(monkeypatch, *, head: bool = True, response: list[int] | None = None
     log = Log()
     llm = type("LLM", (FakeLLM,), {"log": log, "head": head, "response": response or FakeLLM.response})
     module = types.ModuleType("vllm")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)  # found by require_vllm's find_spec
     module.LLM = llm
     module.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)
     monkeypatch.setitem(sys.modules, "vllm", module)
-    monkeypatch.setattr("klppo.rollout.vllm.require_vllm", lambda: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append(("empty_cache",)))
     return log
