@@ -441,46 +441,54 @@ def measured_run(run: str, root: Path, work: Path, *, steps: int, skip: int, siz
 # ---- the bare floor of the update ----
 
 
-def bare_update_seconds(model_dir: Path, rows: int, prompt: int, response: int, repeats: int = 5,
-                        clock: str = "wall") -> dict[str, float]:
-    """Median seconds of one actor and one critic update written as a bare PyTorch loop on one
-    micro-batch of ``rows`` x (``prompt`` + ``response``) tokens, klppo's default split here: forward,
-    log-probs (and entropy) at the response positions or values, a clipped loss, backward, clip, AdamW."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-    from transformers.utils import logging
+def update_floor(root: Path, work: Path, size: str, repeats: int = 6, clock: str = "wall") -> dict[str, float]:
+    """Median ms of klppo's actor and critic updates beside the same updates written as a bare
+    PyTorch loop, interleaved, on the same models and the same scored batch of the ppo run (one
+    micro-batch, klppo's default split here): forward, log-probs at the response positions (or
+    values), a clipped loss, backward, clip, AdamW. The bare loop reads no entropy, no metrics."""
+    from klppo.algo import compute_advantage
+    from klppo.config import load_ppo_config
+    from klppo.monitoring.timer import PhaseTimer
+    from klppo.trainer.build import build_ppo, start_processes
+    from klppo.trainer.dynamic_sampling import scored_step_batch
+    from klppo.trainer.update import update_actor, update_critic
 
-    logging.set_verbosity_error()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 1000, (rows, prompt + response), generator=g)
-    advantages = torch.randn(rows, response, generator=g)
-    actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    shutil.rmtree(work / "floor", ignore_errors=True)
+    cfg = load_ppo_config(None, overrides("ppo", root, work / "floor", 2, size))
+    parts = build_ppo(cfg, log=lambda *a, **k: None, env=start_processes(cfg))
+    s, batch = parts.settings, scored_step_batch(parts, PhaseTimer(), 1).batch
+    batch.advantages, batch.returns = compute_advantage("gae", batch.token_level_scores, batch.response_mask,
+                                                       batch.group_index, values=batch.values, gamma=1.0, lam=1.0)
+    prompt, ids = batch.prompt_ids.shape[1], torch.cat([batch.prompt_ids, batch.response_ids], 1)
+    keep = slice(prompt - 1, ids.shape[1] - 1)
+
+    def bare(model, optimizer, loss_fn) -> None:
+        loss_fn().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     def actor_loss():
-        logits = actor(input_ids=ids, logits_to_keep=slice(prompt - 1, prompt + response - 1), use_cache=False).logits
-        logp = torch.log_softmax(logits.float() / 0.7, -1)
-        token_logp = logp.gather(-1, ids[:, prompt:, None]).squeeze(-1)
-        entropy = -(logp.exp() * logp).sum(-1)
-        ratio = torch.exp(token_logp - token_logp.detach())
-        return -torch.min(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).mean() - 0.0 * entropy.mean()
+        logits = parts.actor(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
+        logp = torch.log_softmax(logits.float() / s.actor.temperature, -1).gather(-1, ids[:, prompt:, None])[..., 0]
+        ratio = torch.exp(logp - batch.old_log_prob)
+        return -torch.min(ratio * batch.advantages, ratio.clamp(0.8, 1.2) * batch.advantages).mean()
 
     def critic_loss():
-        values = critic(input_ids=ids, use_cache=False).logits[:, prompt - 1 : prompt + response - 1, 0]
-        return ((values - advantages) ** 2).mean()
+        values = parts.critic(input_ids=ids, use_cache=False).logits[:, keep, 0]
+        return ((values - batch.returns) ** 2).mean()
 
-    out = {}
-    for name, model, loss_fn in (("actor", actor, actor_loss), ("critic", critic, critic_loss)):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
-        times = []
-        for _ in range(repeats + 1):
+    cases = {"klppo actor": lambda: update_actor(parts.actor, parts.actor_optimizer, batch, s.actor),
+             "bare actor": lambda: bare(parts.actor, parts.actor_optimizer, actor_loss),
+             "klppo critic": lambda: update_critic(parts.critic, parts.critic_optimizer, batch, s.critic),
+             "bare critic": lambda: bare(parts.critic, parts.critic_optimizer, critic_loss)}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, run in cases.items():
             start = CLOCKS[clock]()
-            loss_fn().backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append(CLOCKS[clock]() - start)
-        out[name] = statistics.median(times[1:])
-    return out
+            run()
+            times[name].append(CLOCKS[clock]() - start)
+    return {name: 1000 * statistics.median(t[1:]) for name, t in times.items()}
 
 
 # ---- report ----
@@ -526,6 +534,14 @@ def report(run: str, summary: dict, top: int) -> str:
              f"{'phase':<40}{'wall ms':>10}{'models ms':>11}{'overhead ms':>13}"]
     for name, p in sorted(summary["phases_ms"].items(), key=lambda kv: -kv[1]["wall"]):
         lines.append(f"{name:<40}{p['wall']:>10.1f}{p['model']:>11.1f}{p['wall'] - p['model']:>13.1f}")
+    if "kl_probe" in summary["phases_ms"]:
+        probe = summary["phases_ms"]["kl_probe"]["wall"]
+        lines.append(f"offline KL probe: {probe:.1f} ms a step, {100 * probe / summary['wall_ms']:.1f}% of the step")
+    areas: dict[str, float] = defaultdict(float)
+    for name, f in summary["functions"].items():
+        areas[name if " " in name else ".".join(name.split(".")[:2])] += f["ms"]
+    lines.append("overhead by klppo module (own time, ms/step): " + ", ".join(
+        f"{name} {ms:.1f}" for name, ms in sorted(areas.items(), key=lambda kv: -kv[1]) if " " not in name and ms >= 0.5))
     lines.append(f"{'overhead by function (own time)':<60}{'ms/step':>9}{'calls':>8}")
     ranked = sorted(summary["functions"].items(), key=lambda kv: -kv[1]["ms"])[:top]
     lines += [f"{name[:60]:<60}{f['ms']:>9.2f}{f['calls']:>8.0f}" for name, f in ranked]
@@ -572,16 +588,13 @@ def main(argv=None) -> int:
             figures[run] = summarise(records)
             print(report(run, figures[run], args.top), flush=True)
         if args.floor:
-            rows, tokens = 16, 16 * (shape["prompt"] + shape["response"])
-            floor = bare_update_seconds(root / "model", rows, shape["prompt"], shape["response"], clock=args.clock)
-            figures["floor_ms"] = {k: 1000 * v for k, v in floor.items()}
-            print(f"== bare PyTorch update, {rows} x {shape['prompt'] + shape['response']} tokens: actor "
-                  f"{1000 * floor['actor']:.1f} ms, critic {1000 * floor['critic']:.1f} ms, "
-                  f"{tokens / (floor['actor'] + floor['critic']):.0f} tokens/s (actor + critic)")
-            for run in args.runs:
-                phases = figures[run]["phases_ms"]
-                update = sum(phases.get(p, {"wall": 0.0})["wall"] for p in ("update_actor", "update_critic"))
-                print(f"   klppo {run}: update {update:.1f} ms, {1000 * tokens / update:.0f} tokens/s")
+            floor = figures["floor_ms"] = update_floor(root, Path(tmp), args.size, clock=args.clock)
+            tokens = 16 * (shape["prompt"] + shape["response"])
+            print(f"== the update beside a bare PyTorch loop ({tokens} tokens, the same models and batch, interleaved)")
+            for model in ("actor", "critic"):
+                k, b = floor[f"klppo {model}"], floor[f"bare {model}"]
+                print(f"{model}: klppo {k:.1f} ms ({1000 * tokens / k:.0f} tokens/s), bare {b:.1f} ms "
+                      f"({1000 * tokens / b:.0f} tokens/s), klppo / bare {k / b:.3f}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     return 0
