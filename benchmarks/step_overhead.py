@@ -357,6 +357,15 @@ def _third_party() -> list[tuple[object, str, str]]:
             (torch.optim.Optimizer, "zero_grad", "torch optimizer.zero_grad")]
 
 
+def _time_forwards(recorder: Recorder, model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
+    """``model``'s forwards count as the models' time (``keep``: the hooks go when the run ends)."""
+    handles = [model.register_forward_pre_hook(lambda *a: recorder.enter(FORWARD)),
+               model.register_forward_hook(lambda *a: recorder.leave(), always_call=True)]
+    if keep:
+        recorder.undo += [(None, handle, None) for handle in handles]
+    return model
+
+
 def instrument(recorder: Recorder, parts) -> None:
     """Wrap every klppo function (in every module that names it), the models, backward and the optimisers."""
     wrappers: dict[int, object] = {}
@@ -375,8 +384,11 @@ def instrument(recorder: Recorder, parts) -> None:
         recorder.patch(owner, attr, recorder.timed(label, getattr(owner, attr)))
     models = [parts.actor, parts.ref, parts.critic, *parts.reward_models, parts.gold_reward_model]
     for model in {id(m): m for m in models if m is not None}.values():
-        recorder.undo.append((None, model.register_forward_pre_hook(lambda *a: recorder.enter(FORWARD)), None))
-        recorder.undo.append((None, model.register_forward_hook(lambda *a: recorder.leave(), always_call=True), None))
+        _time_forwards(recorder, model)
+    from klppo.trainer import responses  # a generation copy of the actor (sharded or LoRA) is a model too
+
+    copy = vars(responses)["generation_copy"]
+    recorder.patch(responses, "generation_copy", lambda *a, **k: _time_forwards(recorder, copy(*a, **k), keep=False))
     backward = torch.Tensor.backward
 
     def timed_backward(tensor, *args, **kwargs):
@@ -397,7 +409,7 @@ def measured_run(run: str, root: Path, work: Path, *, steps: int, skip: int, siz
 
     from klppo.monitoring.progress import Progress
     from klppo.monitoring.timer import PhaseTimer
-    from klppo.trainer.main_ppo import run_ppo
+    from klppo.commands.main_ppo import run_ppo
     from klppo.trainer.ppo_trainer import PPOTrainer
 
     recorder, init = Recorder(clock), PPOTrainer.__init__
@@ -449,7 +461,7 @@ def update_floor(root: Path, work: Path, size: str, repeats: int = 6, clock: str
     from klppo.algo import compute_advantage
     from klppo.config import load_ppo_config
     from klppo.monitoring.timer import PhaseTimer
-    from klppo.trainer.build import build_ppo, start_processes
+    from klppo.run.build import build_ppo, start_processes
     from klppo.trainer.dynamic_sampling import scored_step_batch
     from klppo.trainer.update import update_actor, update_critic
 
