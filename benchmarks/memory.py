@@ -97,6 +97,8 @@ def build_model_folder(out: Path, args) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from klppo.models.tiny import save_tokenizer
+
     tokenizer = synthetic_tokenizer(args.vocab_size)
     config = Qwen2Config(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
@@ -109,7 +111,7 @@ def build_model_folder(out: Path, args) -> Path:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)  # so that it reloads with exactly vocab_size entries
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[memory] model: {n_params / 1e6:.0f}M parameters, vocab {args.vocab_size}, saved in bf16 to {out}")
     return out
