@@ -16,11 +16,11 @@ from klppo.config import format_config, load_ppo_config
 
 def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> list[dict]:
     """Validate the config, build everything, train; returns the logged metrics records."""
-    from klppo.distributed import run_on_ranks
+    from klppo.distributed import launched_world_size, run_on_ranks
     from klppo.run.build import start_processes
     from klppo.run.setup import check_run_dir, return_freed_memory
 
-    cfg = load_ppo_config(config_path, overrides)
+    cfg = load_ppo_config(config_path, overrides, launched=launched_world_size())  # a launch unlike the config: first
     check_run_dir(cfg.trainer.default_local_dir)
     return_freed_memory()
     quiet_libraries()

@@ -68,6 +68,25 @@ def world_size(cfg: PPOConfig) -> int:
     return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
 
 
+def launch_mismatch(n_gpus_per_node: int, nnodes: int, launched: int) -> Optional[str]:
+    """Why a run launched as ``launched`` processes does not match the world its config names, with the
+    launch command that matches and the keys that match the launch; None when they agree.
+
+    Asked before the batch-size rules: those are computed for the config's world, and a run
+    started as one process with ``n_gpus_per_node: 4`` would otherwise be refused for a rank's
+    share of 4 ranks without a word that it has one process.
+    """
+    if n_gpus_per_node * nnodes == launched or n_gpus_per_node < 1 or nnodes < 1:
+        return None
+    nodes = f"--nnodes {nnodes} " if nnodes > 1 else ""
+    fit = (f"trainer.n_gpus_per_node={launched // nnodes}" if launched % nnodes == 0
+           else f"trainer.nnodes=1 trainer.n_gpus_per_node={launched}")
+    return (f"trainer.n_gpus_per_node x trainer.nnodes = {n_gpus_per_node} x {nnodes} = {n_gpus_per_node * nnodes} "
+            f"ranks, but this run was launched as {launched} process{'' if launched == 1 else 'es'}; launch it with "
+            f"torchrun {nodes}--nproc_per_node {n_gpus_per_node} -m klppo.trainer.main_ppo <the same arguments>"
+            f"{' on each node' if nnodes > 1 else ''}, or set {fit} to run on the launch you have")
+
+
 def update_sizes(cfg: PPOConfig) -> list[UpdateSizes]:
     """The actor's update sizes and, when a critic trains, the critic's (resolved config)."""
     actor, critic = cfg.actor_rollout_ref.actor, cfg.critic
