@@ -24,6 +24,9 @@ FP32 = 4
 #   PYTHONPATH=. python benchmarks/plan_accuracy.py --baseline
 # (a tiny model's tokenizer takes less; a rank's process group adds a little).
 CPU_BASELINE_BYTES = int(0.484 * 2**30)
+# What a CPU vLLM engine adds beyond its weights and KV cache: vLLM's libraries and the engine's own
+# buffers. Measured (see benchmarks/README.md "plan_accuracy.py", the vllm-1 row).
+VLLM_CPU_RUNTIME_BYTES = int(0.5 * 2**30)
 # klppo.models.fused_head.DEFAULT_CHUNK_LOGITS (a test checks that they agree): logits per slice.
 FUSED_CHUNK_LOGITS = 2**24
 # Multiples of one slice of fp32 logits the fused head holds at its peak: forward (the slice and
@@ -102,11 +105,14 @@ def optimizer_on_device(m: ModelPlan, s: PlanSettings, active: bool) -> bool:
     return bool(m.trainable) and not m.offload_policy and (active or not m.optimizer_offload)
 
 
-def resident_items(s: PlanSettings, active: tuple[str, ...], updated: tuple[str, ...]) -> list[tuple[str, int]]:
+def resident_items(s: PlanSettings, active: tuple[str, ...], updated: tuple[str, ...],
+                   loading: bool = False) -> list[tuple[str, int]]:
     """Weights, and the optimiser state of the ``updated`` models, in device memory through a phase
-    that uses the models ``active``."""
+    that uses the models ``active`` (``loading``: setup, where mapped weights are not read yet)."""
     items = []
     for m in s.models:
+        if loading and mapped(s, m):
+            continue
         if on_device(m, s, m.role in active):
             items.append((f"{m.role} weights", weight_bytes(m)))
         if m.role in updated and optimizer_on_device(m, s, m.role in active):
@@ -194,20 +200,33 @@ def forward_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: i
 
 def generation_items(s: PlanSettings, rows: int, tokens: int) -> list[tuple[str, int]]:
     """HF generate: a whole copy of the actor (gathered, or merged for LoRA) and every row's KV cache;
-    vLLM: the engine's share of the device (``gpu_memory_utilization``) or its weights and KV cache."""
+    vLLM: the engine (``engine_items``)."""
     actor = s.model("actor")
     sh = actor.shape
     if s.rollout == "vllm":
-        if s.engine_kv_bytes is None and s.device == "cuda":
-            return [("vLLM engine (gpu_memory_utilization)", -1)]  # filled in by the caller: a share of the device
-        kv = s.engine_kv_bytes or 0
-        return [("vLLM engine weights", actor.parameters * actor.compute_bytes // s.engine_tp), ("vLLM KV cache", kv)]
+        return engine_items(s)
     dtype = actor.compute_bytes if (s.generation_copy or actor.shards > 1) else FP32
     items = [("generation copy", actor.parameters * dtype if s.generation_copy else 0)]
     items.append(("KV cache", rows * tokens * sh.num_hidden_layers * 2 * sh.num_key_value_heads * sh.head_dim * dtype))
     items.append(("last-token logits", 2 * rows * sh.vocab_size * FP32))
     if not s.generation_copy:
         items.append(("gathered units", gathered_bytes(actor)))
+    return items
+
+
+def engine_items(s: PlanSettings) -> list[tuple[str, int]]:
+    """The vLLM engine: its weights and KV cache, or on a GPU without ``kv_cache_memory_bytes`` its share
+    of the device (``gpu_memory_utilization``, both in it); on CPU also vLLM's own libraries and
+    buffers. Held from the engine's start in setup; outside generation too unless it sleeps."""
+    if s.rollout != "vllm":
+        return []
+    if s.engine_kv_bytes is None and s.device == "cuda":
+        return [("vLLM engine (gpu_memory_utilization)", -1)]  # filled in by the caller: a share of the device
+    actor = s.model("actor")
+    items = [("vLLM engine weights", actor.parameters * s.engine_bytes // s.engine_tp),
+             ("vLLM KV cache", s.engine_kv_bytes or 0)]
+    if s.device != "cuda":
+        items.append(("vLLM libraries and buffers", VLLM_CPU_RUNTIME_BYTES))
     return items
 
 
@@ -218,14 +237,32 @@ def probe_items(s: PlanSettings, p) -> list[tuple[str, int]]:
     return generation_items(s, p.probe_rows, p.gen_tokens) + scoring
 
 
+def mapped(s: PlanSettings, m: ModelPlan) -> bool:
+    """Whether a model's weights stay mapped from its safetensors files after loading: one process
+    loads with ``from_pretrained``, which, when the file holds every tensor in the fp32 the model
+    trains in, maps the file and keeps its tensors instead of copying them; the kernel reads a
+    page in on first use. A CPU process's resident set holds none of it until then (a GPU copies
+    the weights to the device)."""
+    return s.whole_loads and s.device != "cuda" and bool(m.shape.disk_dtypes) and all(
+        d == "F32" for d, _ in m.shape.disk_dtypes)
+
+
 def setup_items(s: PlanSettings) -> list[tuple[str, int]]:
-    """Loading: one process maps the whole folder's file (from_pretrained); sharded ranks fill their
-    shards one tensor at a time, the largest (the embedding) gathered in fp32 at most."""
+    """Loading beyond the weights that stay: one process converts a file in another dtype with its
+    pages read (the largest such file, on CPU) and maps an fp32 one (``mapped``: nothing read
+    yet); sharded ranks fill their shards one tensor at a time, the largest (the embedding)
+    gathered in fp32 at most."""
     actor = s.model("actor")
-    if actor.shards == 1:
-        disk = sum(n * _dtype_bytes(d) for d, n in actor.shape.disk_dtypes) or actor.parameters * FP32
-        return [("weights file being read", disk)]
-    return [("largest tensor being filled", actor.shape.embedding_parameters * FP32 // actor.shards)]
+    if not s.whole_loads:
+        return [("largest tensor being filled", actor.shape.embedding_parameters * FP32 // actor.shards)]
+    if s.device == "cuda":
+        return []  # the file is read in host memory; the device holds the weights
+    read = [_disk_bytes(m) for m in s.models if not mapped(s, m)]
+    return [("weights file being read", max(read, default=0))]
+
+
+def _disk_bytes(m: ModelPlan) -> int:
+    return sum(n * _dtype_bytes(d) for d, n in m.shape.disk_dtypes) or m.parameters * FP32
 
 
 def _dtype_bytes(safetensors_dtype: str) -> int:
@@ -235,7 +272,7 @@ def _dtype_bytes(safetensors_dtype: str) -> int:
 
 def _phase(name: str, s: PlanSettings, active: tuple[str, ...], extra: list[tuple[str, int]],
            updated: tuple[str, ...]) -> PhaseMemory:
-    items = _base(s) + resident_items(s, active, updated) + [(k, b) for k, b in extra if b]
+    items = _base(s) + resident_items(s, active, updated, loading=name == "setup") + [(k, b) for k, b in extra if b]
     return PhaseMemory(name, tuple(items))
 
 
@@ -249,7 +286,8 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
     before = () if first_step else trained
     gen = generation_items(s, p.gen_rows, p.gen_tokens)
     scoring = forward_items(s, actor, p.forward_tokens, p.forward_response_tokens)
-    out = [_phase("setup", s, (), setup_items(s), ())]
+    held = [] if s.engine_sleeps else engine_items(s)  # a CPU engine has no sleep mode
+    out = [_phase("setup", s, (), setup_items(s) + engine_items(s), ())]
     out.append(_phase("gen", s, ("actor",), gen if s.rollout != "offline" else [], before))
     if p.probe_rows:
         out.append(_phase("kl_probe", s, ("actor", "ref"), probe_items(s, p), before))
@@ -270,7 +308,15 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
                       trained))
     out.append(_phase("export", s, ("actor",), [("tensor being exported", 2 * actor.shape.embedding_parameters * FP32)],
                       trained))
-    return [_engine_share(phase, s) for phase in out]
+    return [_engine_share(_holding(phase, held), s) for phase in out]
+
+
+def _holding(phase: PhaseMemory, held: list[tuple[str, int]]) -> PhaseMemory:
+    """A phase with the vLLM engine that stays resident through it (``held``): every phase but setup,
+    which builds it, and generation and validation, which hold it already."""
+    if phase.phase in ("setup", "gen", "validate") or not held:
+        return phase
+    return PhaseMemory(phase.phase, phase.items + tuple((k, b) for k, b in held if b))
 
 
 def _engine_share(phase: PhaseMemory, s: PlanSettings) -> PhaseMemory:

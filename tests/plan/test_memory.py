@@ -167,3 +167,81 @@ def test_sizes_parse_with_units():
     assert parse_size(1024, "k") == 1024 and parse_size("1.5TiB", "k") == int(1.5 * 2**40)
     with pytest.raises(Exception, match="e.g. 80GiB"):
         parse_size("lots", "trainer.plan_device_memory")
+
+
+VLLM = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.response_length=256")
+
+
+def test_a_cpu_vllm_engine_is_held_through_every_phase(qwen05_dir, task_dir):
+    """A CPU engine has no sleep mode: its weights and KV cache stay beside the models through the
+    update (the usual peak), and its KV cache is the engine's own default (at least 64 MiB), not 0."""
+    e = _plan(qwen05_dir, task_dir, *VLLM)
+    kv = _item(e, "gen", "vLLM KV cache")
+    # 16 prompts x n 4 rows at max_model_len 64 + 256 (+ a 128-token block), 24 layers x 2 x 2 heads x 64 x fp32
+    assert kv == 64 * (320 + 128) * 24 * 2 * 2 * 64 * 4
+    for phase in e.phases:
+        assert _item(e, phase.phase, "vLLM engine weights") == 4 * P05, phase.phase
+        assert _item(e, phase.phase, "vLLM KV cache") == kv, phase.phase
+        assert _item(e, phase.phase, "vLLM libraries and buffers") == memory.VLLM_CPU_RUNTIME_BYTES, phase.phase
+    offline = _plan(qwen05_dir, task_dir)
+    assert _phase(e, "update_actor").total - _phase(offline, "update_actor").total == (
+        4 * P05 + kv + memory.VLLM_CPU_RUNTIME_BYTES)
+
+
+def test_a_gpu_engine_is_held_outside_generation_only_without_free_cache_engine(qwen05_dir, task_dir):
+    device = 80 * 2**30
+    kept = _plan(qwen05_dir, task_dir, *VLLM, "actor_rollout_ref.rollout.free_cache_engine=false", device="cuda")
+    asleep = _plan(qwen05_dir, task_dir, *VLLM, device="cuda")
+    share = int(0.5 * device)
+    assert _item(kept, "update_actor", "vLLM engine (gpu_memory_utilization)") == share
+    assert _item(asleep, "update_actor", "vLLM engine (gpu_memory_utilization)") == 0
+    for e in (kept, asleep):  # built in setup (before it first sleeps), woken to generate
+        assert _item(e, "setup", "vLLM engine (gpu_memory_utilization)") == share
+        assert _item(e, "gen", "vLLM engine (gpu_memory_utilization)") == share
+
+
+def test_the_plans_cpu_kv_cache_is_the_engines_default(qwen05_dir, task_dir):
+    from types import SimpleNamespace
+
+    from klppo.plan import inputs
+    from klppo.plan.inputs import engine_kv_bytes
+    from klppo.rollout import vllm
+    from klppo.run.settings import engine_settings
+
+    assert (inputs.MIN_CPU_KV_BYTES, inputs.CPU_BLOCK_TOKENS) == (vllm.MIN_CPU_KV_BYTES, vllm.CPU_BLOCK_TOKENS)
+    config = SimpleNamespace(**QWEN05, head_dim=64)
+    for changes, world, free in (((), 1, 80 * 2**30), (("data.max_prompt_length=8",), 2, 80 * 2**30),
+                                 (("actor_rollout_ref.rollout.response_length=4",), 1, 80 * 2**30),
+                                 ((), 1, 2**30)):
+        cfg = _cfg(qwen05_dir, task_dir, *VLLM, *changes)
+        shape = read_shapes(cfg)["actor"]
+        assert engine_kv_bytes(cfg, shape, world, "cpu", free, 4) == vllm.cpu_kv_cache_bytes(
+            config, engine_settings(cfg, world), free), changes
+
+
+def _saved(folder, dtype):
+    config = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).to(dtype).save_pretrained(folder)
+    return folder
+
+
+def test_one_process_maps_an_fp32_checkpoint_and_reads_nothing_at_setup(tmp_path, task_dir):
+    """from_pretrained keeps the tensors of a file in the dtype the model trains in mapped from the
+    file, paged in on first use: an acceptance run (4 layers, hidden 512, vocabulary 32,000, fp32
+    file, online GRPO) measured setup at 0.43 GiB against a plan of 1.02 that held the actor, the
+    reference and the file. A bf16 file is converted: the fp32 weights and the file's pages."""
+    fp32, bf16 = _saved(tmp_path / "fp32", torch.float32), _saved(tmp_path / "bf16", torch.bfloat16)
+    mapped, converted = _plan(fp32, task_dir), _plan(bf16, task_dir)
+    shape = mapped.settings.model("actor").shape
+    assert _phase(mapped, "setup").items == (("interpreter and libraries", memory.CPU_BASELINE_BYTES),)
+    assert _item(mapped, "old_log_prob", "actor weights") == _item(mapped, "ref", "ref weights") == \
+        4 * shape.parameters  # paged in once used
+    assert _item(converted, "setup", "actor weights") == _item(converted, "setup", "ref weights") == 4 * shape.parameters
+    assert _item(converted, "setup", "weights file being read") == 2 * shape.parameters
+    grouped = _plan(fp32, task_dir, "actor_rollout_ref.actor.fsdp_config.param_offload=true")  # a group of one
+    assert _item(grouped, "setup", "actor weights") == 4 * shape.parameters
+    assert _item(grouped, "setup", "largest tensor being filled") == 4 * shape.embedding_parameters
+    on_gpu = _plan(fp32, task_dir, device="cuda")  # copied to the device; the file is host memory
+    assert _item(on_gpu, "setup", "actor weights") == 4 * shape.parameters
+    assert _item(on_gpu, "setup", "weights file being read") == 0
