@@ -5,12 +5,14 @@ imported, not copied) one at a time, and prints per phase: the plan's estimate
 (``klppo.plan``, from config.json, the safetensors header and the data only), the measured
 ``perf/peak_memory_gb/<phase>`` and the error. The runs take one step (as memory.py's do), so
 the estimate compared is the plan's first step (``phase_estimates(first_step=True)``): the
-optimiser state is created by the first update and is absent before it; ``klppo plan`` prints
-the steady state, which adds that state (a known 8 bytes per trained parameter and rank) to
-every phase.
+optimiser state is created by the first update and is absent before it, and the weights of a
+file mapped in fp32 come in with the phase that first reads them; ``klppo plan`` prints the
+steady state, which adds that state (a known 8 bytes per trained parameter and rank) to every
+phase, and every model's weights.
 
     python benchmarks/plan_accuracy.py --baseline                 # the CPU baseline the plan adds
-    python benchmarks/plan_accuracy.py                            # every configuration, 0.5B shape
+    python benchmarks/plan_accuracy.py                            # every configuration but vllm
+    .venv-vllm/bin/python benchmarks/plan_accuracy.py --configs vllm-1   # the vLLM engine (CPU build)
     python benchmarks/plan_accuracy.py --configs full-1,ckpt-1 --layers 4   # a quick look
 
 A configuration is ``<name>-<ranks>``. On the 0.5B shape, where weights and optimiser state make
@@ -47,11 +49,12 @@ SHAPES = {
               "--vocab-size", "32000", "--untied", "--save-dtype", "float32"],
 }
 # 4 prompts x 4 recorded responses of ~1,000 tokens (260 words), every row in one micro-batch of
-# ~16k tokens (packed); the KL probe samples one prompt's 4 responses at that length.
+# ~16k tokens (packed). No KL term: its reference brings the offline KL probe, which samples
+# responses of that length with HF generate (half an hour of a 38-minute run on a shared CPU).
 LONG_TASK = ["--response-words", "260", "--response-length", "1024"]
 LONG = ["data.max_response_length=1024", "actor_rollout_ref.model.use_remove_padding=true",
         "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480",
-        "algorithm.kl_ctrl.probe_prompts=1"]
+        "actor_rollout_ref.actor.use_kl_loss=false"]
 # vLLM (CPU build, .venv-vllm) generating 4 x 4 responses of 256 tokens: the engine's weights and KV
 # cache stay resident through every phase (a CPU engine has no sleep mode).
 VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.response_length=256",
@@ -71,7 +74,7 @@ VARIANTS = {
                                              "actor_rollout_ref.model.use_fused_kernels=false"], LONG_TASK),
     "vllm": ("small", "online", VLLM, []),
 }
-DEFAULT_CONFIGS = "full-1,full-2,lora-1,ckpt-1,online-1,naive-1,lora-2,ckpt-2,online-2"
+DEFAULT_CONFIGS = "full-1,full-2,lora-1,ckpt-1,online-1,naive-1,lora-2,ckpt-2,online-2,long-1,longckpt-1,longnaive-1,long-2"
 # What a rank has resident before its models: the trainer's imports, a tokenizer, the data.
 BASELINE_PROBE = """
 import sys
@@ -160,8 +163,8 @@ def rows_of(name: str, estimate: dict[str, float], record: dict) -> list[tuple]:
 
 
 def format_rows(rows: list[tuple]) -> str:
-    lines = [f"{'config':<10}{'phase':<15}{'plan GiB':>9}{'measured':>9}{'error':>8}", "-" * 51]
-    lines += [f"{c:<10}{p:<15}{e:>9.2f}{m:>9.2f}{err:>+7.1f}%" for c, p, e, m, err in rows]
+    lines = [f"{'config':<12}{'phase':<15}{'plan GiB':>9}{'measured':>9}{'error':>8}", "-" * 53]
+    lines += [f"{c:<12}{p:<15}{e:>9.2f}{m:>9.2f}{err:>+7.1f}%" for c, p, e, m, err in rows]
     worst = max(rows, key=lambda r: abs(r[4]), default=None)
     if worst is not None:
         lines.append(f"worst: {worst[0]} {worst[1]} {worst[4]:+.1f}%; within 15%: "

@@ -6,7 +6,7 @@ logits, FSDP2's gathered units, the generation copy and its KV cache, gradients 
 optimiser step's temporaries. The figures are the steady state of a run (the optimiser state
 exists from the first update on, so from step 2 every phase holds it), and what klppo's
 ``perf/peak_memory_gb/<phase>`` measures: ``max_memory_allocated`` on CUDA, the resident set
-on CPU (which adds the interpreter and libraries: ``CPU_BASELINE_BYTES``).
+on CPU (which adds the interpreter and libraries: ``cpu_baseline_bytes``).
 ``benchmarks/plan_accuracy.py`` compares both, phase by phase.
 """
 
@@ -19,14 +19,20 @@ from klppo.plan.model_shape import GOLD_ROLE
 
 FP32 = 4
 # The resident set of a CPU rank before any model: Python, torch, transformers, the tokenizer,
-# the data. Measured 2026-12-03 (torch 2.13.0+cpu, transformers 5.24, the 0.5B benchmark's
-# tokenizer of 151,936 entries): 0.484 GiB of VmRSS after those imports and reads, by
+# the data: CPU_BASELINE_BYTES and CPU_TOKENIZER_ENTRY_BYTES per entry of the tokenizer. Measured
+# 2026-12-04 (torch 2.13.0+cpu, transformers 5.25, memory.py's synthetic tokenizers) as VmRSS after
+# those imports and reads: 0.390, 0.410 and 0.490 GiB with 4,096, 32,000 and 151,936 entries
+# (0.387 GiB + 720 bytes per entry), by
 #   PYTHONPATH=. python benchmarks/plan_accuracy.py --baseline
-# (a tiny model's tokenizer takes less; a rank's process group adds a little).
-CPU_BASELINE_BYTES = int(0.484 * 2**30)
+# A run's own setup reads 0.00-0.02 GiB more (0.49 and 0.43 GiB with 151,936 and 32,000 entries:
+# its process, the plan, the data sample); 0.40 GiB lies between.
+CPU_BASELINE_BYTES, CPU_TOKENIZER_ENTRY_BYTES = int(0.40 * 2**30), 720
 # What a CPU vLLM engine adds beyond its weights and KV cache: vLLM's libraries and the engine's own
-# buffers. Measured (see benchmarks/README.md "plan_accuracy.py", the vllm-1 row).
-VLLM_CPU_RUNTIME_BYTES = int(0.5 * 2**30)
+# buffers. Measured 2026-12-04 (vllm 0.32.0 CPU build, .venv-vllm) as plan_accuracy's vllm-1 setup
+# (1.07 GiB, models mapped and unread) less the baseline, the engine's fp32 weights (0.17) and its
+# 64 MiB KV cache: 0.42 GiB, of which 0.075 is .venv-vllm's own larger baseline (0.485 GiB before
+# any model against 0.41: its older transformers).
+VLLM_CPU_RUNTIME_BYTES = int(0.42 * 2**30)
 # klppo.models.fused_head.DEFAULT_CHUNK_LOGITS (a test checks that they agree): logits per slice.
 FUSED_CHUNK_LOGITS = 2**24
 # Multiples of one slice of fp32 logits the fused head holds at its peak: forward (the slice and
@@ -105,14 +111,11 @@ def optimizer_on_device(m: ModelPlan, s: PlanSettings, active: bool) -> bool:
     return bool(m.trainable) and not m.offload_policy and (active or not m.optimizer_offload)
 
 
-def resident_items(s: PlanSettings, active: tuple[str, ...], updated: tuple[str, ...],
-                   loading: bool = False) -> list[tuple[str, int]]:
+def resident_items(s: PlanSettings, active: tuple[str, ...], updated: tuple[str, ...]) -> list[tuple[str, int]]:
     """Weights, and the optimiser state of the ``updated`` models, in device memory through a phase
-    that uses the models ``active`` (``loading``: setup, where mapped weights are not read yet)."""
+    that uses the models ``active``."""
     items = []
     for m in s.models:
-        if loading and mapped(s, m):
-            continue
         if on_device(m, s, m.role in active):
             items.append((f"{m.role} weights", weight_bytes(m)))
         if m.role in updated and optimizer_on_device(m, s, m.role in active):
@@ -169,8 +172,14 @@ def optimizer_step_bytes(s: PlanSettings, m: ModelPlan) -> int:
 # ---- the phases ----
 
 
+def cpu_baseline_bytes(s: PlanSettings) -> int:
+    """A CPU rank's resident set before any model: the interpreter and libraries, and the tokenizer
+    (about 0.7 KiB per entry; the actor's vocabulary stands for it)."""
+    return CPU_BASELINE_BYTES + CPU_TOKENIZER_ENTRY_BYTES * s.model("actor").shape.vocab_size
+
+
 def _base(s: PlanSettings) -> list[tuple[str, int]]:
-    return [("interpreter and libraries", CPU_BASELINE_BYTES)] if s.device != "cuda" else []
+    return [("interpreter and libraries", cpu_baseline_bytes(s))] if s.device != "cuda" else []
 
 
 def update_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: int,
@@ -193,9 +202,15 @@ def update_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: in
 
 
 def forward_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: int) -> list[tuple[str, int]]:
-    head = lm_head_bytes(s, m, response_tokens, training=False) if m.role in ("actor", "ref") else 0
-    return [("activations", forward_activation_bytes(m, tokens)), ("LM head logits", head),
-            ("gathered units", gathered_bytes(m))]
+    """A no-grad forward's peak: the decoder blocks' intermediates, or after them the LM head's logits
+    beside the last hidden states, whichever is larger (one is freed before the other comes; a
+    CPU run of ~16k tokens through 4 blocks, hidden 512, measured 0.35 GiB against 0.50 for both)."""
+    blocks = forward_activation_bytes(m, tokens)
+    head = 0
+    if m.role in ("actor", "ref"):
+        head = lm_head_bytes(s, m, response_tokens, training=False) + tokens * m.shape.hidden_size * m.compute_bytes
+    peak = ("activations", blocks) if blocks >= head else ("LM head logits", head)
+    return [peak, ("gathered units", gathered_bytes(m))]
 
 
 def generation_items(s: PlanSettings, rows: int, tokens: int) -> list[tuple[str, int]]:
@@ -272,14 +287,15 @@ def _dtype_bytes(safetensors_dtype: str) -> int:
 
 def _phase(name: str, s: PlanSettings, active: tuple[str, ...], extra: list[tuple[str, int]],
            updated: tuple[str, ...]) -> PhaseMemory:
-    items = _base(s) + resident_items(s, active, updated, loading=name == "setup") + [(k, b) for k, b in extra if b]
+    items = _base(s) + resident_items(s, active, updated) + [(k, b) for k, b in extra if b]
     return PhaseMemory(name, tuple(items))
 
 
 def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemory]:
     """Every phase this run has, in the loop's order, with its estimated peak per rank: in the
     steady state (every optimiser's state exists), or in the ``first_step``, before the updates
-    create it (the critic's exists in the actor's update: the critic updates first)."""
+    create it (the critic's exists in the actor's update: the critic updates first) and before
+    the phases read the weights of mapped files (``_mapped_when_read``)."""
     p, actor, critic, rm = s.passes, s.model("actor"), s.model("critic"), s.model("reward_model")
     ref = s.model("ref") or (actor if s.uses_reference else None)
     trained = tuple(m.role for m in s.models if m.trainable)
@@ -308,7 +324,25 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
                       trained))
     out.append(_phase("export", s, ("actor",), [("tensor being exported", 2 * actor.shape.embedding_parameters * FP32)],
                       trained))
-    return [_engine_share(_holding(phase, held), s) for phase in out]
+    return [_engine_share(_holding(phase, held), s) for phase in _mapped_when_read(out, s, first_step)]
+
+
+# The models whose weights each phase reads (offline, generation reads none).
+READS = {"gen": ("actor",), "kl_probe": ("actor", "ref"), "old_log_prob": ("actor",), "ref": ("ref",),
+         "values": ("critic",), "reward": ("reward_model",), "update_critic": ("critic",), "update_actor": ("actor",),
+         "validate": ("actor", "ref", "reward_model", GOLD_ROLE), "export": ("actor",)}
+
+
+def _mapped_when_read(phases: list[PhaseMemory], s: PlanSettings, first_step: bool) -> list[PhaseMemory]:
+    """Mapped weights (``mapped``) come into memory as a phase first reads them: none in setup; in the
+    first step, each model's from its first phase on (after it, they stay: the steady state)."""
+    read, out = set(), []
+    for phase in phases:
+        read |= set(() if phase.phase == "gen" and s.rollout == "offline" else READS.get(phase.phase, ()))
+        unread = {f"{m.role} weights" for m in s.models
+                  if mapped(s, m) and (phase.phase == "setup" or (first_step and m.role not in read))}
+        out.append(PhaseMemory(phase.phase, tuple(item for item in phase.items if item[0] not in unread)))
+    return out
 
 
 def _holding(phase: PhaseMemory, held: list[tuple[str, int]]) -> PhaseMemory:
