@@ -354,7 +354,8 @@ def _holding(phase: PhaseMemory, held: list[tuple[str, int]]) -> PhaseMemory:
 
 
 def _engine_share(phase: PhaseMemory, s: PlanSettings) -> PhaseMemory:
-    """vLLM's engine takes ``gpu_memory_utilization`` of the device's memory while it generates."""
+    """A GPU engine without ``kv_cache_memory_bytes`` takes ``gpu_memory_utilization`` of the device's
+    memory wherever it is held."""
     items = tuple((k, int(s.engine_share * s.device_bytes) if b == -1 else b) for k, b in phase.items)
     return PhaseMemory(phase.phase, items)
 
