@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=4864)
     p.add_argument("--vocab-size", type=int, default=151936)
+    p.add_argument("--untied", action="store_true", help="an LM head of its own (default: tied to the embedding)")
+    p.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the weights' dtype on disk (bfloat16, as the released 0.5B; float32: the dtype it trains in)")
     p.add_argument("--mode", choices=("offline", "online"), default="offline")
     p.add_argument("--ranks", default="1,2", help="comma-separated world sizes, run one after the other")
     p.add_argument("--prompts", type=int, default=4)
@@ -93,25 +96,27 @@ def synthetic_tokenizer(vocab_size: int):
 
 
 def build_model_folder(out: Path, args) -> Path:
-    """Random weights of the shape in ``args``, saved in bf16, with the synthetic tokenizer."""
+    """Random weights of the shape in ``args``, saved in ``args.save_dtype``, with the synthetic tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from klppo.models.tiny import save_tokenizer
 
     tokenizer = synthetic_tokenizer(args.vocab_size)
     config = Qwen2Config(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=4096, tie_word_embeddings=not args.untied, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, args.save_dtype))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)  # so that it reloads with exactly vocab_size entries
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[memory] model: {n_params / 1e6:.0f}M parameters, vocab {args.vocab_size}, saved in bf16 to {out}")
+    print(f"[memory] model: {n_params / 1e6:.0f}M parameters, vocab {args.vocab_size}, saved in {args.save_dtype} to {out}")
     return out
 
 

@@ -5,17 +5,23 @@ imported, not copied) one at a time, and prints per phase: the plan's estimate
 (``klppo.plan``, from config.json, the safetensors header and the data only), the measured
 ``perf/peak_memory_gb/<phase>`` and the error. The runs take one step (as memory.py's do), so
 the estimate compared is the plan's first step (``phase_estimates(first_step=True)``): the
-optimiser state is created by the first update and is absent before it; ``klppo plan`` prints
-the steady state, which adds that state (a known 8 bytes per trained parameter and rank) to
-every phase.
+optimiser state is created by the first update and is absent before it, and the weights of a
+file mapped in fp32 come in with the phase that first reads them; ``klppo plan`` prints the
+steady state, which adds that state (a known 8 bytes per trained parameter and rank) to every
+phase, and every model's weights.
 
     python benchmarks/plan_accuracy.py --baseline                 # the CPU baseline the plan adds
-    python benchmarks/plan_accuracy.py                            # every configuration, 0.5B shape
+    python benchmarks/plan_accuracy.py                            # every configuration but vllm
+    .venv-vllm/bin/python benchmarks/plan_accuracy.py --configs vllm-1   # the vLLM engine (CPU build)
     python benchmarks/plan_accuracy.py --configs full-1,ckpt-1 --layers 4   # a quick look
 
-A configuration is ``<name>-<ranks>``: full (offline GRPO + KL loss, full fine-tuning), lora
-(rank 16), ckpt (gradient checkpointing), online (HF generate), naive (the unfused LM head: the
-whole logits of the 151,936-entry vocabulary).
+A configuration is ``<name>-<ranks>``. On the 0.5B shape, where weights and optimiser state make
+most of the peak: full (offline GRPO + KL loss, full fine-tuning), lora (rank 16), ckpt (gradient
+checkpointing), online (HF generate), naive (the unfused LM head: the whole logits of the
+151,936-entry vocabulary). On a small shape (4 layers, hidden 512, saved in fp32), where
+activations and logits make most of it: long (responses of ~1,000 tokens, ~16k tokens per
+micro-batch), longckpt (the same, checkpointed), longnaive (the unfused head), vllm (the vLLM
+engine resident beside the models; run it with .venv-vllm's python).
 """
 
 from __future__ import annotations
@@ -33,14 +39,42 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import memory as bench  # noqa: E402
 
-VARIANTS = {
-    "full": ("offline", []),
-    "lora": ("offline", ["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32"]),
-    "ckpt": ("offline", ["actor_rollout_ref.model.enable_gradient_checkpointing=true"]),
-    "online": ("online", []),
-    "naive": ("offline", ["actor_rollout_ref.model.use_fused_kernels=false"]),
+# Model shapes (memory.py's options). qwen05: memory.py's default, the 0.5B (its layers and vocabulary
+# from --layers and --vocab-size), saved in bf16. small: 4 layers, hidden 512, an untied
+# 32,000-entry head, saved in fp32 (the dtype it trains in, so one process maps the file instead
+# of copying it): weights of 0.17 GiB, so activations and logits of long responses make the peak.
+SHAPES = {
+    "qwen05": [],
+    "small": ["--layers", "4", "--hidden-size", "512", "--heads", "8", "--kv-heads", "2", "--intermediate-size", "1536",
+              "--vocab-size", "32000", "--untied", "--save-dtype", "float32"],
 }
-DEFAULT_CONFIGS = "full-1,full-2,lora-1,ckpt-1,online-1,naive-1,lora-2,ckpt-2,online-2"
+# 4 prompts x 4 recorded responses of ~1,000 tokens (260 words), every row in one micro-batch of
+# ~16k tokens (packed). No KL term: its reference brings the offline KL probe, which samples
+# responses of that length with HF generate (half an hour of a 38-minute run on a shared CPU).
+LONG_TASK = ["--response-words", "260", "--response-length", "1024"]
+LONG = ["data.max_response_length=1024", "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480",
+        "actor_rollout_ref.actor.use_kl_loss=false"]
+# vLLM (CPU build, .venv-vllm) generating 4 x 4 responses of 256 tokens: the engine's weights and KV
+# cache stay resident through every phase (a CPU engine has no sleep mode).
+VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.response_length=256",
+        "data.max_response_length=256"]
+# name -> (shape, memory.py mode, klppo overrides, memory.py task options)
+VARIANTS = {
+    "full": ("qwen05", "offline", [], []),
+    "lora": ("qwen05", "offline", ["actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32"], []),
+    "ckpt": ("qwen05", "offline", ["actor_rollout_ref.model.enable_gradient_checkpointing=true"], []),
+    "online": ("qwen05", "online", [], []),
+    "naive": ("qwen05", "offline", ["actor_rollout_ref.model.use_fused_kernels=false"], []),
+    "long": ("small", "offline", LONG, LONG_TASK),
+    "longckpt": ("small", "offline", LONG + ["actor_rollout_ref.model.enable_gradient_checkpointing=true"], LONG_TASK),
+    # the unfused head's whole logits: 4 rows (~4k response tokens) per micro-batch
+    "longnaive": ("small", "offline", LONG + ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                                             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096",
+                                             "actor_rollout_ref.model.use_fused_kernels=false"], LONG_TASK),
+    "vllm": ("small", "online", VLLM, []),
+}
+DEFAULT_CONFIGS = "full-1,full-2,lora-1,ckpt-1,online-1,naive-1,lora-2,ckpt-2,online-2,long-1,longckpt-1,longnaive-1,long-2"
 # What a rank has resident before its models: the trainer's imports, a tokenizer, the data.
 BASELINE_PROBE = """
 import sys
@@ -67,9 +101,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def bench_args(args, mode: str, extra: list[str]) -> argparse.Namespace:
-    return bench.parse_args(["--layers", str(args.layers), "--vocab-size", str(args.vocab_size), "--mode", mode,
-                             "--extra", *extra])
+def bench_args(args, shape: str, mode: str, extra: list[str], task: list[str]) -> argparse.Namespace:
+    """memory.py's options for a run: the shape's (qwen05: --layers and --vocab-size), the task's, the overrides."""
+    sizes = SHAPES[shape] or ["--layers", str(args.layers), "--vocab-size", str(args.vocab_size)]
+    return bench.parse_args([*sizes, *task, "--mode", mode, "--extra", *extra])
+
+
+def inputs(work: Path, shape: str, bargs) -> tuple[Path, Path]:
+    """The shape's model folder and the task's Parquet file, built once per work folder (kept: a run of
+    an earlier call may still be reading them); qwen05's keep their first names."""
+    model = work / ("model" if shape == "qwen05" else f"model_{shape}")
+    if not (model / "config.json").is_file():
+        bench.build_model_folder(model, bargs)
+    words = "" if bargs.response_words == 8 else f"_{bargs.response_words}w"
+    data = work / f"task{words}.parquet"
+    if not data.is_file():
+        bench.write_task(data, bargs)
+    return model, data
 
 
 def measure_baseline(model: Path, data: Path) -> int:
@@ -115,8 +163,8 @@ def rows_of(name: str, estimate: dict[str, float], record: dict) -> list[tuple]:
 
 
 def format_rows(rows: list[tuple]) -> str:
-    lines = [f"{'config':<10}{'phase':<15}{'plan GiB':>9}{'measured':>9}{'error':>8}", "-" * 51]
-    lines += [f"{c:<10}{p:<15}{e:>9.2f}{m:>9.2f}{err:>+7.1f}%" for c, p, e, m, err in rows]
+    lines = [f"{'config':<12}{'phase':<15}{'plan GiB':>9}{'measured':>9}{'error':>8}", "-" * 53]
+    lines += [f"{c:<12}{p:<15}{e:>9.2f}{m:>9.2f}{err:>+7.1f}%" for c, p, e, m, err in rows]
     worst = max(rows, key=lambda r: abs(r[4]), default=None)
     if worst is not None:
         lines.append(f"worst: {worst[0]} {worst[1]} {worst[4]:+.1f}%; within 15%: "
@@ -129,25 +177,21 @@ def main(argv=None) -> list[tuple]:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model, base = work / "model", bench_args(args, "offline", [])
-        if not (model / "config.json").is_file():
-            bench.build_model_folder(model, base)
-        data = work / "task.parquet"
-        if not data.is_file():  # kept: a run of an earlier call may still be reading it
-            bench.write_task(data, base)
         if args.baseline:
+            model, data = inputs(work, "qwen05", bench_args(args, "qwen05", "offline", [], []))
             print(f"[plan_accuracy] baseline: {measure_baseline(model, data) / 2**30:.3f} GiB resident before any model")
             return []
         rows = []
         for config in args.configs.split(","):
             variant, world = config.rsplit("-", 1)
-            mode, extra = VARIANTS[variant]
-            bargs = bench_args(args, mode, extra)
+            shape, mode, extra, task = VARIANTS[variant]
+            bargs = bench_args(args, shape, mode, extra, task)
+            model, data = inputs(work, shape, bargs)
             record = measured(model, data, work, config, int(world), bargs)
             estimate = planned(model, data, work / f"run_{mode}_{world}_{config}", int(world), bargs, args.device)
             rows += rows_of(config, estimate, record)
             print(format_rows(rows_of(config, estimate, record)), flush=True)
-        print(f"\nplan vs measured peak per rank and phase, {args.layers} layers, vocab {args.vocab_size}:")
+        print(f"\nplan vs measured peak per rank and phase (qwen05: {args.layers} layers, vocab {args.vocab_size}):")
         print(format_rows(rows))
     return rows
 

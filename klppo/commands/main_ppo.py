@@ -16,11 +16,11 @@ from klppo.config import format_config, load_ppo_config
 
 def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> list[dict]:
     """Validate the config, build everything, train; returns the logged metrics records."""
-    from klppo.distributed import run_on_ranks
+    from klppo.distributed import launched_world_size, run_on_ranks
     from klppo.run.build import start_processes
     from klppo.run.setup import check_run_dir, return_freed_memory
 
-    cfg = load_ppo_config(config_path, overrides)
+    cfg = load_ppo_config(config_path, overrides, launched=launched_world_size())  # a launch unlike the config: first
     check_run_dir(cfg.trainer.default_local_dir)
     return_freed_memory()
     quiet_libraries()
@@ -48,14 +48,25 @@ def _train(cfg, env, print_fn) -> list[dict]:
 
 
 def check_memory_plan(cfg, env, print_fn) -> None:
-    """The memory plan's short block (``trainer.plan_check``): the same on every rank, rank 0 prints;
+    """The memory plan's short block (``trainer.plan_check``), agreed over the ranks, rank 0 prints;
     under ``error`` a run whose estimate exceeds the device's memory by a clear margin stops with
-    the plan's knobs (a ``UserError`` on every rank) instead of running out of memory later."""
-    from klppo.monitoring.memory import available_bytes
-    from klppo.plan.check import check_at_start
+    the plan's knobs (a ``UserError`` on every rank) instead of running out of memory later.
 
-    check_at_start(cfg, world_size=env.world_size, device=env.device.type,
-                   free_bytes=lambda: available_bytes(env.device), print_fn=print_fn)
+    Each rank sees its own free memory (another process on its GPU, the host's memory at that
+    moment), so each would reach its own verdict: one rank stopping alone leaves the others
+    waiting in the next collective. The plan is made against the least memory any rank has,
+    and a refusal on any rank is raised on all (``same_on_every_rank``, as the resume check).
+    """
+    from klppo.distributed import all_gather_objects
+    from klppo.monitoring.memory import available_bytes
+    from klppo.plan.check import check_at_start, plan_check_mode
+    from klppo.run.setup import same_on_every_rank
+
+    if plan_check_mode(cfg) == "off":
+        return
+    least = min(all_gather_objects(available_bytes(env.device)))  # host sync: one gather before any model
+    same_on_every_rank(lambda: check_at_start(cfg, world_size=env.world_size, device=env.device.type,
+                                              free_bytes=lambda: least, print_fn=print_fn))
 
 
 @contextmanager

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from klppo.config.schema import PPOConfig
+from klppo.config.schema import FSDPConfig, PPOConfig
 
 ROLLOUT = "actor_rollout_ref.rollout"
 Found = list[tuple[tuple[str, ...], str]]
@@ -66,6 +66,38 @@ def uses_reference(cfg: PPOConfig) -> bool:
 def world_size(cfg: PPOConfig) -> int:
     """The ranks a run of ``cfg`` has (``join_world`` refuses any other world)."""
     return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+
+
+def fsdp_sections(cfg: PPOConfig) -> dict[str, FSDPConfig]:
+    """Every model's ``fsdp_config`` by key: one process gets a process group of one when any asks for
+    something only FSDP2 does (``join_world``), and then loads as ranks do."""
+    arf = cfg.actor_rollout_ref
+    sections = {"actor_rollout_ref.actor.fsdp_config": arf.actor.fsdp_config,
+                "actor_rollout_ref.ref.fsdp_config": arf.ref.fsdp_config,
+                "critic.model.fsdp_config": cfg.critic.model.fsdp_config}
+    # verl scripts set the reward model's options even when it is off; a gold reward model uses them too.
+    if cfg.reward_model.enable or cfg.trainer.gold_reward.model_path:
+        sections["reward_model.model.fsdp_config"] = cfg.reward_model.model.fsdp_config
+    return sections
+
+
+def launch_mismatch(n_gpus_per_node: int, nnodes: int, launched: int) -> Optional[str]:
+    """Why a run launched as ``launched`` processes does not match the world its config names, with the
+    launch command that matches and the keys that match the launch; None when they agree.
+
+    Asked before the batch-size rules: those are computed for the config's world, and a run
+    started as one process with ``n_gpus_per_node: 4`` would otherwise be refused for a rank's
+    share of 4 ranks without a word that it has one process.
+    """
+    if n_gpus_per_node * nnodes == launched or n_gpus_per_node < 1 or nnodes < 1:
+        return None
+    nodes = f"--nnodes {nnodes} " if nnodes > 1 else ""
+    fit = (f"trainer.n_gpus_per_node={launched // nnodes}" if launched % nnodes == 0
+           else f"trainer.nnodes=1 trainer.n_gpus_per_node={launched}")
+    return (f"trainer.n_gpus_per_node x trainer.nnodes = {n_gpus_per_node} x {nnodes} = {n_gpus_per_node * nnodes} "
+            f"ranks, but this run was launched as {launched} process{'' if launched == 1 else 'es'}; launch it with "
+            f"torchrun {nodes}--nproc_per_node {n_gpus_per_node} -m klppo.trainer.main_ppo <the same arguments>"
+            f"{' on each node' if nnodes > 1 else ''}, or set {fit} to run on the launch you have")
 
 
 def update_sizes(cfg: PPOConfig) -> list[UpdateSizes]:

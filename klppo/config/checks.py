@@ -14,7 +14,7 @@ import math
 import re
 from typing import Optional
 
-from klppo.config.batch_sizes import batch_size_problems, divisor_below, world_size
+from klppo.config.batch_sizes import batch_size_problems, divisor_below, launch_mismatch, world_size
 from klppo.config.lora import lora_enabled, lora_problems
 from klppo.config.problems import Problem
 from klppo.config.rollout_checks import engine_problems, resolve_rollout_engine, rollout_notes
@@ -157,9 +157,13 @@ def _divides(
 # ---- PPO ----
 
 
-def check_ppo(cfg: PPOConfig) -> list[Problem]:
-    """All value problems of a resolved PPO config (``resolve_ppo`` has run)."""
+def check_ppo(cfg: PPOConfig, launched: Optional[int] = None) -> list[Problem]:
+    """All value problems of a resolved PPO config (``resolve_ppo`` has run); ``launched``: the processes
+    the run was started as, when it is a run (a launch that does not match the config comes first)."""
     out: list[Problem] = []
+    mismatch = None if launched is None else launch_mismatch(cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes, launched)
+    if mismatch is not None:
+        out.append(Problem(("trainer.n_gpus_per_node", "trainer.nnodes"), mismatch))
     _check_ppo_paths(cfg, out)
     _check_data_lengths(cfg, out)
     _check_ppo_batches(cfg, out)

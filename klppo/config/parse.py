@@ -46,7 +46,8 @@ _HINTS = {
 # ---- public API ----
 
 
-def load_ppo_config(path: str | None, overrides: Sequence[str] = (), notes: list[str] | None = None) -> PPOConfig:
+def load_ppo_config(path: str | None, overrides: Sequence[str] = (), notes: list[str] | None = None,
+                    launched: int | None = None) -> PPOConfig:
     """Load, resolve and validate a PPO config from a YAML file (None = defaults) and overrides.
 
     ``overrides`` are ``key.path=value`` strings (also hydra's ``+key=value``), the value parsed
@@ -54,9 +55,10 @@ def load_ppo_config(path: str | None, overrides: Sequence[str] = (), notes: list
     key so its default applies. Any key of verl's config tree is accepted; the ones klppo does
     not act on, when set, are listed in one warning. Raises ``UserError`` listing every problem
     found; on success appends the warnings to ``notes`` (lines to print, first ones start with
-    ``warning:``).
+    ``warning:``). ``launched``: the processes a run was started as (``klppo ppo``), checked first
+    against ``trainer.n_gpus_per_node x trainer.nnodes``; None where nothing is launched.
     """
-    return _load(PPOConfig, path, overrides, resolve_ppo, check_ppo, notes, verl=True)
+    return _load(PPOConfig, path, overrides, resolve_ppo, lambda cfg: check_ppo(cfg, launched), notes, verl=True)
 
 
 def load_sft_config(path: str | None, overrides: Sequence[str] = (), notes: list[str] | None = None) -> SFTConfig:

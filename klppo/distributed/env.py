@@ -78,6 +78,11 @@ def _device(device: str, local_rank: int, local_world_size: int | None = None) -
     return torch.device("cpu")
 
 
+def launched_world_size() -> int:
+    """The processes torchrun started for this run (``WORLD_SIZE``; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(device: str = "auto", *, group_of_one: bool = False,
                      timeout_s: float = DEFAULT_TIMEOUT_S) -> DistEnv:
     """This process's ``DistEnv``; joins torchrun's process group (gloo on CPU; NCCL for CUDA
@@ -88,7 +93,7 @@ def init_distributed(device: str = "auto", *, group_of_one: bool = False,
     ``timeout_s``: how long any collective of the group may wait for the other ranks before
     the run fails (``actor_rollout_ref.nccl_timeout``).
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched_world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None  # torchrun's

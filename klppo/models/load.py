@@ -176,29 +176,37 @@ def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreT
 
 
 def check_token_ids_fit(tokenizer: PreTrainedTokenizerBase, config, folder: Path, key: str) -> None:
-    """Refuse token ids that can reach the model's input but have no embedding row.
+    """Refuse a tokenizer with ids that have no embedding row.
 
-    EOS closes every response, PAD fills every batch, BOS starts plain-text prompts, and tokens
-    added to the tokenizer (a chat template's markers, a fine-tune's new words) come out of
-    encoding; an id at or past the model's ``vocab_size`` rows is an IndexError at the first
-    forward on CPU and a device-side assert on a GPU, after the run has started. Tokens added
-    after training without a resize of the model's embeddings are the usual cause. (The unk
-    token that transformers 5 appends to a byte-level BPE tokenizer without one is never emitted
-    by it, and is not checked.)
+    EOS closes every response, PAD fills every batch, BOS starts plain-text prompts, and every
+    added token (a chat template's markers, a fine-tune's new words, an unk token) comes out of
+    encoding wherever its text appears in a prompt; an id at or past the model's ``vocab_size``
+    rows is an IndexError at the first forward on CPU and a device-side assert on a GPU, after
+    the run has started. Tokens added after training without a resize of the model's embeddings
+    are the usual cause; a Qwen2 folder whose tokenizer_config.json names no unk token is the
+    other (``Qwen2Tokenizer`` then adds ``<|endoftext|>`` past the trained ids).
     """
     rows = getattr(config.get_text_config(), "vocab_size", None)
     if not rows:
         return
-    named = [(role, getattr(tokenizer, role), getattr(tokenizer, f"{role}_id")) for role in ("eos_token", "pad_token",
-                                                                                             "bos_token")]
-    added = [("token", str(token), i) for i, token in sorted(tokenizer.added_tokens_decoder.items())
-             if i != tokenizer.unk_token_id]
-    for role, token, token_id in named + added:
+    named = [(role, getattr(tokenizer, role), getattr(tokenizer, f"{role}_id"))
+             for role in ("eos_token", "pad_token", "bos_token", "unk_token")]
+    added = [("token", str(token), i) for i, token in sorted(tokenizer.added_tokens_decoder.items())]
+    largest = max(tokenizer.get_vocab().items(), key=lambda item: item[1], default=None)
+    vocabulary = [("token", largest[0], largest[1])] if largest else []
+    for role, token, token_id in named + added + vocabulary:
         if token_id is not None and not 0 <= token_id < rows:
             raise UserError(
                 f"{key}: the tokenizer in '{folder}' has {role} {token!r} at id {token_id}, but the model has {rows} "
-                f"embedding rows (ids 0 to {rows - 1}); use the model's own tokenizer, or resize the model's "
-                "embeddings to it (model.resize_token_embeddings(len(tokenizer))) and save both")
+                f"embedding rows (ids 0 to {rows - 1}); {_ids_fix(role)}")
+
+
+def _ids_fix(role: str) -> str:
+    fix = ("use the model's own tokenizer, or resize the model's embeddings to it "
+           "(model.resize_token_embeddings(len(tokenizer))) and save both")
+    if role == "unk_token":  # a byte-level BPE encodes any text and needs no unk token
+        return f"{fix}; a tokenizer without unknown input (byte-level BPE) takes \"unk_token\": null in tokenizer_config.json"
+    return fix
 
 
 def check_tokenizer_usable(tokenizer: PreTrainedTokenizerBase, config, folder: Path, key: str) -> None:

@@ -9,6 +9,7 @@ that ``AutoModelForCausalLM.from_pretrained`` loads.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -105,5 +106,22 @@ def build_tiny_model_folder(
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     return out
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    """Save ``tokenizer`` so that it reloads with exactly its own entries, one per embedding row.
+
+    The folder's config.json says qwen2, so ``AutoTokenizer`` reloads it as ``Qwen2Tokenizer``,
+    whose unk token defaults to ``<|endoftext|>``: a tokenizer saved without an unk token comes
+    back with that token added past the last trained id, one id more than the model has rows,
+    and a prompt containing the text indexes past the embedding. Released Qwen2 tokenizers
+    write ``"unk_token": null`` for this reason (a byte-level BPE has no unknown input); so
+    does this one.
+    """
+    tokenizer.save_pretrained(out)
+    path = Path(out) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config.setdefault("unk_token", None)
+    path.write_text(json.dumps(config, indent=2) + "\n")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from klppo.config import PPOConfig
-from klppo.config.batch_sizes import uses_critic, uses_reference
+from klppo.config.batch_sizes import fsdp_sections, uses_critic, uses_reference
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_checks import engine_dtype
 from klppo.config.schema import FSDPConfig, LoraKeys
@@ -67,9 +67,11 @@ class PlanSettings:
     fused_head: bool  # use_fused_kernels (None: klppo's default, on)
     generation_copy: bool  # generation holds a copy of the actor's weights (gathered, cast, merged or on the device)
     engine_share: float  # vLLM: rollout.gpu_memory_utilization
-    engine_kv_bytes: Optional[int]  # vLLM: rollout.kv_cache_memory_bytes
+    engine_kv_bytes: Optional[int]  # vLLM: rollout.kv_cache_memory_bytes, or a CPU engine's default (None: the share)
     engine_tp: int
-    engine_bytes: int  # vLLM: bytes per weight element (rollout_checks.engine_dtype)
+    engine_bytes: int  # vLLM: bytes per element of the engine's weights (rollout.dtype; auto: the actor's compute)
+    engine_sleeps: bool  # vLLM on a GPU with free_cache_engine: weights and KV cache released outside generation
+    whole_loads: bool  # one process without a process group: every model loads with from_pretrained
     uses_reference: bool  # a KL term needs the reference (a LoRA actor is its own, with adapters off)
     device_bytes: int  # the device's memory (what vLLM's share is of)
 
@@ -240,16 +242,40 @@ def generation_copy(cfg: PPOConfig, actor: ModelPlan, device: str, device_bytes:
     return weights == "gathered" or actor.parameters * actor.compute_bytes <= device_bytes // 2
 
 
+# A CPU engine's KV cache default (klppo.rollout.vllm, which the plan cannot import; a test checks
+# that they agree): at least MIN_CPU_KV_BYTES, every row at max_model_len plus a block of slack.
+MIN_CPU_KV_BYTES, CPU_BLOCK_TOKENS = 64 << 20, 128
+
+
+def engine_kv_bytes(cfg: PPOConfig, shape: ModelShape, world_size: int, device: str, device_bytes: int,
+                    dtype_bytes: int) -> Optional[int]:
+    """The vLLM engine's KV cache: rollout.kv_cache_memory_bytes, else on CPU the engine's default
+    (``rollout.vllm.cpu_kv_cache_bytes``: every sequence one generation call decodes at
+    max_model_len, within a quarter of the memory, at least 64 MiB); None on a GPU, where the
+    engine takes gpu_memory_utilization of the device."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name != "vllm" or rollout.kv_cache_memory_bytes is not None or device == "cuda":
+        return rollout.kv_cache_memory_bytes
+    tp = rollout.tensor_model_parallel_size
+    rows = cfg.data.gen_batch_size * rollout.n * tp // world_size
+    per_token = 2 * shape.num_hidden_layers * max(1, shape.num_key_value_heads // tp) * shape.head_dim * dtype_bytes
+    wanted = min(rows, rollout.max_num_seqs) * (rollout.max_model_len + CPU_BLOCK_TOKENS) * per_token
+    return max(MIN_CPU_KV_BYTES, min(wanted, device_bytes // 4))
+
+
 def plan_settings(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int, device: str, device_bytes: int,
                   lengths: Lengths) -> PlanSettings:
     """The memory-relevant settings of a validated PPO config on ``world_size`` ranks of ``device``."""
     arf = cfg.actor_rollout_ref
     models = _models(cfg, shapes, world_size)
+    engine_bytes = DTYPE_BYTES[engine_dtype(cfg)]  # auto: the actor's compute dtype, fp32 for a bf16 LoRA actor
     return PlanSettings(
         world_size=world_size, device=device, rollout=arf.rollout.name, models=models,
         passes=passes(cfg, world_size, lengths, device), fused_head=arf.model.use_fused_kernels is not False,
         generation_copy=generation_copy(cfg, models[0], device, device_bytes),
-        engine_share=arf.rollout.gpu_memory_utilization, engine_kv_bytes=arf.rollout.kv_cache_memory_bytes,
-        engine_tp=arf.rollout.tensor_model_parallel_size, engine_bytes=DTYPE_BYTES[engine_dtype(cfg)],
+        engine_share=arf.rollout.gpu_memory_utilization, engine_tp=arf.rollout.tensor_model_parallel_size,
+        engine_kv_bytes=engine_kv_bytes(cfg, shapes["actor"], world_size, device, device_bytes, engine_bytes),
+        engine_bytes=engine_bytes, engine_sleeps=device == "cuda" and arf.rollout.free_cache_engine,
+        whole_loads=world_size == 1 and all(f == FSDPConfig() for f in fsdp_sections(cfg).values()),
         uses_reference=uses_reference(cfg),
         device_bytes=device_bytes)

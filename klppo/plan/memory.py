@@ -6,7 +6,7 @@ logits, FSDP2's gathered units, the generation copy and its KV cache, gradients 
 optimiser step's temporaries. The figures are the steady state of a run (the optimiser state
 exists from the first update on, so from step 2 every phase holds it), and what klppo's
 ``perf/peak_memory_gb/<phase>`` measures: ``max_memory_allocated`` on CUDA, the resident set
-on CPU (which adds the interpreter and libraries: ``CPU_BASELINE_BYTES``).
+on CPU (which adds the interpreter and libraries: ``cpu_baseline_bytes``).
 ``benchmarks/plan_accuracy.py`` compares both, phase by phase.
 """
 
@@ -19,11 +19,20 @@ from klppo.plan.model_shape import GOLD_ROLE
 
 FP32 = 4
 # The resident set of a CPU rank before any model: Python, torch, transformers, the tokenizer,
-# the data. Measured 2026-12-03 (torch 2.13.0+cpu, transformers 5.24, the 0.5B benchmark's
-# tokenizer of 151,936 entries): 0.484 GiB of VmRSS after those imports and reads, by
+# the data: CPU_BASELINE_BYTES and CPU_TOKENIZER_ENTRY_BYTES per entry of the tokenizer. Measured
+# 2026-12-04 (torch 2.13.0+cpu, transformers 5.25, memory.py's synthetic tokenizers) as VmRSS after
+# those imports and reads: 0.390, 0.410 and 0.490 GiB with 4,096, 32,000 and 151,936 entries
+# (0.387 GiB + 720 bytes per entry), by
 #   PYTHONPATH=. python benchmarks/plan_accuracy.py --baseline
-# (a tiny model's tokenizer takes less; a rank's process group adds a little).
-CPU_BASELINE_BYTES = int(0.484 * 2**30)
+# A run's own setup reads 0.00-0.02 GiB more (0.49 and 0.43 GiB with 151,936 and 32,000 entries:
+# its process, the plan, the data sample); 0.40 GiB lies between.
+CPU_BASELINE_BYTES, CPU_TOKENIZER_ENTRY_BYTES = int(0.40 * 2**30), 720
+# What a CPU vLLM engine adds beyond its weights and KV cache: vLLM's libraries and the engine's own
+# buffers. Measured 2026-12-04 (vllm 0.32.0 CPU build, .venv-vllm) as plan_accuracy's vllm-1 setup
+# (1.07 GiB, models mapped and unread) less the baseline, the engine's fp32 weights (0.17) and its
+# 64 MiB KV cache: 0.42 GiB, of which 0.075 is .venv-vllm's own larger baseline (0.485 GiB before
+# any model against 0.41: its older transformers).
+VLLM_CPU_RUNTIME_BYTES = int(0.42 * 2**30)
 # klppo.models.fused_head.DEFAULT_CHUNK_LOGITS (a test checks that they agree): logits per slice.
 FUSED_CHUNK_LOGITS = 2**24
 # Multiples of one slice of fp32 logits the fused head holds at its peak: forward (the slice and
@@ -163,8 +172,14 @@ def optimizer_step_bytes(s: PlanSettings, m: ModelPlan) -> int:
 # ---- the phases ----
 
 
+def cpu_baseline_bytes(s: PlanSettings) -> int:
+    """A CPU rank's resident set before any model: the interpreter and libraries, and the tokenizer
+    (about 0.7 KiB per entry; the actor's vocabulary stands for it)."""
+    return CPU_BASELINE_BYTES + CPU_TOKENIZER_ENTRY_BYTES * s.model("actor").shape.vocab_size
+
+
 def _base(s: PlanSettings) -> list[tuple[str, int]]:
-    return [("interpreter and libraries", CPU_BASELINE_BYTES)] if s.device != "cuda" else []
+    return [("interpreter and libraries", cpu_baseline_bytes(s))] if s.device != "cuda" else []
 
 
 def update_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: int,
@@ -187,29 +202,47 @@ def update_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: in
 
 
 def forward_items(s: PlanSettings, m: ModelPlan, tokens: int, response_tokens: int) -> list[tuple[str, int]]:
-    head = lm_head_bytes(s, m, response_tokens, training=False) if m.role in ("actor", "ref") else 0
-    return [("activations", forward_activation_bytes(m, tokens)), ("LM head logits", head),
-            ("gathered units", gathered_bytes(m))]
+    """A no-grad forward's peak: the decoder blocks' intermediates, or after them the LM head's logits
+    beside the last hidden states, whichever is larger (one is freed before the other comes; a
+    CPU run of ~16k tokens through 4 blocks, hidden 512, measured 0.35 GiB against 0.50 for both)."""
+    blocks = forward_activation_bytes(m, tokens)
+    head = 0
+    if m.role in ("actor", "ref"):
+        head = lm_head_bytes(s, m, response_tokens, training=False) + tokens * m.shape.hidden_size * m.compute_bytes
+    peak = ("activations", blocks) if blocks >= head else ("LM head logits", head)
+    return [peak, ("gathered units", gathered_bytes(m))]
 
 
 def generation_items(s: PlanSettings, rows: int, tokens: int) -> list[tuple[str, int]]:
     """HF generate: a copy of the actor's weights where it needs one (``PlanSettings.generation_copy``)
     and every row's KV cache, in the compute dtype (FSDP2's mixed precision computes in it, and so
-    does the copy); vLLM: the engine's share of the device (``gpu_memory_utilization``) or its
-    weights and KV cache."""
+    does the copy); vLLM: the engine (``engine_items``)."""
     actor = s.model("actor")
     sh = actor.shape
     if s.rollout == "vllm":
-        if s.engine_kv_bytes is None and s.device == "cuda":
-            return [("vLLM engine (gpu_memory_utilization)", -1)]  # filled in by the caller: a share of the device
-        kv = s.engine_kv_bytes or 0
-        return [("vLLM engine weights", actor.parameters * s.engine_bytes // s.engine_tp), ("vLLM KV cache", kv)]
+        return engine_items(s)
     dtype = actor.compute_bytes
     items = [("generation copy", actor.parameters * dtype if s.generation_copy else 0)]
     items.append(("KV cache", rows * tokens * sh.num_hidden_layers * 2 * sh.num_key_value_heads * sh.head_dim * dtype))
     items.append(("last-token logits", 2 * rows * sh.vocab_size * FP32))
     if not s.generation_copy:
         items.append(("gathered units", gathered_bytes(actor)))
+    return items
+
+
+def engine_items(s: PlanSettings) -> list[tuple[str, int]]:
+    """The vLLM engine: its weights and KV cache, or on a GPU without ``kv_cache_memory_bytes`` its share
+    of the device (``gpu_memory_utilization``, both in it); on CPU also vLLM's own libraries and
+    buffers. Held from the engine's start in setup; outside generation too unless it sleeps."""
+    if s.rollout != "vllm":
+        return []
+    if s.engine_kv_bytes is None and s.device == "cuda":
+        return [("vLLM engine (gpu_memory_utilization)", -1)]  # filled in by the caller: a share of the device
+    actor = s.model("actor")
+    items = [("vLLM engine weights", actor.parameters * s.engine_bytes // s.engine_tp),
+             ("vLLM KV cache", s.engine_kv_bytes or 0)]
+    if s.device != "cuda":
+        items.append(("vLLM libraries and buffers", VLLM_CPU_RUNTIME_BYTES))
     return items
 
 
@@ -220,14 +253,32 @@ def probe_items(s: PlanSettings, p) -> list[tuple[str, int]]:
     return generation_items(s, p.probe_rows, p.gen_tokens) + scoring
 
 
+def mapped(s: PlanSettings, m: ModelPlan) -> bool:
+    """Whether a model's weights stay mapped from its safetensors files after loading: one process
+    loads with ``from_pretrained``, which, when the file holds every tensor in the fp32 the model
+    trains in, maps the file and keeps its tensors instead of copying them; the kernel reads a
+    page in on first use. A CPU process's resident set holds none of it until then (a GPU copies
+    the weights to the device)."""
+    return s.whole_loads and s.device != "cuda" and bool(m.shape.disk_dtypes) and all(
+        d == "F32" for d, _ in m.shape.disk_dtypes)
+
+
 def setup_items(s: PlanSettings) -> list[tuple[str, int]]:
-    """Loading: one process maps the whole folder's file (from_pretrained); sharded ranks fill their
-    shards one tensor at a time, the largest (the embedding) gathered in fp32 at most."""
+    """Loading beyond the weights that stay: one process converts a file in another dtype with its
+    pages read (the largest such file, on CPU) and maps an fp32 one (``mapped``: nothing read
+    yet); sharded ranks fill their shards one tensor at a time, the largest (the embedding)
+    gathered in fp32 at most."""
     actor = s.model("actor")
-    if actor.shards == 1:
-        disk = sum(n * _dtype_bytes(d) for d, n in actor.shape.disk_dtypes) or actor.parameters * FP32
-        return [("weights file being read", disk)]
-    return [("largest tensor being filled", actor.shape.embedding_parameters * FP32 // actor.shards)]
+    if not s.whole_loads:
+        return [("largest tensor being filled", actor.shape.embedding_parameters * FP32 // actor.shards)]
+    if s.device == "cuda":
+        return []  # the file is read in host memory; the device holds the weights
+    read = [_disk_bytes(m) for m in s.models if not mapped(s, m)]
+    return [("weights file being read", max(read, default=0))]
+
+
+def _disk_bytes(m: ModelPlan) -> int:
+    return sum(n * _dtype_bytes(d) for d, n in m.shape.disk_dtypes) or m.parameters * FP32
 
 
 def _dtype_bytes(safetensors_dtype: str) -> int:
@@ -244,14 +295,16 @@ def _phase(name: str, s: PlanSettings, active: tuple[str, ...], extra: list[tupl
 def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemory]:
     """Every phase this run has, in the loop's order, with its estimated peak per rank: in the
     steady state (every optimiser's state exists), or in the ``first_step``, before the updates
-    create it (the critic's exists in the actor's update: the critic updates first)."""
+    create it (the critic's exists in the actor's update: the critic updates first) and before
+    the phases read the weights of mapped files (``_mapped_when_read``)."""
     p, actor, critic, rm = s.passes, s.model("actor"), s.model("critic"), s.model("reward_model")
     ref = s.model("ref") or (actor if s.uses_reference else None)
     trained = tuple(m.role for m in s.models if m.trainable)
     before = () if first_step else trained
     gen = generation_items(s, p.gen_rows, p.gen_tokens)
     scoring = forward_items(s, actor, p.forward_tokens, p.forward_response_tokens)
-    out = [_phase("setup", s, (), setup_items(s), ())]
+    held = [] if s.engine_sleeps else engine_items(s)  # a CPU engine has no sleep mode
+    out = [_phase("setup", s, (), setup_items(s) + engine_items(s), ())]
     out.append(_phase("gen", s, ("actor",), gen if s.rollout != "offline" else [], before))
     if p.probe_rows:
         out.append(_phase("kl_probe", s, ("actor", "ref"), probe_items(s, p), before))
@@ -272,11 +325,38 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
                       trained))
     out.append(_phase("export", s, ("actor",), [("tensor being exported", 2 * actor.shape.embedding_parameters * FP32)],
                       trained))
-    return [_engine_share(phase, s) for phase in out]
+    return [_engine_share(_holding(phase, held), s) for phase in _mapped_when_read(out, s, first_step)]
+
+
+# The models whose weights each phase reads (offline, generation reads none).
+READS = {"gen": ("actor",), "kl_probe": ("actor", "ref"), "old_log_prob": ("actor",), "ref": ("ref",),
+         "values": ("critic",), "reward": ("reward_model",), "update_critic": ("critic",), "update_actor": ("actor",),
+         "validate": ("actor", "ref", "reward_model", GOLD_ROLE), "export": ("actor",)}
+
+
+def _mapped_when_read(phases: list[PhaseMemory], s: PlanSettings, first_step: bool) -> list[PhaseMemory]:
+    """Mapped weights (``mapped``) come into memory as a phase first reads them: none in setup; in the
+    first step, each model's from its first phase on (after it, they stay: the steady state)."""
+    read, out = set(), []
+    for phase in phases:
+        read |= set(() if phase.phase == "gen" and s.rollout == "offline" else READS.get(phase.phase, ()))
+        unread = {f"{m.role} weights" for m in s.models
+                  if mapped(s, m) and (phase.phase == "setup" or (first_step and m.role not in read))}
+        out.append(PhaseMemory(phase.phase, tuple(item for item in phase.items if item[0] not in unread)))
+    return out
+
+
+def _holding(phase: PhaseMemory, held: list[tuple[str, int]]) -> PhaseMemory:
+    """A phase with the vLLM engine that stays resident through it (``held``): every phase but setup,
+    which builds it, and generation and validation, which hold it already."""
+    if phase.phase in ("setup", "gen", "validate") or not held:
+        return phase
+    return PhaseMemory(phase.phase, phase.items + tuple((k, b) for k, b in held if b))
 
 
 def _engine_share(phase: PhaseMemory, s: PlanSettings) -> PhaseMemory:
-    """vLLM's engine takes ``gpu_memory_utilization`` of the device's memory while it generates."""
+    """A GPU engine without ``kv_cache_memory_bytes`` takes ``gpu_memory_utilization`` of the device's
+    memory wherever it is held."""
     items = tuple((k, int(s.engine_share * s.device_bytes) if b == -1 else b) for k, b in phase.items)
     return PhaseMemory(phase.phase, items)
 

@@ -15,6 +15,7 @@ import torch
 
 from klppo.algo import AdaptiveKLController, FixedKLController
 from klppo.config import PPOConfig
+from klppo.config.batch_sizes import fsdp_sections
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.schema import FSDPConfig
@@ -77,17 +78,6 @@ class PPOParts:
     @property
     def device(self) -> torch.device:
         return self.env.device
-
-
-def fsdp_sections(cfg: PPOConfig) -> dict[str, FSDPConfig]:
-    arf = cfg.actor_rollout_ref
-    sections = {"actor_rollout_ref.actor.fsdp_config": arf.actor.fsdp_config,
-                "actor_rollout_ref.ref.fsdp_config": arf.ref.fsdp_config,
-                "critic.model.fsdp_config": cfg.critic.model.fsdp_config}
-    # verl scripts set the reward model's options even when it is off; a gold reward model uses them too.
-    if cfg.reward_model.enable or cfg.trainer.gold_reward.model_path:
-        sections["reward_model.model.fsdp_config"] = cfg.reward_model.model.fsdp_config
-    return sections
 
 
 def start_processes(cfg: PPOConfig) -> DistEnv:

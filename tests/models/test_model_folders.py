@@ -128,7 +128,7 @@ def test_a_folder_without_its_tokenizer_files_is_refused_before_training(folder,
 def test_a_tokenizer_far_smaller_than_the_models_vocabulary_is_refused(folder):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 4096}))
-    with pytest.raises(UserError, match=r"has 385 tokens but the model has 4096 embedding rows"):
+    with pytest.raises(UserError, match=r"has 384 tokens but the model has 4096 embedding rows"):
         load_tokenizer(str(folder), KEY)
 
 
@@ -140,6 +140,36 @@ def test_a_damaged_tokenizer_file_is_refused_naming_the_folder(folder):
 
 def test_the_tiny_models_own_tokenizer_is_usable(tiny_model_dir):
     assert load_tokenizer(str(tiny_model_dir), KEY).padding_side == "left"
+
+
+def test_the_tiny_models_tokenizer_reloads_with_one_id_per_embedding_row(tiny_model_dir):
+    """transformers reloads a qwen2 folder's tokenizer as Qwen2Tokenizer, which added an unk token
+    <|endoftext|> at id 384 of a model with 384 rows: a prompt with that text indexed past the
+    embedding (an IndexError on CPU, a device-side assert on CUDA)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    rows = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert len(tokenizer) == rows
+    assert max(tokenizer("What is <|endoftext|> + 1?")["input_ids"]) < rows
+
+
+def test_a_tokenizer_whose_unk_token_has_no_embedding_row_is_refused(folder):
+    """The tiny folder as the builder used to save it: no unk_token in tokenizer_config.json."""
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("unk_token")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"has unk_token '<\|endoftext\|>' at id 384, but the model has 384 embedding "
+                                        r"rows .*\"unk_token\": null in tokenizer_config.json"):
+        load_tokenizer(str(folder), KEY)
+
+
+def test_a_tokenizer_larger_than_the_models_embedding_is_refused(folder):
+    """An ordinary vocabulary entry past the rows (a tokenizer of a larger model) is refused too."""
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+    with pytest.raises(UserError, match=r"has token '.*' at id 383, but the model has 300 embedding rows"):
+        load_tokenizer(str(folder), KEY)
 
 
 def test_a_reward_model_that_scores_ppo_must_bring_its_trained_score_head(folder, tmp_path):

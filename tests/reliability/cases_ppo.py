@@ -396,13 +396,13 @@ def ppo_tokenizer_far_smaller_than_the_model(ws):
     return ws.ppo(None, {"actor_rollout_ref.model.path": str(model)})
 
 
-@case("actor_rollout_ref.model.path", "has eos_token '<|end|>' at id 385", "384 embedding rows",
+@case("actor_rollout_ref.model.path", "has eos_token '<|end|>' at id 384", "384 embedding rows",
       "resize_token_embeddings")
 def ppo_tokenizer_eos_token_past_the_embedding_rows(ws):
     return ws.ppo(None, {"actor_rollout_ref.model.path": str(ws.model_with_new_special_tokens(eos_token="<|end|>"))})
 
 
-@case("actor_rollout_ref.model.path", "has token 'calculate' at id 385", "384 embedding rows")
+@case("actor_rollout_ref.model.path", "has token 'calculate' at id 384", "384 embedding rows")
 def ppo_tokenizer_with_an_added_word_past_the_embedding_rows(ws):
     from transformers import AutoTokenizer
 
@@ -413,7 +413,7 @@ def ppo_tokenizer_with_an_added_word_past_the_embedding_rows(ws):
     return ws.ppo(None, {"actor_rollout_ref.model.path": str(model)})
 
 
-@case("critic.model.path", "has pad_token '<|padding|>' at id 385", "ids 0 to 383")
+@case("critic.model.path", "has pad_token '<|padding|>' at id 384", "ids 0 to 383")
 def ppo_critic_tokenizer_pad_token_past_the_embedding_rows(ws):
     critic = ws.model_with_new_special_tokens(pad_token="<|padding|>")
     return ws.ppo(None, {"algorithm.adv_estimator": "gae", "critic.model.path": str(critic)})

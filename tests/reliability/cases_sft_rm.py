@@ -353,12 +353,12 @@ def rm_lora_exclude_modules_regex_that_does_not_compile(ws):
 
 # ---- tokenizers whose special tokens have no embedding row ----
 
-@sft("model.partial_pretrain", "has pad_token '<|padding|>' at id 385", "use the model's own tokenizer")
+@sft("model.partial_pretrain", "has pad_token '<|padding|>' at id 384", "use the model's own tokenizer")
 def sft_tokenizer_pad_token_past_the_embedding_rows(ws):
     return ws.sft(None, {"model.partial_pretrain": str(ws.model_with_new_special_tokens(pad_token="<|padding|>"))})
 
 
-@rm("model.partial_pretrain", "has bos_token '<|begin|>' at id 385", "384 embedding rows")
+@rm("model.partial_pretrain", "has bos_token '<|begin|>' at id 384", "384 embedding rows")
 def rm_tokenizer_bos_token_past_the_embedding_rows(ws):
     return ws.rm(None, {"model.partial_pretrain": str(ws.model_with_new_special_tokens(bos_token="<|begin|>"))})
 
