@@ -39,9 +39,10 @@ class GuardConfig:
     # Skipped gradient spikes of one model within the window before a rollback (a stop when none is left).
     max_grad_skips: int = 3
     # An event when the actor's entropy (mean of the last 3 steps) falls by more than this
-    # fraction of the window's earlier level; null disables.
+    # fraction of the window's earlier level or of the run's first `window` steps' level (a slow
+    # collapse); null disables.
     entropy_collapse: Optional[float] = 0.5
-    # An event when it rises by more than this fraction (1.0 = doubles); null disables.
+    # An event when it rises by more than this fraction of either level (1.0 = doubles); null disables.
     entropy_surge: Optional[float] = 1.0
     # What an entropy collapse or surge does: warn, stop the run, or roll back (as a KL excess).
     entropy_action: Literal["warn", "stop", "rollback"] = "warn"

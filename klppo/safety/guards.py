@@ -211,7 +211,7 @@ class RunGuard:
         what = "fell" if shift.kind == "entropy_collapse" else "rose"
         threshold = self.s.entropy_collapse if shift.kind == "entropy_collapse" else self.s.entropy_surge
         why = (f"actor entropy {what} by {percent(abs(shift.change))} (more than {percent(threshold)}) to {shift.entropy:.4g} "
-               f"over the last {self.s.window} steps (earlier {shift.reference:.4g})")
+               f"{entropy_span(shift, self.s.window)}")
         action, target, where = Action.CONTINUE, None, "warning only (entropy_action=warn)"
         if self.s.entropy_action == "stop":
             action, where = Action.STOP, "run stopped (entropy_action=stop)"
@@ -219,7 +219,8 @@ class RunGuard:
             action, target, where = self._roll_back_or_stop(existing)
             where = f"rolled back to {where}" if action is Action.ROLLBACK else f"{where}: run stopped"
         values = {"entropy": shift.entropy, "reference": shift.reference, "change": shift.change,
-                  "window": self.s.window, "action": action.value if action is not Action.CONTINUE else "warn"}
+                  "window": shift.steps, "horizon": shift.horizon,
+                  "action": action.value if action is not Action.CONTINUE else "warn"}
         if action is Action.ROLLBACK:
             values["to_step"] = target if target is not None else 0
         self._event(step, shift.kind, f"{why}: {where}", **values)
@@ -302,6 +303,14 @@ class RunGuard:
             if "divergence" in health:
                 self.divergence.load_state_dict(health["divergence"])
                 self.length_trend.load_state_dict(health["length_trend"])
+
+
+def entropy_span(shift: EntropyShift, window: int) -> str:
+    """What an entropy shift was measured over, as the steps seen: "over the last 7 steps (earlier
+    2.1)" while a window of 20 fills, "since the run's first 20 steps (their median 2.1; 140 steps)"."""
+    if shift.horizon == "run":
+        return f"since the run's first {window} steps (their median {shift.reference:.4g}; {shift.steps} steps)"
+    return f"over the last {shift.steps} steps (earlier {shift.reference:.4g})"
 
 
 def percent(fraction: float) -> str:

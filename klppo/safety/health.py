@@ -1,5 +1,5 @@
 """Run-health detectors: a model's gradient norm against its own recent history, and the trend
-of the actor's entropy.
+of the actor's entropy (against its recent history and against the run's first steps).
 
 They hold plain Python numbers only (their ``state_dict`` goes into every checkpoint through the
 guard's record, so a resumed run detects exactly what the uninterrupted one would) and decide
@@ -13,6 +13,7 @@ never enters the window, else a blow-up would become the new normal.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -104,12 +105,14 @@ class GradSpikeDetector:
 
 @dataclass(frozen=True)
 class EntropyShift:
-    """A collapse or surge of the actor's entropy: the recent mean against the earlier level."""
+    """A collapse or surge of the actor's entropy: the recent mean against an earlier level."""
 
     kind: str  # entropy_collapse | entropy_surge
     entropy: float  # the mean of the newest RECENT_STEPS steps
-    reference: float  # the median of the window's earlier steps
+    reference: float  # the earlier level: the window's earlier steps' median, or the run's first steps'
     change: float  # (entropy - reference) / reference
+    steps: int  # the PPO steps the comparison spans, this one included (as many as were seen, at most the window)
+    horizon: str  # "window": the last ``steps`` steps; "run": since the run's first steps
 
 
 def relative_change(values: list[float]) -> Optional[tuple[float, float, float]]:
@@ -117,58 +120,94 @@ def relative_change(values: list[float]) -> Optional[tuple[float, float, float]]
     (fewer than RECENT_STEPS earlier values) or the earlier level is not positive."""
     if len(values) < 2 * RECENT_STEPS:
         return None
-    earlier, recent = values[:-RECENT_STEPS], values[-RECENT_STEPS:]
-    reference, entropy = statistics.median(earlier), statistics.fmean(recent)
+    return change_from(statistics.median(values[:-RECENT_STEPS]), values[-RECENT_STEPS:])
+
+
+def change_from(reference: float, recent: list[float]) -> Optional[tuple[float, float, float]]:
+    """(mean of ``recent``, ``reference``, their relative change), or None for a level that is not positive."""
     if not reference > 0:
         return None
+    entropy = statistics.fmean(recent)
     return entropy, reference, (entropy - reference) / reference
 
 
+def extreme_change(candidates: list[EntropyShift], kind: str) -> Optional[EntropyShift]:
+    """The candidate that moved furthest in ``kind``'s direction (the lowest change for a collapse,
+    the highest for a surge), relabelled as ``kind``; None without candidates."""
+    if not candidates:
+        return None
+    pick = min if kind == "entropy_collapse" else max
+    return dataclasses.replace(pick(candidates, key=lambda c: c.change), kind=kind)
+
+
 class EntropyTrend:
-    """The actor's entropy over the last ``window`` PPO steps; a drop by more than ``collapse``
-    (a fraction of the earlier level) or a rise by more than ``surge`` is reported once per
-    episode, and re-armed when the change comes back within half its threshold (so a trend that
+    """The actor's entropy against two earlier levels: the median of the earlier steps of the last
+    ``window`` PPO steps (a fast change), and the median of the run's first ``window`` steps (a
+    slow one: a collapse spread over 100 steps moves little within any 20-step window, but shows
+    against where the run started). A drop by more than ``collapse`` (a fraction of the earlier
+    level) against either, or a rise by more than ``surge``, is reported once per episode, and
+    re-armed when the change against both comes back within half its threshold (so a trend that
     hovers at the threshold does not report every other step). None switches a direction off."""
 
     def __init__(self, window: int, collapse: Optional[float], surge: Optional[float]) -> None:
         self.window, self.collapse, self.surge = window, collapse, surge
-        self.values: list[float] = []
+        self.values: list[float] = []  # the newest ``window`` entropies since the start (or the last rollback)
+        self.early: list[float] = []  # the run's first ``window`` entropies: the long-horizon reference
+        self.seen = 0  # entropies observed since the run started
         self.active: Optional[str] = None  # the kind reported and not yet recovered from
+
+    def changes(self) -> list[EntropyShift]:
+        """The recent mean against each reference available yet (kind left blank)."""
+        out = []
+        window = relative_change(self.values)
+        if window is not None:
+            out.append(EntropyShift("", *window, len(self.values), "window"))
+        if len(self.early) == self.window and len(self.values) >= RECENT_STEPS:
+            run = change_from(statistics.median(self.early), self.values[-RECENT_STEPS:])
+            if run is not None:
+                out.append(EntropyShift("", *run, self.seen, "run"))
+        return out
 
     def observe(self, entropy: float) -> Optional[EntropyShift]:
         """Add one PPO step's entropy (non-finite values are the non-finite guard's); a new episode or None."""
         if not math.isfinite(entropy):
             return None
+        self.seen += 1
         self.values = (self.values + [entropy])[-self.window:]
-        measured = relative_change(self.values)
-        if measured is None:
-            return None
-        entropy_now, reference, change = measured
-        kind = None
-        if self.collapse is not None and change < -self.collapse:
-            kind = "entropy_collapse"
-        elif self.surge is not None and change > self.surge:
-            kind = "entropy_surge"
-        if self.active is not None and kind is None and self._recovered(change):
+        if len(self.early) < self.window:
+            self.early.append(entropy)
+        candidates = self.changes()
+        fell = extreme_change(candidates, "entropy_collapse")
+        rose = extreme_change(candidates, "entropy_surge")
+        shift = None
+        if fell is not None and self.collapse is not None and fell.change < -self.collapse:
+            shift = fell
+        elif rose is not None and self.surge is not None and rose.change > self.surge:
+            shift = rose
+        if self.active is not None and shift is None and self._recovered(fell, rose):
             self.active = None
-        if kind is None or kind == self.active:
+        if shift is None or shift.kind == self.active:
             return None
-        self.active = kind
-        return EntropyShift(kind, entropy_now, reference, change)
+        self.active = shift.kind
+        return shift
 
-    def _recovered(self, change: float) -> bool:
+    def _recovered(self, fell: Optional[EntropyShift], rose: Optional[EntropyShift]) -> bool:
         if self.active == "entropy_collapse":
-            return self.collapse is None or change >= -self.collapse / 2
-        return self.surge is None or change <= self.surge / 2
+            return self.collapse is None or fell is None or fell.change >= -self.collapse / 2
+        return self.surge is None or rose is None or rose.change <= self.surge / 2
 
     def restart(self) -> None:
         """After a rollback the weights are earlier ones: comparing their entropy with the
-        entropies before the rollback would report a surge (or collapse) that is not one."""
+        entropies before the rollback would report a surge (or collapse) that is not one. The
+        run's first steps stay the long-horizon reference: the rollback does not move the start."""
         self.values, self.active = [], None
 
     def state_dict(self) -> dict:
-        return {"values": list(self.values), "active": self.active}
+        return {"values": list(self.values), "active": self.active, "early": list(self.early), "seen": self.seen}
 
     def load_state_dict(self, state: dict) -> None:
+        """A record saved before the long-horizon reference had none: it starts from the resumed steps."""
         self.values = [float(v) for v in state["values"]][-self.window:]
         self.active = state["active"] if state["active"] in ("entropy_collapse", "entropy_surge") else None
+        self.early = [float(v) for v in state.get("early", [])][:self.window]
+        self.seen = int(state.get("seen", len(self.values)))

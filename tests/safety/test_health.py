@@ -81,13 +81,35 @@ def test_an_entropy_collapse_is_reported_once_then_re_armed_after_recovery():
     seen = [trend.observe(v) for v in [2.0, 2.0, 2.0, 0.5, 0.5]]
     # the 5th: earlier [2, 2, 2], recent [2, 0.5, 0.5] -> mean 1.0, change -0.5: not beyond 0.5
     assert seen == [None] * 5
-    shift = trend.observe(0.5)  # recent [0.5, 0.5, 0.5]: change -0.75
+    shift = trend.observe(0.5)  # recent [0.5, 0.5, 0.5]: change -0.75 against the window's earlier 2.0
+    # (against the run's first 6 steps, median 1.25: -0.6; the larger drop is reported)
     assert (shift.kind, shift.entropy, shift.reference, shift.change) == ("entropy_collapse", 0.5, 2.0, -0.75)
+    assert (shift.steps, shift.horizon) == (6, "window")
     assert trend.observe(0.5) is None  # earlier [2, 2, 0.5] -> median 2: still collapsed, not reported again
-    assert trend.observe(0.5) is None and trend.active is None  # earlier median 0.5: change 0, recovered
-    # a new drop from the new level: 0.2 against 0.5 is -0.6 once the recent 3 are all 0.2
-    assert [trend.observe(0.2) for _ in range(2)] == [None, None]
-    assert trend.observe(0.2).change == pytest.approx(-0.6)
+    # window: earlier median 0.5, change 0; but 0.5 is still -0.6 below the run's start (1.25): the same episode
+    assert trend.observe(0.5) is None and trend.active == "entropy_collapse"
+    # back up to 1.25 (both changes 0 or above: recovered), then a new drop to 0.2 is a new episode
+    assert [trend.observe(1.25) for _ in range(6)] == [None] * 6 and trend.active is None
+    assert trend.observe(0.2) is None  # recent [1.25, 1.25, 0.2]: -0.28
+    # recent [1.25, 0.2, 0.2] -> 0.55 against the window's 1.25 (the run's is 1.25 too): -0.56
+    assert trend.observe(0.2).change == pytest.approx(0.55 / 1.25 - 1)
+
+
+def test_a_collapse_spread_over_100_steps_is_caught_against_the_runs_first_steps():
+    # Entropy falls linearly from 2.0 to 0.5 over 100 steps: 0.015 a step. Within a 20-step window
+    # the recent 3 steps' mean lies 10 steps after the earlier 17's median: 0.15 below it, at most
+    # -23% (the last window: 0.515 against 0.665), never beyond 50%. Against the median of the run's
+    # first 20 steps (2.0 - 9.5 * 0.015 = 1.8575) the mean of steps 72-74 (2.0 - 72 * 0.015 = 0.92)
+    # is -50.5%, the first beyond 50% (steps 71-73: 0.935, -49.7%).
+    entropies = [2.0 - 0.015 * i for i in range(101)]
+    windows = [relative_change(entropies[max(0, t - 20):t]) for t in range(6, 102)]
+    assert min(w[2] for w in windows) == pytest.approx(0.515 / 0.665 - 1)
+    trend = EntropyTrend(window=20, collapse=0.5, surge=1.0)
+    found = [(step, s) for step, s in enumerate(map(trend.observe, entropies), start=1) if s is not None]
+    assert len(found) == 1
+    step, shift = found[0]
+    assert step == 74 and (shift.kind, shift.horizon, shift.steps) == ("entropy_collapse", "run", 74)
+    assert shift.reference == pytest.approx(1.8575) and shift.change == pytest.approx(0.92 / 1.8575 - 1)
 
 
 def test_a_collapse_that_hovers_near_its_threshold_is_not_reported_twice():
@@ -186,8 +208,10 @@ def test_an_entropy_collapse_takes_the_configured_action(choice, expected):
     assert actions == [Action.CONTINUE] * 5 + [expected]
     [event] = guard.drain_events()
     assert event.kind == "entropy_collapse"
+    # the window is 20 steps but 6 were seen: the event says 6 (trainer.guard.window is no measurement)
     assert {k: event.values[k] for k in ("entropy", "reference", "change", "window", "action")} == {
-        "entropy": 0.5, "reference": 2.0, "change": -0.75, "window": 20, "action": choice}
+        "entropy": 0.5, "reference": 2.0, "change": -0.75, "window": 6, "action": choice}
+    assert "fell by 75% (more than 50%) to 0.5 over the last 6 steps (earlier 2)" in event.message
     # A rollback's weights are earlier ones: the trend starts again rather than report a surge back.
     assert guard.entropy.values == ([] if choice == "rollback" else [2.0] * 3 + [0.5] * 3)
 
