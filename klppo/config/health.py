@@ -47,13 +47,16 @@ class GuardConfig:
     # What an entropy collapse or surge does: warn, stop the run, or roll back (as a KL excess).
     entropy_action: Literal["warn", "stop", "rollback"] = "warn"
     # With trainer.gold_reward: validations over which the training and the gold reward of the
-    # same held-out responses are compared; the training reward rising by more than
-    # divergence_margin while the gold reward does not is a reward_divergence event.
+    # same held-out responses are compared, each reward's change in units of its own spread (the
+    # standard deviation of its scores over those responses); the training reward rising by more
+    # than divergence_margin while the gold reward does not is a reward_divergence event.
     divergence_validations: int = 3
     # What a reward_divergence does: warn (an event) or stop (the event, then the run stops).
     divergence_action: Literal["warn", "stop"] = "warn"
-    # A reward change over those validations smaller than this counts as flat (reward units).
-    divergence_margin: float = 0.05
+    # A reward change over those validations smaller than this many of the reward's spreads counts
+    # as flat (before: 0.05 reward units, which read a reward model in [-10, 10] and a 0/1 gold
+    # reward on one scale).
+    divergence_margin: float = 0.1
 
 
 @dataclass

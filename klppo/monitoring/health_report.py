@@ -289,8 +289,10 @@ def divergence_findings(run: Run) -> list[Finding]:
         k.startswith("val-gold/") for k in r)})
     since = validated[-n] if 0 < n <= len(validated) else e["step"]
     train, gold = _number(e, "train_change"), _number(e, "gold_change")
+    shifts = (f", {_number(e, 'train_shift'):+.3g} vs {_number(e, 'gold_shift'):+.3g} of their spreads"
+              if "train_shift" in e else "")  # events written before the spreads have none
     text = (f"Training reward {_rose(train)} {train:+.3g} over the last {n} validations while the gold reward "
-            f"{_rose(gold)} {gold:+.3g} (from step {since}, flagged at step {e['step']}; action: "
+            f"{_rose(gold)} {gold:+.3g} (from step {since}, flagged at step {e['step']}{shifts}; action: "
             f"{e.get('action', '?')}): the policy may be gaming the reward; read a few high-scoring responses")
     later = [x["step"] for x in events[1:]]
     text += f"; flagged again at {steps_word(later)}." if later else "."

@@ -48,7 +48,7 @@ class GuardSettings:
     initial_weights: bool = True  # a rollback can restore the initial weights (a reference or LoRA)
     divergence_validations: int = 3  # validations over which training and gold reward are compared
     divergence_action: str = "warn"  # warn | stop, when they diverge (reward_hacking.py)
-    divergence_margin: float = 0.05  # a reward change smaller than this is flat
+    divergence_margin: float = 0.1  # a reward change smaller than this many of its spreads is flat
 
 
 class Action(Enum):
@@ -265,20 +265,24 @@ class RunGuard:
         reward that pays for length)."""
         return self.length_trend.observe(mean_length)
 
-    def check_validation(self, step: int, train_reward: float, gold_reward: float) -> Action:
-        """One validation's mean training and gold rewards on the same held-out responses; a new
-        divergence (``reward_hacking.py``) is a ``reward_divergence`` event, and stops the run with
+    def check_validation(self, step: int, train: tuple[float, float], gold: tuple[float, float]) -> Action:
+        """One validation's (mean, spread) of the training and the gold reward on the same held-out
+        responses (spread: their standard deviation over the responses); a new divergence
+        (``reward_hacking.py``) is a ``reward_divergence`` event, and stops the run with
         ``divergence_action: stop``."""
-        found = self.divergence.observe(train_reward, gold_reward)
+        found = self.divergence.observe(train[0], gold[0], train[1], gold[1])
         if found is None:
             return Action.CONTINUE
         action = self.s.divergence_action
-        self._event(step, "reward_divergence", f"training reward {found.train_change:+.4g} but gold reward "
-                    f"{found.gold_change:+.4g} over the last {found.validations} validations (divergence_margin "
-                    f"{self.s.divergence_margin}): the policy may be gaming its reward"
-                    + ("; run stopped" if action == "stop" else ""),
-                    train_change=found.train_change, gold_change=found.gold_change, validations=found.validations,
-                    action=action)
+        self._event(step, "reward_divergence", f"training reward {found.train_change:+.4g} "
+                    f"({found.train_shift:+.3g} of its spread {found.train_spread:.3g}) but gold reward "
+                    f"{found.gold_change:+.4g} ({found.gold_shift:+.3g} of its spread {found.gold_spread:.3g}) over "
+                    f"the last {found.validations} validations (divergence_margin {self.s.divergence_margin} "
+                    "spreads): the policy may be gaming its reward" + ("; run stopped" if action == "stop" else ""),
+                    train_change=found.train_change, gold_change=found.gold_change,
+                    train_spread=found.train_spread, gold_spread=found.gold_spread,
+                    train_shift=found.train_shift, gold_shift=found.gold_shift,
+                    validations=found.validations, action=action)
         return Action.STOP if action == "stop" else Action.CONTINUE
 
     def state_dict(self) -> dict:

@@ -121,6 +121,9 @@ def test_gold_reward_falling_while_the_training_reward_rises_is_reported_from_it
     assert found.text.startswith("Training reward rose +0.31 over the last 3 validations while the gold reward fell "
                                  "-0.05 (from step 30, flagged at step 50; action: warn): the policy may be gaming ")
     assert found.text.endswith("; flagged again at step 60.")
+    spread = [dict(events[0], train_shift=0.62, gold_shift=-0.1)]
+    (found,) = divergence_findings(write_run(tmp_path / "spread", records, spread))
+    assert "(from step 30, flagged at step 50, +0.62 vs -0.1 of their spreads; action: warn)" in found.text
 
 
 def test_responses_cut_at_the_limit_are_reported_at_the_end_against_the_start(tmp_path):
