@@ -269,11 +269,12 @@ def _check_guard(guard, out: list[Problem]) -> None:
         _positive(out, f"{key}.{name}", getattr(guard, name))
     _at_least(out, f"{key}.max_rollbacks", guard.max_rollbacks, 0)
     _at_least(out, f"{key}.max_nonfinite_steps", guard.max_nonfinite_steps, 1)
-    for name in ("grad_spike", "entropy_collapse", "entropy_surge"):
+    for name, low in (("grad_spike", 1), ("entropy_collapse", 0), ("entropy_surge", 0)):
         value = getattr(guard, name)
-        if value is not None and not value > 0:  # NaN too: every comparison with it would be False
-            out.append(Problem((f"{key}.{name}",), f"{key}.{name} = {value!r} must be > 0; set it to a positive "
-                               "number, or to null to switch this detector off"))
+        if value is not None and not value > low:  # NaN too: every comparison with it would be False
+            what = "a ratio to the norms' median, " if low else ""
+            out.append(Problem((f"{key}.{name}",), f"{key}.{name} = {value!r} must be > {low}; set it to {what}a "
+                               f"number above {low}, or to null to switch this detector off"))
     _at_least(out, f"{key}.max_grad_skips", guard.max_grad_skips, 0)
     if guard.window < MIN_GUARD_WINDOW:
         out.append(Problem((f"{key}.window",), f"{key}.window = {guard.window} is too short: the entropy trend "

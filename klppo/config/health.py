@@ -32,10 +32,11 @@ class GuardConfig:
     # gradient norms, and the last this many PPO steps' skips, entropies and mean response
     # lengths (response_length/mean_trend); at least 6.
     window: int = 20
-    # Skip an optimiser step whose gradient norm is more than this many robust scales
-    # (1.4826 x MAD, at least 0.2 x the median) above the window's median norm (e.g. 10); null (the
-    # default: a healthy tiny run's norms grew past 10 scales while it learned) disables.
-    grad_spike: Optional[float] = None
+    # Skip an optimiser step whose gradient norm is more than this many times its reference level:
+    # the median of the window's norms, or of the run's first `window` norms where higher (judged
+    # as ln(norm / level) > ln(grad_spike)); null disables. Healthy learning runs moved by at most
+    # 10x (klppo/safety/health.py); a batch with 100x its advantages moves by 100x.
+    grad_spike: Optional[float] = 30.0
     # Skipped gradient spikes of one model within the window before a rollback (a stop when none is left).
     max_grad_skips: int = 3
     # An event when the actor's entropy (mean of the last 3 steps) falls by more than this

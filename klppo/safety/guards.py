@@ -40,7 +40,7 @@ class GuardSettings:
     clipfrac_max: Optional[float]  # warn above this clipped fraction
     # Run health (None switches a detector off; the defaults here are off, the config's are on).
     window: int = 20  # applied optimiser steps of gradient history; PPO steps of skips and entropy
-    grad_spike: Optional[float] = None  # skip an optimiser step this many scales above the median norm
+    grad_spike: Optional[float] = None  # skip an optimiser step whose norm is more than this times its reference level
     max_grad_skips: int = 3  # skipped spikes within the window's PPO steps before a rollback
     entropy_collapse: Optional[float] = None  # relative entropy drop over the window that is an event
     entropy_surge: Optional[float] = None  # relative entropy rise over the window that is an event
@@ -154,7 +154,7 @@ class RunGuard:
                      existing: Optional[set[int]] = None) -> tuple[Action, dict[str, float]]:
         """After an update: each model's optimiser-step norms and whether each was applied, and the
         actor's entropy (None during the critic's warm-up). Returns the action and the step's
-        ``<model>/grad_norm_skipped``, ``_median`` and ``_scale`` (the window the steps were judged by)."""
+        ``<model>/grad_norm_skipped`` and ``_median`` (the reference level the steps were judged by)."""
         metrics, skipped = {}, 0
         for model, (norms, applied) in grads.items():
             metrics[f"{model}/grad_norm_skipped"] = float(applied.count(False))
@@ -175,18 +175,20 @@ class RunGuard:
 
     def _record_grads(self, step: int, model: str, norms: list[float], applied: list[bool]) -> dict[str, float]:
         detector, metrics = self.grads[model], {}
-        center = detector.center_scale()
-        if center is not None:
-            metrics[f"{model}/grad_norm_median"], metrics[f"{model}/grad_norm_scale"] = center
+        level = detector.level()
+        if level is not None:
+            metrics[f"{model}/grad_norm_median"] = level
+        seen = len(detector.norms)
         for skip in detector.record(step, norms, applied):
-            self._skip_event(step, model, skip)
+            self._skip_event(step, model, skip, seen)
         return metrics
 
-    def _skip_event(self, step: int, model: str, skip: SkippedStep) -> None:
-        self._event(step, "skip_grad_spike", f"{model} gradient norm {skip.grad_norm:.4g} is {skip.ratio:.1f} scales "
-                    f"above the median {skip.median:.4g} of its last {self.s.window} steps (scale {skip.scale:.4g}, "
-                    f"grad_spike {self.s.grad_spike}): optimiser step skipped", model=model, grad_norm=skip.grad_norm,
-                    median=skip.median, scale=skip.scale, ratio=skip.ratio)
+    def _skip_event(self, step: int, model: str, skip: SkippedStep, seen: int) -> None:
+        self._event(step, "skip_grad_spike", f"{model} gradient norm {skip.grad_norm:.4g} is {skip.ratio:.3g}x its "
+                    f"reference level {skip.median:.4g} (the median of its last {seen} optimiser steps' norms, or of "
+                    f"the run's first {self.s.window} where higher; log ratio {skip.log_ratio:.3g} > ln grad_spike "
+                    f"{self.s.grad_spike}): optimiser step skipped", model=model, grad_norm=skip.grad_norm,
+                    median=skip.median, ratio=skip.ratio, log_ratio=skip.log_ratio)
 
     def _too_many_skips(self, step: int, existing: Optional[set[int]]) -> Action:
         """More than max_grad_skips skipped spikes of one model within the window: roll back (or stop)."""

@@ -5,10 +5,19 @@ They hold plain Python numbers only (their ``state_dict`` goes into every checkp
 guard's record, so a resumed run detects exactly what the uninterrupted one would) and decide
 nothing about the run: ``guards.RunGuard`` owns them and turns what they see into actions.
 
-Gradient spikes are judged robustly: the median of the last ``window`` applied optimiser steps'
-norms and their median absolute deviation (MAD), scaled by 1.4826 so that it estimates the
-standard deviation of a normal stream (Rousseeuw and Croux 1993). A blown-up step is skipped and
-never enters the window, else a blow-up would become the new normal.
+Gradient spikes are judged in log space, against a robust trend: a norm's log ratio to its
+reference level, ``ln(norm / level)``, above ``ln(trainer.guard.grad_spike)`` is a spike. The
+level is the median of the last ``window`` applied optimiser steps' norms (a running median,
+Tukey's robust smoother: it follows a trend and ignores single outliers), or the median of the
+run's first ``window`` applied norms where that is higher: a critic that has converged on a
+constant reward has norms 1000x below its start, and a batch that teaches it something again is
+no blow-up (a tiny learning run's critic returned to 470x its window median that way). Healthy
+learning moves norms by ratios (3x over 20 steps while the model learns, 10x when the reward
+first arrives), so a threshold on the ratio, not on the spread of the norms around their median,
+stays quiet: replayed on the demos' and the test suite's learning runs, the largest log ratio was
+2.33 (10.3x, a critic at the step its policy first earned reward), while a batch whose advantages
+are 100x too large lands at 4.6 or more; the default 30 (ln 30 = 3.40) lies between. A skipped
+step never enters the window, else a blow-up would become the new normal.
 """
 
 from __future__ import annotations
@@ -19,25 +28,25 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
-MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): MAD * this = sigma for normally distributed values
-# The scale is at least this fraction of the median: on a flat stream the MAD is ~0 and every
-# wobble would be a spike. With trainer.guard.grad_spike = 10 a step is skipped no earlier than at
-# (1 + 10 * 0.2) = 3x the median norm.
-SCALE_FLOOR = 0.2
 MIN_NORMS = 5  # applied norms in the window before any step is called a spike
 RECENT_STEPS = 3  # the entropy trend compares the mean of this many newest steps with the window's earlier ones
 
 
-def robust_center_scale(values: list[float]) -> tuple[float, float]:
-    """(median, max(1.4826 * MAD, SCALE_FLOOR * |median|)) of a non-empty list."""
-    median = statistics.median(values)
-    mad = statistics.median(abs(v - median) for v in values)
-    return median, max(MAD_TO_SIGMA * mad, SCALE_FLOOR * abs(median))
+def reference_level(recent: list[float], early: list[float], window: int) -> Optional[float]:
+    """The level a gradient norm is judged against: the median of the ``recent`` applied norms, or
+    the median of the run's ``early`` ones (its first ``window``) once they are complete and where
+    that is higher; None while fewer than MIN_NORMS recent norms are known."""
+    if len(recent) < MIN_NORMS:
+        return None
+    level = statistics.median(recent)
+    if len(early) >= window:
+        level = max(level, statistics.median(early))
+    return level
 
 
-def spike_ratio(norm: float, median: float, scale: float) -> float:
-    """How many scales ``norm`` lies above the median (negative below it)."""
-    return (norm - median) / scale if scale > 0 else math.inf
+def spike_log_ratio(norm: float, level: float) -> float:
+    """ln(norm / level): how far above its reference level a norm lies (ln 30 = 3.40 is 30x)."""
+    return math.log(norm / level)
 
 
 @dataclass(frozen=True)
@@ -45,33 +54,37 @@ class SkippedStep:
     """An optimiser step whose gradient norm was too large (finite) to apply."""
 
     grad_norm: float
-    median: float
-    scale: float
-    ratio: float
+    median: float  # the reference level it was judged against (``reference_level``)
+    log_ratio: float  # spike_log_ratio(grad_norm, median)
+
+    @property
+    def ratio(self) -> float:
+        return self.grad_norm / self.median
 
 
 class GradSpikeDetector:
     """One model's gradient norms: the largest norm a step may apply, and the steps it skipped.
 
-    ``window``: applied optimiser steps whose norms set the median and scale, and also the PPO
-    steps over which skipped optimiser steps are counted. ``threshold``: ``trainer.guard.grad_spike``.
+    ``window``: applied optimiser steps whose norms set the reference level (the newest, and the
+    run's first), and also the PPO steps over which skipped optimiser steps are counted.
+    ``threshold``: ``trainer.guard.grad_spike``, the largest ratio of a norm to that level.
     """
 
     def __init__(self, window: int, threshold: float) -> None:
         self.window, self.threshold = window, threshold
         self.norms: list[float] = []  # the newest ``window`` applied, positive norms, oldest first
+        self.early: list[float] = []  # the run's first ``window`` applied, positive norms
         self.skipped_at: list[int] = []  # the PPO step of each finite spike skipped in the last ``window`` steps
 
-    def center_scale(self) -> Optional[tuple[float, float]]:
-        """The window's (median, scale), or None before it holds anything."""
-        return robust_center_scale(self.norms) if self.norms else None
+    def level(self) -> Optional[float]:
+        """The reference level the next norms are judged against (``reference_level``), or None."""
+        return reference_level(self.norms, self.early, self.window)
 
     def limit(self) -> float:
-        """The largest norm an optimiser step may be applied with; inf while the window warms up."""
-        if len(self.norms) < MIN_NORMS:
-            return math.inf
-        median, scale = robust_center_scale(self.norms)
-        return median + self.threshold * scale
+        """The largest norm an optimiser step may be applied with; inf while the window warms up.
+        A norm above it has ``spike_log_ratio(norm, level) > ln(threshold)``."""
+        level = self.level()
+        return math.inf if level is None else level * self.threshold
 
     def record(self, step: int, norms: list[float], applied: list[bool]) -> list[SkippedStep]:
         """The optimiser steps of PPO step ``step``: their norms and whether each was applied (as
@@ -79,14 +92,16 @@ class GradSpikeDetector:
         returns the finite norms that were skipped. A zero norm (nothing to learn from the batch)
         says nothing about the gradients' scale and stays out; non-finite norms belong to the
         non-finite guard (``RunGuard.check_finite``) and are neither kept nor counted here."""
-        before = self.center_scale()
+        before = self.level()
         skipped = []
         for norm, ok in zip(norms, applied):
             if ok and norm > 0:
                 self.norms.append(norm)
+                if len(self.early) < self.window:
+                    self.early.append(norm)
             elif not ok and math.isfinite(norm):
                 assert before is not None, "a step was skipped before the window had a limit"
-                skipped.append(SkippedStep(norm, *before, spike_ratio(norm, *before)))
+                skipped.append(SkippedStep(norm, before, spike_log_ratio(norm, before)))
         del self.norms[:-self.window]
         self.skipped_at = [s for s in self.skipped_at if s > step - self.window] + [step] * len(skipped)
         return skipped
@@ -96,10 +111,12 @@ class GradSpikeDetector:
         self.skipped_at = []
 
     def state_dict(self) -> dict:
-        return {"norms": list(self.norms), "skipped_at": list(self.skipped_at)}
+        return {"norms": list(self.norms), "early": list(self.early), "skipped_at": list(self.skipped_at)}
 
     def load_state_dict(self, state: dict) -> None:
+        """A record saved before the run's first norms were kept starts them from the resumed steps."""
         self.norms = [float(v) for v in state["norms"]][-self.window:]
+        self.early = [float(v) for v in state.get("early", [])][:self.window]
         self.skipped_at = [int(s) for s in state["skipped_at"]]
 
 
