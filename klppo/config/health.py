@@ -37,7 +37,8 @@ class GuardConfig:
     # as ln(norm / level) > ln(grad_spike)); null disables. Healthy learning runs moved by at most
     # 10x (klppo/safety/health.py); a batch with 100x its advantages moves by 100x.
     grad_spike: Optional[float] = 30.0
-    # Skipped gradient spikes of one model within the window before a rollback (a stop when none is left).
+    # PPO steps within the window in which one model's optimiser steps were skipped for a spike,
+    # before a rollback (a stop when none is left); one bad batch skips all of its step's optimiser steps.
     max_grad_skips: int = 3
     # An event when the actor's entropy (mean of the last 3 steps) falls by more than this
     # fraction of the window's earlier level or of the run's first `window` steps' level (a slow

@@ -41,7 +41,7 @@ class GuardSettings:
     # Run health (None switches a detector off; the defaults here are off, the config's are on).
     window: int = 20  # applied optimiser steps of gradient history; PPO steps of skips and entropy
     grad_spike: Optional[float] = None  # skip an optimiser step whose norm is more than this times its reference level
-    max_grad_skips: int = 3  # skipped spikes within the window's PPO steps before a rollback
+    max_grad_skips: int = 3  # PPO steps with a skipped spike within the window before a rollback
     entropy_collapse: Optional[float] = None  # relative entropy drop over the window that is an event
     entropy_surge: Optional[float] = None  # relative entropy rise over the window that is an event
     entropy_action: str = "warn"  # warn | stop | rollback
@@ -191,12 +191,14 @@ class RunGuard:
                     median=skip.median, ratio=skip.ratio, log_ratio=skip.log_ratio)
 
     def _too_many_skips(self, step: int, existing: Optional[set[int]]) -> Action:
-        """More than max_grad_skips skipped spikes of one model within the window: roll back (or stop)."""
-        counts = {m: len(d.skipped_at) for m, d in self.grads.items()}
+        """More than max_grad_skips PPO steps of one model with a skipped spike within the window: roll
+        back (or stop). Steps, not optimiser steps: one bad batch spikes every optimiser step of its
+        update, and skipping them all is the guard working; spikes step after step are a run going wrong."""
+        counts = {m: len(set(d.skipped_at)) for m, d in self.grads.items()}
         model = max(counts, key=counts.get, default=None)
         if model is None or counts[model] <= self.s.max_grad_skips:
             return Action.CONTINUE
-        why = (f"{counts[model]} {model} optimiser steps skipped for gradient spikes in the last {self.s.window} "
+        why = (f"{model} optimiser steps skipped for gradient spikes in {counts[model]} of the last {self.s.window} "
                f"steps (max_grad_skips={self.s.max_grad_skips})")
         values = {"model": model, "skips": counts[model], "window": self.s.window}
         action, target, where = self._roll_back_or_stop(existing)

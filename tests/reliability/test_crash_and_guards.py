@@ -49,7 +49,7 @@ def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 240.0) -> No
 # its gradient norms by ~10%): their windows, skip counts, entropy episodes and certified checkpoints
 # must come back from the checkpoint exactly for the resumed run to repeat the uninterrupted one.
 FIRING_DETECTORS = {"actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.guard.window": 6,
-                    "trainer.guard.grad_spike": 1.05, "trainer.guard.max_grad_skips": 8,
+                    "trainer.guard.grad_spike": 1.05, "trainer.guard.max_grad_skips": 4,
                     "trainer.guard.entropy_collapse": 1e-7, "trainer.guard.entropy_surge": 1e-7}
 
 
@@ -157,7 +157,7 @@ def test_a_gradient_blow_up_skips_its_optimiser_steps_then_rolls_back(ppo_overri
         "actor_rollout_ref.actor.optim.lr": 3.0, "actor_rollout_ref.actor.optim.lr_warmup_steps": 6,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.total_training_steps": 7, "trainer.save_freq": 1,
         "trainer.guard.rollback_kl": "null", "trainer.guard.early_stop_kl": "null",
-        "trainer.guard.max_grad_skips": 2, "trainer.guard.grad_spike": 10.0, "trainer.guard.rollback_lr": 1e-7,
+        "trainer.guard.max_grad_skips": 1, "trainer.guard.grad_spike": 10.0, "trainer.guard.rollback_lr": 1e-7,
     }
     records = run_ppo(None, ppo_overrides(**changes), print_fn=quiet)
     events = read_jsonl(tmp_path / "run" / EVENTS_FILE)
@@ -165,7 +165,9 @@ def test_a_gradient_blow_up_skips_its_optimiser_steps_then_rolls_back(ppo_overri
     assert rollback is not None, [(r["step"], r.get("actor/grad_norm"), r.get("critic/grad_norm")) for r in records]
     model, at = rollback["model"], rollback["step"]
     skips = [e for e in events if e["kind"] == "skip_grad_spike" and e["model"] == model and e["step"] <= at]
-    assert len(skips) == rollback["skips"] >= 2 and skips[0]["step"] < at  # a skip alone first, within max_grad_skips
+    # skips in two steps (two optimiser steps at step 3, one at 5): a step with skips alone first, within
+    # max_grad_skips = 1; the second step with skips rolls back
+    assert len({e["step"] for e in skips}) == rollback["skips"] == 2 and skips[0]["step"] < at
     for e in skips:  # each more than grad_spike = 10 times its reference level
         assert e["ratio"] > 10.0 and e["grad_norm"] == pytest.approx(e["median"] * e["ratio"])
         assert e["log_ratio"] == pytest.approx(math.log(e["ratio"]))

@@ -199,10 +199,20 @@ def test_too_many_skips_in_the_window_roll_back_to_the_last_good_checkpoint_then
     assert guard.drain_events()[-1].kind == "stop_grad_spike"
 
 
+def test_one_bad_batch_is_one_step_with_skips_however_many_optimiser_steps_it_spiked():
+    guard = RunGuard(SETTINGS)  # max_grad_skips = 1
+    _update(guard, 1, [1.0] * 5)
+    assert _update(guard, 2, [50.0, 60.0, 70.0, 80.0])[0] is Action.CONTINUE  # 4 skips, 1 step
+    assert [e.kind for e in guard.drain_events()] == ["skip_grad_spike"] * 4
+    assert _update(guard, 3, [50.0, 1.0])[0] is Action.ROLLBACK  # a second step with a skip
+    assert guard.drain_events()[-1].values["skips"] == 2
+
+
 def test_a_rollback_without_a_good_checkpoint_or_initial_weights_stops_instead():
     guard = RunGuard(dataclasses.replace(SETTINGS, initial_weights=False))
     _update(guard, 1, [1.0] * 5)
-    _update(guard, 2, [50.0, 50.0])
+    _update(guard, 2, [50.0])
+    _update(guard, 3, [50.0])
     assert guard.rollbacks == 0 and guard.drain_events()[-1].kind == "stop_grad_spike"
 
 
