@@ -34,8 +34,8 @@ class GuardConfig:
     window: int = 20
     # Skip an optimiser step whose gradient norm is more than this many times its reference level:
     # the median of the window's norms, or of the run's first `window` norms where higher (judged
-    # as ln(norm / level) > ln(grad_spike)); null disables. Healthy learning runs moved by at most
-    # 10x (klppo/safety/health.py); a batch with 100x its advantages moves by 100x.
+    # as ln(norm / level) > ln(grad_spike)); null disables. Healthy learning runs reached 10.3x; a
+    # step with 100x its advantages 106x or more (klppo/safety/health.py, tests/safety).
     grad_spike: Optional[float] = 30.0
     # PPO steps within the window in which one model's optimiser steps were skipped for a spike,
     # before a rollback (a stop when none is left); one bad batch skips all of its step's optimiser steps.

@@ -14,9 +14,12 @@ constant reward has norms 1000x below its start, and a batch that teaches it som
 no blow-up (a tiny learning run's critic returned to 470x its window median that way). Healthy
 learning moves norms by ratios (3x over 20 steps while the model learns, 10x when the reward
 first arrives), so a threshold on the ratio, not on the spread of the norms around their median,
-stays quiet: replayed on the demos' and the test suite's learning runs, the largest log ratio was
-2.33 (10.3x, a critic at the step its policy first earned reward), while a batch whose advantages
-are 100x too large lands at 4.6 or more; the default 30 (ln 30 = 3.40) lies between. A skipped
+stays quiet: replayed on the demos' and the test suite's learning runs
+(``tests/safety/test_grad_norm_replay.py``), the largest log ratio was 2.33 (10.3x, a critic at
+the step its policy first earned reward), while a step whose advantages are 100x too large lands
+at 4.66 (106x) or more; the default 30 (ln 30 = 3.40) lies about midway, in log space. (The
+log ratio divided by the log norms' MAD did not separate them: 5.5 scales on a healthy critic,
+3.4 on a planted step of a run whose norms swing widely.) A skipped
 step never enters the window, else a blow-up would become the new normal.
 """
 
