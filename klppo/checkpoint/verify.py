@@ -176,16 +176,22 @@ def _numbers(values: Any) -> bool:
 
 
 def _is_health_record(health: Any) -> bool:
-    """The run-health detectors' state (klppo/safety/health.py): per model, gradient norms and
-    the steps of skipped spikes; the entropy trend's values and its open episode (or None)."""
+    """The run-health detectors' state (klppo/safety/health.py, reward_hacking.py): per model,
+    gradient norms (the newest and the run's first) and the steps of skipped spikes; the entropy
+    trend's values, the run's first ones, how many it saw and its open episode (or None); the
+    divergence detector's validations. Keys added later may be absent (older checkpoints)."""
     if not (isinstance(health, dict) and isinstance(health.get("grads"), dict) and "entropy" in health):
         return False
     grads_ok = all(isinstance(g, dict) and _numbers(g.get("norms")) and _numbers(g.get("skipped_at"))
-                   and all(_is_int(s) for s in g["skipped_at"]) for g in health["grads"].values())
+                   and all(_is_int(s) for s in g["skipped_at"]) and _numbers(g.get("early", []))
+                   for g in health["grads"].values())
     entropy = health["entropy"]
-    entropy_ok = (isinstance(entropy, dict) and _numbers(entropy.get("values"))
+    entropy_ok = (isinstance(entropy, dict) and _numbers(entropy.get("values")) and _numbers(entropy.get("early", []))
+                  and _is_int(entropy.get("seen", 0))
                   and entropy.get("active", 0) in (None, "entropy_collapse", "entropy_surge"))
-    return grads_ok and entropy_ok
+    history = health.get("divergence", {}).get("history", []) if isinstance(health.get("divergence"), dict) else None
+    divergence_ok = isinstance(history, list) and all(_numbers(row) for row in history)
+    return grads_ok and entropy_ok and divergence_ok
 
 
 def _check_rank_files(folder: Path, world_size: int, rank: int | None) -> None:

@@ -20,6 +20,7 @@ from klppo.config.problems import Problem
 from klppo.config.rollout_checks import engine_problems, resolve_rollout_engine, rollout_notes
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs, rollout_correction_active
 from klppo.config.schema import (
+    SCORE_METRICS,
     ActorConfig,
     CriticConfig,
     OptimConfig,
@@ -272,11 +273,12 @@ def _check_guard(guard, out: list[Problem]) -> None:
         _positive(out, f"{key}.{name}", getattr(guard, name))
     _at_least(out, f"{key}.max_rollbacks", guard.max_rollbacks, 0)
     _at_least(out, f"{key}.max_nonfinite_steps", guard.max_nonfinite_steps, 1)
-    for name in ("grad_spike", "entropy_collapse", "entropy_surge"):
+    for name, low in (("grad_spike", 1), ("entropy_collapse", 0), ("entropy_surge", 0)):
         value = getattr(guard, name)
-        if value is not None and not value > 0:  # NaN too: every comparison with it would be False
-            out.append(Problem((f"{key}.{name}",), f"{key}.{name} = {value!r} must be > 0; set it to a positive "
-                               "number, or to null to switch this detector off"))
+        if value is not None and not value > low:  # NaN too: every comparison with it would be False
+            what = "a ratio to the norms' median, " if low else ""
+            out.append(Problem((f"{key}.{name}",), f"{key}.{name} = {value!r} must be > {low}; set it to {what}a "
+                               f"number above {low}, or to null to switch this detector off"))
     _at_least(out, f"{key}.max_grad_skips", guard.max_grad_skips, 0)
     if guard.window < MIN_GUARD_WINDOW:
         out.append(Problem((f"{key}.window",), f"{key}.window = {guard.window} is too short: the entropy trend "
@@ -435,13 +437,16 @@ def _check_filter_groups(cfg: PPOConfig, out: list[Problem]) -> None:
             f"{FILTER}.enable needs a group estimator ({', '.join(GROUP_ESTIMATORS)}), not "
             f"algorithm.adv_estimator = '{algo.adv_estimator}': only there does a prompt whose responses' "
             f"rewards tie get advantages of 0; set algorithm.adv_estimator=grpo or {FILTER}.enable=false")))
-    if fg.metric is None or fg.metric == "acc":
-        got = "null" if fg.metric is None else "'acc'"
+    if fg.metric is None:
         out.append(Problem((f"{FILTER}.metric",), (
-            f"{FILTER}.metric = {got}: klppo compares each response's score (reward, score, seq_reward) or its "
-            "reward after the KL penalty (seq_final_reward); its reward functions return one score per response "
-            "(verl's 'acc' comes from a dict's extra keys, which klppo does not keep); where the score is a function "
-            f"of correctness alone, 'score' keeps the same groups; set {FILTER}.metric=score")))
+            f"{FILTER}.metric = null: name what must differ within a group: the response's score (reward, score, "
+            "seq_reward), its reward after the KL penalty (seq_final_reward) or an entry of the dict the reward "
+            f"function returns (e.g. acc); set {FILTER}.metric=score")))
+    elif fg.metric not in SCORE_METRICS and cfg.reward_model.enable:
+        out.append(Problem((f"{FILTER}.metric", "reward_model.enable"), (
+            f"{FILTER}.metric = '{fg.metric}' names an entry of the dict a reward function returns, but "
+            "reward_model.enable scores responses with a reward model, which returns one score each; set "
+            f"{FILTER}.metric=score")))
     if fg.metric == "seq_final_reward" and algo.use_kl_in_reward:
         out.append(Problem((f"{FILTER}.metric", "algorithm.use_kl_in_reward"), (
             f"{FILTER}.metric = 'seq_final_reward' with algorithm.use_kl_in_reward: the KL penalty needs the "

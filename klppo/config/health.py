@@ -32,27 +32,33 @@ class GuardConfig:
     # gradient norms, and the last this many PPO steps' skips, entropies and mean response
     # lengths (response_length/mean_trend); at least 6.
     window: int = 20
-    # Skip an optimiser step whose gradient norm is more than this many robust scales
-    # (1.4826 x MAD, at least 0.2 x the median) above the window's median norm (e.g. 10); null (the
-    # default: a healthy tiny run's norms grew past 10 scales while it learned) disables.
-    grad_spike: Optional[float] = None
-    # Skipped gradient spikes of one model within the window before a rollback (a stop when none is left).
+    # Skip an optimiser step whose gradient norm is more than this many times its reference level:
+    # the median of the window's norms, or of the run's first `window` norms where higher (judged
+    # as ln(norm / level) > ln(grad_spike)); null disables. Healthy learning runs reached 10.3x; a
+    # step with 100x its advantages 106x or more (klppo/safety/health.py, tests/safety).
+    grad_spike: Optional[float] = 30.0
+    # PPO steps within the window in which one model's optimiser steps were skipped for a spike,
+    # before a rollback (a stop when none is left); one bad batch skips all of its step's optimiser steps.
     max_grad_skips: int = 3
     # An event when the actor's entropy (mean of the last 3 steps) falls by more than this
-    # fraction of the window's earlier level; null disables.
+    # fraction of the window's earlier level or of the run's first `window` steps' level (a slow
+    # collapse); null disables.
     entropy_collapse: Optional[float] = 0.5
-    # An event when it rises by more than this fraction (1.0 = doubles); null disables.
+    # An event when it rises by more than this fraction of either level (1.0 = doubles); null disables.
     entropy_surge: Optional[float] = 1.0
     # What an entropy collapse or surge does: warn, stop the run, or roll back (as a KL excess).
     entropy_action: Literal["warn", "stop", "rollback"] = "warn"
     # With trainer.gold_reward: validations over which the training and the gold reward of the
-    # same held-out responses are compared; the training reward rising by more than
-    # divergence_margin while the gold reward does not is a reward_divergence event.
+    # same held-out responses are compared, each reward's change in units of its own spread (the
+    # standard deviation of its scores over those responses); the training reward rising by more
+    # than divergence_margin while the gold reward does not is a reward_divergence event.
     divergence_validations: int = 3
     # What a reward_divergence does: warn (an event) or stop (the event, then the run stops).
     divergence_action: Literal["warn", "stop"] = "warn"
-    # A reward change over those validations smaller than this counts as flat (reward units).
-    divergence_margin: float = 0.05
+    # A reward change over those validations smaller than this many of the reward's spreads counts
+    # as flat (before: 0.05 reward units, which read a reward model in [-10, 10] and a 0/1 gold
+    # reward on one scale).
+    divergence_margin: float = 0.1
 
 
 @dataclass

@@ -346,9 +346,10 @@ class RolloutCorrectionConfig:
     loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
 
 
-# What dynamic sampling compares within a group: the response's score ("reward", verl 0.9.1's
-# default, "score" and "seq_reward" name it), or its reward after the KL penalty ("seq_final_reward").
-FilterMetric = Literal["reward", "score", "seq_reward", "seq_final_reward", "acc"]
+# What dynamic sampling compares within a group, besides a reward component's name: the response's
+# score ("reward", verl 0.9.1's default, "score" and "seq_reward" name it), or its reward after the
+# KL penalty ("seq_final_reward").
+SCORE_METRICS = ("reward", "score", "seq_reward", "seq_final_reward")
 
 
 @dataclass
@@ -359,9 +360,10 @@ class FilterGroupsConfig:
     # batches of data.gen_batch_size prompts until data.train_batch_size prompts with spread are kept.
     enable: bool = False
     # What must differ within a group: reward / score / seq_reward (the response's score, the sum of
-    # its token-level scores) or seq_final_reward (its reward after the KL penalty, the same unless
-    # algorithm.use_kl_in_reward). verl's "acc" is refused: klppo keeps one score per response.
-    metric: Optional[FilterMetric] = "reward"
+    # its token-level scores), seq_final_reward (its reward after the KL penalty, the same unless
+    # algorithm.use_kl_in_reward), or the name of a numeric entry of the dict the reward function
+    # returns (verl's reward_extra_info, e.g. "acc" as verl's DAPO recipe uses it).
+    metric: Optional[str] = "reward"
     # Most generation batches one step may draw; 0 or less: no limit (offline: one epoch of the data).
     max_num_gen_batches: int = 0
     # verl's cap on generation batches in flight at once; klppo draws one at a time, so it has no effect.
@@ -391,7 +393,8 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
-    # Passes over the training data.
+    # Passes over the training data. With algorithm.filter_groups a pass counts generation batches
+    # (data.gen_batch_size prompts) as steps, and a step may draw several: more passes are read.
     total_epochs: int = 30
     # Stop after this many PPO steps; None = total_epochs worth of steps.
     total_training_steps: Optional[int] = None

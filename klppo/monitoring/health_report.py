@@ -4,7 +4,7 @@ Pure functions from a run's metrics and guard events to findings (sentences with
 behind them) and plot specs. What it reads is what the guard's detectors write:
 events ``skip_grad_spike`` / ``rollback_grad_spike`` / ``stop_grad_spike``, ``entropy_collapse`` /
 ``entropy_surge``, ``reward_divergence``, ``skip_nonfinite`` / ``stop_nonfinite``; metrics
-``<model>/grad_norm`` (``_skipped``, ``_median``, ``_scale``), ``actor/entropy``,
+``<model>/grad_norm`` (``_skipped``, ``_median``), ``actor/entropy``,
 ``critic/score/zero_std_frac``, ``critic/advantages/zero_frac``, ``training/filter_groups/*``,
 ``val-gold/*`` beside ``val-core/*``, ``response_length/mean`` and ``response_length/clip_ratio``.
 A run that logged none of them (an older run) gets the healthy sentence and no plot.
@@ -27,8 +27,8 @@ MAX_EPISODES = 4  # per model; the rest are counted in one more sentence
 ZERO_SPREAD_WARN = 0.2  # a fifth of the groups giving no gradient is a fifth of generation wasted
 FILTER_BATCHES_WARN = 2.0  # filter_groups generating twice the batch it keeps doubles generation time
 LENGTH_CLIP_WARN = 0.1  # one response in ten cut at the limit: its reward scores an unfinished answer
-# The detector's threshold k (skip when grad_norm > median + k * scale), for the plot's band; read
-# from the config where the run wrote it, else the band shows the window's median +- one scale.
+# The detector's threshold k (skip when grad_norm > k x its reference level), for the plot's band;
+# read from the config where the run wrote it, else no band is drawn.
 GRAD_SPIKE_KEY = "trainer.guard.grad_spike"
 GRAD_KINDS = ("skip_grad_spike", "rollback_grad_spike", "stop_grad_spike")
 HEALTH_METRICS = {  # what the healthy sentence says was looked at, by the prefix of the metrics that show it
@@ -100,21 +100,20 @@ def skipped_by_step(run: Run, model: str) -> dict[int, int]:
     return {s: n for s, n in counts.items() if n > 0}
 
 
-def _spike_peak(run: Run, model: str, steps: Sequence[int]) -> tuple[float, float, float]:
-    """(grad norm, window median, scales above it) of an episode's largest spike: from its events,
-    else from the logged metrics (nan where neither says)."""
+def _spike_peak(run: Run, model: str, steps: Sequence[int]) -> tuple[float, float]:
+    """(grad norm, reference level) of an episode's largest spike: from its events, else from the
+    logged metrics (nan where neither says)."""
     inside = set(steps)
     spikes = [e for e in _of_kind(run, "skip_grad_spike") if e["step"] in inside and e.get("model", "actor") == model]
     if spikes:
-        peak = max(spikes, key=lambda e: _number(e, "ratio", -math.inf))
-        return _number(peak, "grad_norm"), _number(peak, "median"), _number(peak, "ratio")
-    logged = {k: dict(zip(*_finite(run, f"{model}/{k}"))) for k in ("grad_norm", "grad_norm_median", "grad_norm_scale")}
-    points = [(logged["grad_norm"][s], logged["grad_norm_median"][s], logged["grad_norm_scale"].get(s, math.nan))
+        peak = max(spikes, key=lambda e: _number(e, "grad_norm") / _number(e, "median"))
+        return _number(peak, "grad_norm"), _number(peak, "median")
+    logged = {k: dict(zip(*_finite(run, f"{model}/{k}"))) for k in ("grad_norm", "grad_norm_median")}
+    points = [(logged["grad_norm"][s], logged["grad_norm_median"][s])
               for s in steps if s in logged["grad_norm"] and logged["grad_norm_median"].get(s, 0.0) > 0]
     if not points:
-        return math.nan, math.nan, math.nan
-    grad, median, scale = max(points, key=lambda p: p[0] / p[1])
-    return grad, median, (grad - median) / scale if scale > 0 else math.nan
+        return math.nan, math.nan
+    return max(points, key=lambda p: p[0] / p[1])
 
 
 def _guard_actions(actions: Sequence[dict]) -> str:
@@ -130,17 +129,15 @@ def _guard_actions(actions: Sequence[dict]) -> str:
 
 
 def _grad_finding(run: Run, model: str, steps: list[int], skipped: int, actions: list[dict]) -> Finding:
-    grad, median, ratio = _spike_peak(run, model, steps)
+    grad, median = _spike_peak(run, model, steps)
     times = grad / median if median > 0 else math.nan
     if math.isfinite(times):
-        scales = f", {ratio:.3g} scales above it" if math.isfinite(ratio) else ""
-        head = (f"{model.capitalize()} grad norm spiked to {times:.3g}x its window median ({grad:.3g} vs "
-                f"{median:.3g}{scales})")
+        head = f"{model.capitalize()} grad norm spiked to {times:.3g}x its window median ({grad:.3g} vs {median:.3g})"
     else:
         head = f"{model.capitalize()} grad norm spiked"
     text = f"{head} at {steps_word(steps)}; {skipped} optimiser step{'s' if skipped != 1 else ''} skipped"
     last = max([steps[-1]] + [e["step"] for e in actions])
-    numbers = {"times": times, "grad_norm": grad, "median": median, "ratio": ratio, "skipped": float(skipped),
+    numbers = {"times": times, "grad_norm": grad, "median": median, "skipped": float(skipped),
                "rollbacks": float(sum(e["kind"] == "rollback_grad_spike" for e in actions))}
     return Finding("grad_spike", steps[0], last, numbers, text + _guard_actions(actions) + ".")
 
@@ -289,8 +286,10 @@ def divergence_findings(run: Run) -> list[Finding]:
         k.startswith("val-gold/") for k in r)})
     since = validated[-n] if 0 < n <= len(validated) else e["step"]
     train, gold = _number(e, "train_change"), _number(e, "gold_change")
+    shifts = (f", {_number(e, 'train_shift'):+.3g} vs {_number(e, 'gold_shift'):+.3g} of their spreads"
+              if "train_shift" in e else "")  # events written before the spreads have none
     text = (f"Training reward {_rose(train)} {train:+.3g} over the last {n} validations while the gold reward "
-            f"{_rose(gold)} {gold:+.3g} (from step {since}, flagged at step {e['step']}; action: "
+            f"{_rose(gold)} {gold:+.3g} (from step {since}, flagged at step {e['step']}{shifts}; action: "
             f"{e.get('action', '?')}): the policy may be gaming the reward; read a few high-scoring responses")
     later = [x["step"] for x in events[1:]]
     text += f"; flagged again at {steps_word(later)}." if later else "."
@@ -367,19 +366,17 @@ def _points(label: str, steps: Sequence[int], by_step: dict[int, float], marker:
 
 
 def _grad_axis(run: Run, model: str, k: float | None) -> Axis:
-    """A model's grad norm, its window median and band, and the steps skipped for a spike."""
+    """A model's grad norm, its reference level (the window median) and the band up to the skip
+    limit (level x grad_spike), and the steps skipped for a spike."""
     records = [r for r in run.records if r["step"] >= 1]
     grad = series(records, f"{model}/grad_norm")
     median = series(records, f"{model}/grad_norm_median", "window median")
     median.linestyle = "--"
-    scale = dict(zip(*_finite(run, f"{model}/grad_norm_scale")))
-    at = [(s, m) for s, m in zip(median.steps, median.values) if s in scale and math.isfinite(m)]
+    at = [(s, m) for s, m in zip(median.steps, median.values) if math.isfinite(m)]
     bands = []
-    if at:
-        low = [m if k is not None else m - scale[s] for s, m in at]
-        high = [m + (k if k is not None else 1.0) * scale[s] for s, m in at]
-        bands.append(Band(f"median + {k:g} x scale" if k is not None else "median +- scale", [s for s, _ in at],
-                          low, high))
+    if at and k is not None:
+        bands.append(Band(f"median x {k:g} (skip limit)", [s for s, _ in at], [m for _, m in at],
+                          [m * k for _, m in at]))
     counts = skipped_by_step(run, model)
     skipped = _points(f"skipped ({sum(counts.values())})", sorted(counts), dict(zip(grad.steps, grad.values)), "x")
     return Axis(f"{model} grad norm", [grad, median, skipped], bands=bands)

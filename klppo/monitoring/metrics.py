@@ -21,7 +21,8 @@ def compute_data_metrics(batch: RolloutBatch, max_response_length: int, grouped:
 
     ``grouped`` (a group estimator: GRPO, RLOO, REINFORCE++ with a baseline): also the fraction of
     prompts whose responses' scores all tie (``critic/score/zero_std_frac``), which teach nothing
-    there. The fraction of response tokens whose advantage is exactly 0 (``critic/advantages/zero_frac``)
+    there; 0 by construction when ``algorithm.filter_groups`` filters by the score (its
+    ``training/filter_groups/*`` say what was dropped). The fraction of response tokens whose advantage is exactly 0 (``critic/advantages/zero_frac``)
     is logged for every estimator.
     """
     mask = batch.response_mask

@@ -146,11 +146,11 @@ def _as_float(value: Any, where: str) -> float:
 def reward_components(value: Any) -> dict[str, float]:
     """The numeric entries besides "score" of a dict a reward function returned (verl's
     ``reward_extra_info``, e.g. ``{"score": 1.2, "exact_match": 1.0, "length_bonus": 0.2}``);
-    {} for a plain number. Text and other entries (verl's "pred") are no components."""
+    {} for a plain number. A bool counts 1 or 0 (verl's math_dapo returns ``"acc": True``, the
+    entry its DAPO recipe filters groups by); text and other entries (verl's "pred") are no components."""
     if not isinstance(value, dict):
         return {}
-    return {str(k): float(v) for k, v in value.items()
-            if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {str(k): float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float))}
 
 
 @dataclass

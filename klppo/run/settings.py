@@ -22,7 +22,7 @@ from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_checks import engine_dtype
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
-from klppo.config.schema import FSDPConfig
+from klppo.config.schema import SCORE_METRICS, FSDPConfig
 from klppo.data.batching import MicroBatching
 from klppo.errors import UserError
 from klppo.models.forward import HeadSettings
@@ -124,8 +124,10 @@ class FilterGroupsSettings:
     prompts: int  # kept prompts a step trains on (data.train_batch_size)
     gen_batch_prompts: int  # prompts drawn per generation batch (data.gen_batch_size)
     max_gen_batches: Optional[int]  # most generation batches a step may draw; None = no limit
-    # The metric is the response's score: "seq_final_reward" (after the KL penalty) is the same
-    # number, since the checks refuse it with algorithm.use_kl_in_reward.
+    # What must differ within a group: None, the response's score ("seq_final_reward", after the KL
+    # penalty, is the same number: the checks refuse it with algorithm.use_kl_in_reward), or the name
+    # of a component the reward function returns beside the score (verl's reward_extra_info, e.g. "acc").
+    component: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -247,7 +249,7 @@ def filter_groups_settings(cfg: PPOConfig) -> Optional[FilterGroupsSettings]:
         return None
     limit = fg.max_num_gen_batches if fg.max_num_gen_batches > 0 else None  # verl: <= 0 draws without end
     return FilterGroupsSettings(prompts=data.train_batch_size, gen_batch_prompts=data.gen_batch_size,
-                                max_gen_batches=limit)
+                                max_gen_batches=limit, component=None if fg.metric in SCORE_METRICS else fg.metric)
 
 
 def sampling_params(cfg: PPOConfig, *, validation: bool = False) -> SamplingParams:

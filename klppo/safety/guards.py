@@ -40,15 +40,15 @@ class GuardSettings:
     clipfrac_max: Optional[float]  # warn above this clipped fraction
     # Run health (None switches a detector off; the defaults here are off, the config's are on).
     window: int = 20  # applied optimiser steps of gradient history; PPO steps of skips and entropy
-    grad_spike: Optional[float] = None  # skip an optimiser step this many scales above the median norm
-    max_grad_skips: int = 3  # skipped spikes within the window's PPO steps before a rollback
+    grad_spike: Optional[float] = None  # skip an optimiser step whose norm is more than this times its reference level
+    max_grad_skips: int = 3  # PPO steps with a skipped spike within the window before a rollback
     entropy_collapse: Optional[float] = None  # relative entropy drop over the window that is an event
     entropy_surge: Optional[float] = None  # relative entropy rise over the window that is an event
     entropy_action: str = "warn"  # warn | stop | rollback
     initial_weights: bool = True  # a rollback can restore the initial weights (a reference or LoRA)
     divergence_validations: int = 3  # validations over which training and gold reward are compared
     divergence_action: str = "warn"  # warn | stop, when they diverge (reward_hacking.py)
-    divergence_margin: float = 0.05  # a reward change smaller than this is flat
+    divergence_margin: float = 0.1  # a reward change smaller than this many of its spreads is flat
 
 
 class Action(Enum):
@@ -154,7 +154,7 @@ class RunGuard:
                      existing: Optional[set[int]] = None) -> tuple[Action, dict[str, float]]:
         """After an update: each model's optimiser-step norms and whether each was applied, and the
         actor's entropy (None during the critic's warm-up). Returns the action and the step's
-        ``<model>/grad_norm_skipped``, ``_median`` and ``_scale`` (the window the steps were judged by)."""
+        ``<model>/grad_norm_skipped`` and ``_median`` (the reference level the steps were judged by)."""
         metrics, skipped = {}, 0
         for model, (norms, applied) in grads.items():
             metrics[f"{model}/grad_norm_skipped"] = float(applied.count(False))
@@ -175,26 +175,30 @@ class RunGuard:
 
     def _record_grads(self, step: int, model: str, norms: list[float], applied: list[bool]) -> dict[str, float]:
         detector, metrics = self.grads[model], {}
-        center = detector.center_scale()
-        if center is not None:
-            metrics[f"{model}/grad_norm_median"], metrics[f"{model}/grad_norm_scale"] = center
+        level = detector.level()
+        if level is not None:
+            metrics[f"{model}/grad_norm_median"] = level
+        seen = len(detector.norms)
         for skip in detector.record(step, norms, applied):
-            self._skip_event(step, model, skip)
+            self._skip_event(step, model, skip, seen)
         return metrics
 
-    def _skip_event(self, step: int, model: str, skip: SkippedStep) -> None:
-        self._event(step, "skip_grad_spike", f"{model} gradient norm {skip.grad_norm:.4g} is {skip.ratio:.1f} scales "
-                    f"above the median {skip.median:.4g} of its last {self.s.window} steps (scale {skip.scale:.4g}, "
-                    f"grad_spike {self.s.grad_spike}): optimiser step skipped", model=model, grad_norm=skip.grad_norm,
-                    median=skip.median, scale=skip.scale, ratio=skip.ratio)
+    def _skip_event(self, step: int, model: str, skip: SkippedStep, seen: int) -> None:
+        self._event(step, "skip_grad_spike", f"{model} gradient norm {skip.grad_norm:.4g} is {skip.ratio:.3g}x its "
+                    f"reference level {skip.median:.4g} (the median of its last {seen} optimiser steps' norms, or of "
+                    f"the run's first {self.s.window} where higher; log ratio {skip.log_ratio:.3g} > ln grad_spike "
+                    f"{self.s.grad_spike}): optimiser step skipped", model=model, grad_norm=skip.grad_norm,
+                    median=skip.median, ratio=skip.ratio, log_ratio=skip.log_ratio)
 
     def _too_many_skips(self, step: int, existing: Optional[set[int]]) -> Action:
-        """More than max_grad_skips skipped spikes of one model within the window: roll back (or stop)."""
-        counts = {m: len(d.skipped_at) for m, d in self.grads.items()}
+        """More than max_grad_skips PPO steps of one model with a skipped spike within the window: roll
+        back (or stop). Steps, not optimiser steps: one bad batch spikes every optimiser step of its
+        update, and skipping them all is the guard working; spikes step after step are a run going wrong."""
+        counts = {m: len(set(d.skipped_at)) for m, d in self.grads.items()}
         model = max(counts, key=counts.get, default=None)
         if model is None or counts[model] <= self.s.max_grad_skips:
             return Action.CONTINUE
-        why = (f"{counts[model]} {model} optimiser steps skipped for gradient spikes in the last {self.s.window} "
+        why = (f"{model} optimiser steps skipped for gradient spikes in {counts[model]} of the last {self.s.window} "
                f"steps (max_grad_skips={self.s.max_grad_skips})")
         values = {"model": model, "skips": counts[model], "window": self.s.window}
         action, target, where = self._roll_back_or_stop(existing)
@@ -211,7 +215,7 @@ class RunGuard:
         what = "fell" if shift.kind == "entropy_collapse" else "rose"
         threshold = self.s.entropy_collapse if shift.kind == "entropy_collapse" else self.s.entropy_surge
         why = (f"actor entropy {what} by {percent(abs(shift.change))} (more than {percent(threshold)}) to {shift.entropy:.4g} "
-               f"over the last {self.s.window} steps (earlier {shift.reference:.4g})")
+               f"{entropy_span(shift, self.s.window)}")
         action, target, where = Action.CONTINUE, None, "warning only (entropy_action=warn)"
         if self.s.entropy_action == "stop":
             action, where = Action.STOP, "run stopped (entropy_action=stop)"
@@ -219,7 +223,8 @@ class RunGuard:
             action, target, where = self._roll_back_or_stop(existing)
             where = f"rolled back to {where}" if action is Action.ROLLBACK else f"{where}: run stopped"
         values = {"entropy": shift.entropy, "reference": shift.reference, "change": shift.change,
-                  "window": self.s.window, "action": action.value if action is not Action.CONTINUE else "warn"}
+                  "window": shift.steps, "horizon": shift.horizon,
+                  "action": action.value if action is not Action.CONTINUE else "warn"}
         if action is Action.ROLLBACK:
             values["to_step"] = target if target is not None else 0
         self._event(step, shift.kind, f"{why}: {where}", **values)
@@ -264,20 +269,24 @@ class RunGuard:
         reward that pays for length)."""
         return self.length_trend.observe(mean_length)
 
-    def check_validation(self, step: int, train_reward: float, gold_reward: float) -> Action:
-        """One validation's mean training and gold rewards on the same held-out responses; a new
-        divergence (``reward_hacking.py``) is a ``reward_divergence`` event, and stops the run with
+    def check_validation(self, step: int, train: tuple[float, float], gold: tuple[float, float]) -> Action:
+        """One validation's (mean, spread) of the training and the gold reward on the same held-out
+        responses (spread: their standard deviation over the responses); a new divergence
+        (``reward_hacking.py``) is a ``reward_divergence`` event, and stops the run with
         ``divergence_action: stop``."""
-        found = self.divergence.observe(train_reward, gold_reward)
+        found = self.divergence.observe(train[0], gold[0], train[1], gold[1])
         if found is None:
             return Action.CONTINUE
         action = self.s.divergence_action
-        self._event(step, "reward_divergence", f"training reward {found.train_change:+.4g} but gold reward "
-                    f"{found.gold_change:+.4g} over the last {found.validations} validations (divergence_margin "
-                    f"{self.s.divergence_margin}): the policy may be gaming its reward"
-                    + ("; run stopped" if action == "stop" else ""),
-                    train_change=found.train_change, gold_change=found.gold_change, validations=found.validations,
-                    action=action)
+        self._event(step, "reward_divergence", f"training reward {found.train_change:+.4g} "
+                    f"({found.train_shift:+.3g} of its spread {found.train_spread:.3g}) but gold reward "
+                    f"{found.gold_change:+.4g} ({found.gold_shift:+.3g} of its spread {found.gold_spread:.3g}) over "
+                    f"the last {found.validations} validations (divergence_margin {self.s.divergence_margin} "
+                    "spreads): the policy may be gaming its reward" + ("; run stopped" if action == "stop" else ""),
+                    train_change=found.train_change, gold_change=found.gold_change,
+                    train_spread=found.train_spread, gold_spread=found.gold_spread,
+                    train_shift=found.train_shift, gold_shift=found.gold_shift,
+                    validations=found.validations, action=action)
         return Action.STOP if action == "stop" else Action.CONTINUE
 
     def state_dict(self) -> dict:
@@ -302,6 +311,14 @@ class RunGuard:
             if "divergence" in health:
                 self.divergence.load_state_dict(health["divergence"])
                 self.length_trend.load_state_dict(health["length_trend"])
+
+
+def entropy_span(shift: EntropyShift, window: int) -> str:
+    """What an entropy shift was measured over, as the steps seen: "over the last 7 steps (earlier
+    2.1)" while a window of 20 fills, "since the run's first 20 steps (their median 2.1; 140 steps)"."""
+    if shift.horizon == "run":
+        return f"since the run's first {window} steps (their median {shift.reference:.4g}; {shift.steps} steps)"
+    return f"over the last {shift.steps} steps (earlier {shift.reference:.4g})"
 
 
 def percent(fraction: float) -> str:

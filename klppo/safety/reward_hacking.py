@@ -5,15 +5,19 @@ Both detectors are plain, stateful objects whose state is a dict of numbers and 
 guard that owns them (``guards.RunGuard``) puts it in every checkpoint and a resumed run sees
 exactly the windows the original would have.
 
-Divergence rule (``trainer.guard.divergence_*``): over the last K validations, with
-``train_change`` and ``gold_change`` each reward's last value minus its first in that window and
-m the margin, the rewards *diverge* when
+Divergence rule (``trainer.guard.divergence_*``): over the last K validations, each reward's
+change is its last mean minus its first in that window, *divided by its spread*: the standard
+deviation of its scores over the held-out responses, averaged over the window's validations. A
+reward model in [-10, 10] and a 0/1 gold reward then move in the same unit, the effect size
+(Cohen's d): in reward units, a reward model rising by 0.5 beside a 0/1 gold reward rising by
+0.04 (both improved) read as a divergence at a margin of 0.05. With ``train`` and
+``gold`` those normalised changes and m the margin (in spreads), the rewards *diverge* when
 
-    train_change > m  and  gold_change < m  and  train_change - gold_change > m
+    train > m  and  gold < m  and  train - gold > m
 
-(the training reward rose by more than m while the gold reward did not, and the gap between
-their changes is more than m). It is reported once per episode; the detector re-arms when the
-two *agree* again, ``|train_change - gold_change| <= m``. The band between the two conditions
+(the training reward rose by more than m of its spreads while the gold reward did not, and the
+gap between their changes is more than m). It is reported once per episode; the detector
+re-arms when the two *agree* again, ``|train - gold| <= m``. The band between the two conditions
 keeps a borderline window from reporting on and off. This is Goodhart's law made measurable as
 in Gao et al. 2022, "Scaling laws for reward model overoptimization": the proxy keeps rising
 while the gold reward stalls or falls.
@@ -21,6 +25,8 @@ while the gold reward stalls or falls.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -59,13 +65,38 @@ class Trend:
         self.values.extend(state["values"])
 
 
+def in_spreads(change: float, spread: float) -> float:
+    """``change`` in units of ``spread``; a reward with no spread at all (every response scored
+    alike) moved by nothing (0.0) or by infinitely many spreads (+-inf)."""
+    if spread > 0:
+        return change / spread
+    return 0.0 if change == 0 else math.copysign(math.inf, change)
+
+
+def diverging(train: float, gold: float, margin: float) -> bool:
+    """The module's rule on two changes in spreads: the training reward rose past the margin, the
+    gold reward did not, and the gap between them exceeds it."""
+    return train > margin and gold < margin and train - gold > margin
+
+
 @dataclass(frozen=True)
 class Divergence:
-    """A new divergence episode: the changes over the window and its length."""
+    """A new divergence episode: the changes over the window (in reward units and in spreads), the
+    spreads they were divided by, and the window's length."""
 
     train_change: float
     gold_change: float
     validations: int
+    train_spread: float
+    gold_spread: float
+
+    @property
+    def train_shift(self) -> float:
+        return in_spreads(self.train_change, self.train_spread)
+
+    @property
+    def gold_shift(self) -> float:
+        return in_spreads(self.gold_change, self.gold_spread)
 
 
 class DivergenceDetector:
@@ -73,29 +104,32 @@ class DivergenceDetector:
 
     def __init__(self, validations: int, margin: float) -> None:
         self.validations, self.margin = validations, margin
-        self.history: deque[tuple[float, float]] = deque(maxlen=validations)  # (train, gold) per validation
+        # (train mean, gold mean, train spread, gold spread) per validation
+        self.history: deque[tuple[float, float, float, float]] = deque(maxlen=validations)
         self.armed = True  # False from a reported divergence until the rewards agree again
 
-    def observe(self, train: float, gold: float) -> Optional[Divergence]:
-        """Record one validation's rewards; a ``Divergence`` when a new episode starts, else None."""
-        self.history.append((train, gold))
+    def observe(self, train: float, gold: float, train_spread: float, gold_spread: float) -> Optional[Divergence]:
+        """Record one validation's mean rewards and their spreads (the standard deviation of each
+        over the held-out responses); a ``Divergence`` when a new episode starts, else None."""
+        self.history.append((train, gold, train_spread, gold_spread))
         if len(self.history) < self.validations:
             return None
-        train_change = self.history[-1][0] - self.history[0][0]
-        gold_change = self.history[-1][1] - self.history[0][1]
-        m = self.margin
-        if abs(train_change - gold_change) <= m:
+        found = Divergence(self.history[-1][0] - self.history[0][0], self.history[-1][1] - self.history[0][1],
+                           self.validations, statistics.fmean(h[2] for h in self.history),
+                           statistics.fmean(h[3] for h in self.history))
+        t, g, m = found.train_shift, found.gold_shift, self.margin
+        if abs(t - g) <= m:
             self.armed = True
-        diverging = train_change > m and gold_change < m and train_change - gold_change > m
-        if diverging and self.armed:
+        if diverging(t, g, m) and self.armed:
             self.armed = False
-            return Divergence(train_change, gold_change, self.validations)
+            return found
         return None
 
     def state_dict(self) -> dict:
-        return {"history": [list(pair) for pair in self.history], "armed": self.armed}
+        return {"history": [list(row) for row in self.history], "armed": self.armed}
 
     def load_state_dict(self, state: dict) -> None:
+        """A record saved before the spreads (pairs of means) starts the window afresh."""
         self.history.clear()
-        self.history.extend(tuple(pair) for pair in state["history"])
+        self.history.extend(tuple(row) for row in state["history"] if len(row) == 4)
         self.armed = state["armed"]

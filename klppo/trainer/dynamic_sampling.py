@@ -8,9 +8,19 @@ generation batches of ``data.gen_batch_size`` prompts, one after another: each b
 are sampled (or read, offline) and rewarded, the prompts whose responses' scores all tie are
 dropped (``algo.dynamic_sampling_keep``), and the drawing stops once ``train_batch_size``
 prompts with spread are kept; the first ``train_batch_size`` of them are trained on, the rest
-are discarded, as verl does. Only the kept responses go through the log-prob and value
-forwards (verl computes them after filtering too). Every draw advances the prompt sampler,
-whose position the checkpoint holds, so a resumed run repeats the uninterrupted run's draws.
+are discarded, as verl does. What must differ is the response's score, or with
+``algorithm.filter_groups.metric`` naming one, a component the reward function returns beside
+it (verl's ``reward_extra_info``: its DAPO recipe filters by ``acc``). Only the kept responses
+go through the log-prob and value forwards (verl computes them after filtering too). Every
+draw advances the prompt sampler, whose position the checkpoint holds, so a resumed run
+repeats the uninterrupted run's draws.
+
+A step may draw several generation batches, and ``trainer.total_epochs`` counts generation
+batches (``data.gen_batch_size`` prompts each) as steps: ``total_epochs`` x (prompts //
+gen_batch_size) steps, which together draw more than ``total_epochs`` passes over the prompts
+whenever groups are dropped (verl's DAPO recipe instead ends the run once its epochs of prompts
+are drawn). ``training/filter_groups/*`` say what was drawn and kept; ``critic/score/zero_std_frac``
+is 0 by construction when filtering by the score (the trained groups all have spread).
 
 Offline runs filter the same way: recorded groups whose scores tie are dropped (counted) and
 further prompts are drawn, so every step trains on ``train_batch_size`` prompts and the
@@ -26,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
+
+import torch
 
 from klppo.algo import dynamic_sampling_keep
 from klppo.data.rl_dataset import PromptRecord
@@ -88,7 +100,7 @@ def groups_with_spread(parts: PPOParts, timer: PhaseTimer, step: int
         batch = step_responses(parts, records, timer, step, draw=draws).to(parts.device)
         draws += 1
         score_rewards(parts, batch, whole_batch_shards(parts, batch), timer, [r.where for r in records])
-        keep = dynamic_sampling_keep(batch.token_level_scores.sum(-1), batch.group_index)  # (B,)
+        keep = dynamic_sampling_keep(filter_values(batch, fg.component, records), batch.group_index)  # (B,)
         rows = keep.nonzero().squeeze(-1).tolist()  # host sync; the same rows on every rank
         groups = sorted(set(batch.group_index[rows].tolist()))  # kept prompts, in the batch's order
         dropped += len(records) - len(groups)
@@ -100,6 +112,28 @@ def groups_with_spread(parts: PPOParts, timer: PhaseTimer, step: int
                f"{METRICS}/dropped_groups": float(dropped)}
     # Groups are whole (n rows each, the groups in order): the first prompts * n rows are the first prompts.
     return kept_records[: fg.prompts], joined.select(list(range(fg.prompts * n))), metrics
+
+
+def filter_values(batch: RolloutBatch, component: Optional[str], records: list[PromptRecord]) -> torch.Tensor:
+    """(B,) what must differ within a group: each response's score, or the reward component named
+    ``component`` (algorithm.filter_groups.metric, e.g. verl's "acc"). ``records``: the batch's
+    prompts (``batch.group_index`` indexes them), whose place the error names when a response lacks it."""
+    if component is None:
+        return batch.token_level_scores.sum(-1)
+    if batch.reward_components is None:
+        raise UserError(f"algorithm.filter_groups.metric = '{component}' names an entry of the dict a reward function "
+                        "returns, but this batch's scores were recorded in the data (its `scores` or rankings column): "
+                        "they have no entries; set algorithm.filter_groups.metric=score")
+    for row, parts in enumerate(batch.reward_components):
+        if component not in parts:
+            returned = ", ".join(f"'{name}'" for name in sorted(parts)) or "none"
+            where = records[int(batch.group_index[row])].where
+            raise UserError(f"{where}: algorithm.filter_groups.metric = '{component}', but the reward function "
+                            f"returned no numeric '{component}' for this response (its numeric entries besides 'score': "
+                            f"{returned}); return a dict with '{component}' (verl's reward_extra_info), or set "
+                            "algorithm.filter_groups.metric=score")
+    return torch.tensor([parts[component] for parts in batch.reward_components], dtype=torch.float32,
+                        device=batch.response_mask.device)
 
 
 def draw_limit(parts: PPOParts) -> Optional[int]:

@@ -4,6 +4,7 @@ them with reference texts, and check the policy's preferences against held-out r
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
@@ -156,8 +157,9 @@ def validate(
 
     ``gold_scorer`` (``trainer.gold_reward``): (B,) a held-out gold reward of the same responses,
     logged beside the training reward as ``val-gold/<data_source>/reward/mean@<n>``,
-    ``val-gold/reward/mean`` (all responses), and the training reward's ``val-core/reward/mean``
-    over the same responses, the pair the divergence guard compares.
+    ``val-gold/reward/mean`` and ``/std`` (all responses), and the training reward's
+    ``val-core/reward/mean`` and ``/std`` over the same responses, what the divergence guard
+    compares (each reward's change in units of its own spread).
     """
     sample = sample or hf_sampler(actor, tokenizer, env, env.is_distributed if sharded is None else sharded)
     rows = []  # (data source, score, length, response text or None, reference or None, gold or None) per response
@@ -178,14 +180,20 @@ def validate(
     metrics = per_source_means(rows, 1, f"val-core/{{}}/reward/mean@{params.n}")
     if gold_scorer is not None:
         metrics.update(per_source_means(rows, 5, f"val-gold/{{}}/reward/mean@{params.n}"))
-        metrics["val-core/reward/mean"] = sum(row[1] for row in rows) / len(rows)
-        metrics["val-gold/reward/mean"] = sum(row[5] for row in rows) / len(rows)
+        for prefix, column in (("val-core", 1), ("val-gold", 5)):
+            metrics[f"{prefix}/reward/mean"], metrics[f"{prefix}/reward/std"] = mean_and_std([row[column] for row in rows])
     metrics["val-aux/response_length/mean"] = sum(row[2] for row in rows) / len(rows)
     with_ref = [(text, ref) for *_, text, ref, _ in rows if ref is not None]
     if with_ref:
         metrics["val-aux/bleu"] = bleu([t for t, _ in with_ref], [r for _, r in with_ref])
         metrics["val-aux/rougeL"] = rouge_l([t for t, _ in with_ref], [r for _, r in with_ref])
     return metrics
+
+
+def mean_and_std(values: list[float]) -> tuple[float, float]:
+    """(mean, population standard deviation) of a non-empty list."""
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
 def per_source_means(rows: list[tuple], column: int, key: str) -> dict[str, float]:

@@ -264,7 +264,8 @@ class PPOTrainer:
         both are gathered over the ranks, so every rank decides alike."""
         if "val-gold/reward/mean" not in metrics:
             return Action.CONTINUE
-        return self.guard.check_validation(self.step, metrics["val-core/reward/mean"], metrics["val-gold/reward/mean"])
+        return self.guard.check_validation(self.step, (metrics["val-core/reward/mean"], metrics["val-core/reward/std"]),
+                                           (metrics["val-gold/reward/mean"], metrics["val-gold/reward/std"]))
 
     def _validate(self) -> dict[str, float]:
         timer = PhaseTimer(self.progress, self.memory)

@@ -221,6 +221,9 @@ def test_an_explicit_resume_path_is_checked_and_never_replaced(save, tmp_path):
     {"grads": {"actor": {"norms": [1.0], "skipped_at": [2.5]}}, "entropy": {"values": [], "active": None}},
     {"grads": {}, "entropy": {"values": [1.0], "active": "run"}},
     {"grads": {}},
+    {"grads": {"actor": {"norms": [1.0], "early": [None], "skipped_at": []}}, "entropy": {"values": [], "active": None}},
+    {"grads": {}, "entropy": {"values": [1.0], "early": [1.0], "seen": "1", "active": None}},
+    {"grads": {}, "entropy": {"values": [], "active": None}, "divergence": {"history": [[0.1, "0.2", 1.0, 1.0]]}},
 ])
 def test_a_guard_health_record_that_is_not_one_is_refused_before_anything_is_restored(save, tmp_path, health):
     folder = save(tmp_path, 2)
@@ -237,6 +240,7 @@ def test_the_health_record_a_guard_saves_passes(save, tmp_path):
                                    max_nonfinite_steps=2, entropy_floor=None, clipfrac_max=None, grad_spike=10.0,
                                    entropy_collapse=0.5))
     guard.check_update(1, {"actor": ([1.0, 2.0], [True, True]), "critic": ([3.0], [True])}, 2.5)
+    guard.check_validation(0, (0.5, 0.1), (0.4, 0.2))
     folder = save(tmp_path, 2)
     state = torch.load(folder / ckpt.STATE_FILE, weights_only=True)
     torch.save({**state, "guard": guard.state_dict()}, folder / ckpt.STATE_FILE)

@@ -303,8 +303,8 @@ def test_the_process_group_timeout_is_verls_nccl_timeout_and_must_be_positive():
 
 @pytest.mark.parametrize("override, fix", [
     ("trainer.guard.window=5", "set it to 6 or more"),
-    ("trainer.guard.grad_spike=0", "or to null to switch this detector off"),
-    ("trainer.guard.grad_spike=.nan", "must be > 0"),  # YAML's NaN: every comparison with it is False
+    ("trainer.guard.grad_spike=1", "or to null to switch this detector off"),
+    ("trainer.guard.grad_spike=.nan", "must be > 1"),  # YAML's NaN: every comparison with it is False
     ("trainer.guard.entropy_collapse=-0.5", "must be > 0"),
     ("trainer.guard.entropy_surge=0", "must be > 0"),
     ("trainer.guard.max_grad_skips=-1", "must be >= 0"),
@@ -315,11 +315,11 @@ def test_bad_run_health_settings_are_refused_naming_the_key_and_the_fix(override
     assert problem.startswith(f"{key} = ") and fix in problem
 
 
-def test_run_health_detectors_are_on_by_default_but_the_grad_spike_one_and_can_be_switched_off():
+def test_run_health_detectors_are_on_by_default_and_can_be_switched_off():
     guard = load().trainer.guard
-    assert (guard.window, guard.grad_spike, guard.max_grad_skips) == (20, None, 3)
+    assert (guard.window, guard.grad_spike, guard.max_grad_skips) == (20, 30.0, 3)
     assert (guard.entropy_collapse, guard.entropy_surge, guard.entropy_action) == (0.5, 1.0, "warn")
-    off = load("trainer.guard.grad_spike=10", "trainer.guard.entropy_collapse=null",
+    off = load("trainer.guard.grad_spike=null", "trainer.guard.entropy_collapse=null",
                "trainer.guard.entropy_surge=null", "trainer.guard.entropy_action=rollback").trainer.guard
-    assert (off.grad_spike, off.entropy_collapse, off.entropy_surge, off.entropy_action) == (10.0, None, None, "rollback")
+    assert (off.grad_spike, off.entropy_collapse, off.entropy_surge, off.entropy_action) == (None, None, None, "rollback")
     assert problems_of("trainer.guard.entropy_action=pause")[0].startswith("trainer.guard.entropy_action")

@@ -45,13 +45,19 @@ def test_dynamic_sampling_needs_a_group_estimator():
            "algorithm.adv_estimator = 'gae'" in message and "set algorithm.adv_estimator=grpo" in message
 
 
+def test_a_reward_component_is_a_metric_as_verls_acc_and_the_score_is_none():
+    assert compile_ppo(load(*DAPO, f"{FG}.metric=acc"), 1).filter_groups.component == "acc"
+    assert compile_ppo(load(*DAPO, f"{FG}.metric=exact_match"), 1).filter_groups.component == "exact_match"
+    assert compile_ppo(load(*DAPO, f"{FG}.metric=seq_reward"), 1).filter_groups.component is None
+
+
 def test_the_metrics_klppo_cannot_compute_are_refused_with_the_one_to_use():
-    assert f"{FG}.metric = 'acc': klppo compares each response's score" in problems_of(*DAPO, f"{FG}.metric=acc")
     assert f"{FG}.metric = null" in problems_of(*DAPO, f"{FG}.metric=null")
-    assert f"{FG}.metric = 'scores' is not one of" in problems_of(*DAPO, f"{FG}.metric=scores")
     message = problems_of(*DAPO, f"{FG}.metric=seq_final_reward", "algorithm.use_kl_in_reward=true")
     assert "'seq_final_reward' with algorithm.use_kl_in_reward" in message and f"{FG}.metric=score" in message
     load(*DAPO, f"{FG}.metric=seq_final_reward")  # without the KL penalty it is the score
+    message = problems_of(*DAPO, f"{FG}.metric=acc", "reward_model.enable=true", "reward_model.model.path=models/rm")
+    assert f"{FG}.metric = 'acc' names an entry of the dict a reward function returns, but reward_model.enable" in message
 
 
 def test_a_generation_batch_of_its_own_needs_dynamic_sampling_and_prompts():

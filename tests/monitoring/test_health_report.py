@@ -4,6 +4,7 @@ Each run folder is written by hand, the way a run writes metrics.jsonl and event
 """
 
 import json
+import math
 
 import pytest
 import yaml
@@ -28,7 +29,7 @@ def healthy_record(step):
     """A step of a healthy run: steady grad norms, entropy, spread in every group, short responses."""
     record = {"step": step, "critic/score/mean": 0.3 + 0.01 * step, "actor/entropy": 1.2,
               "actor/grad_norm": 3.0, "actor/grad_norm_skipped": 0, "actor/grad_norm_median": 3.0,
-              "actor/grad_norm_scale": 0.5, "critic/score/zero_std_frac": 0.05, "critic/advantages/zero_frac": 0.05,
+              "critic/score/zero_std_frac": 0.05, "critic/advantages/zero_frac": 0.05,
               "response_length/mean": 200.0, "response_length/clip_ratio": 0.02}
     if step % 10 == 0:
         record.update({"val-core/gsm8k/reward/mean@1": 0.3 + 0.01 * step, "val-gold/reward/mean": 0.3 + 0.01 * step})
@@ -45,10 +46,9 @@ def spike_run(tmp_path):
     records = [healthy_record(s) for s in range(1, 31)]
     for step, skipped in ((12, 1), (13, 2), (15, 1)):
         records[step - 1].update({"actor/grad_norm": 42.0, "actor/grad_norm_skipped": skipped})
-    records[24].update({"critic/grad_norm": 20.0, "critic/grad_norm_median": 2.0, "critic/grad_norm_scale": 1.0,
-                        "critic/grad_norm_skipped": 1})
-    spikes = [event(s, "skip_grad_spike", model="actor", grad_norm=g, median=3.0, scale=3.0, ratio=(g - 3.0) / 3.0)
-              for s, g in ((12, 30.0), (13, 42.0), (13, 40.0), (15, 33.0))]
+    records[24].update({"critic/grad_norm": 20.0, "critic/grad_norm_median": 2.0, "critic/grad_norm_skipped": 1})
+    spikes = [event(s, "skip_grad_spike", model="actor", grad_norm=g, median=3.0, ratio=g / 3.0,
+                    log_ratio=math.log(g / 3.0)) for s, g in ((12, 30.0), (13, 42.0), (13, 40.0), (15, 33.0))]
     rollback = event(15, "rollback_grad_spike", skips=4, window=10, to_step=10)
     return write_run(tmp_path / "run", records, spikes + [rollback], {"trainer": {"guard": {"grad_spike": 3.0}}})
 
@@ -56,14 +56,14 @@ def spike_run(tmp_path):
 def test_a_grad_spike_episode_names_its_peak_skips_and_rollback(tmp_path):
     actor, critic = grad_findings(spike_run(tmp_path))
     assert (actor.first, actor.last) == (12, 15)
-    assert actor.numbers["times"] == pytest.approx(14.0) and actor.numbers["ratio"] == pytest.approx(13.0)
+    assert actor.numbers["times"] == pytest.approx(14.0)
     assert actor.numbers["skipped"] == 4 and actor.numbers["rollbacks"] == 1  # the metric counts, not the events
-    assert actor.text == ("Actor grad norm spiked to 14x its window median (42 vs 3, 13 scales above it) at steps "
+    assert actor.text == ("Actor grad norm spiked to 14x its window median (42 vs 3) at steps "
                           "12-13, 15; 4 optimiser steps skipped; rolled back to step 10 at step 15 (4 skips within 10 "
                           "steps).")
-    # No event for the critic: its peak comes from the logged median and scale: 20 / 2 = 10x, (20 - 2) / 1 = 18.
-    assert (critic.first, critic.numbers["times"], critic.numbers["ratio"], critic.numbers["skipped"]) == (25, 10, 18, 1)
-    assert "Critic grad norm spiked to 10x its window median (20 vs 2, 18 scales above it) at step 25; 1 optimiser " \
+    # No event for the critic: its peak comes from the logged median: 20 / 2 = 10x.
+    assert (critic.first, critic.numbers["times"], critic.numbers["skipped"]) == (25, 10, 1)
+    assert "Critic grad norm spiked to 10x its window median (20 vs 2) at step 25; 1 optimiser " \
            "step skipped." == critic.text
 
 
@@ -121,6 +121,9 @@ def test_gold_reward_falling_while_the_training_reward_rises_is_reported_from_it
     assert found.text.startswith("Training reward rose +0.31 over the last 3 validations while the gold reward fell "
                                  "-0.05 (from step 30, flagged at step 50; action: warn): the policy may be gaming ")
     assert found.text.endswith("; flagged again at step 60.")
+    spread = [dict(events[0], train_shift=0.62, gold_shift=-0.1)]
+    (found,) = divergence_findings(write_run(tmp_path / "spread", records, spread))
+    assert "(from step 30, flagged at step 50, +0.62 vs -0.1 of their spreads; action: warn)" in found.text
 
 
 def test_responses_cut_at_the_limit_are_reported_at_the_end_against_the_start(tmp_path):
@@ -159,8 +162,8 @@ def test_the_report_holds_the_health_paragraphs_and_plots_in_markdown(tmp_path):
     panels = {p.name: p for p in health_panels(run)}
     assert sorted(panels) == ["health_gold", "health_grad_norm", "health_length", "health_zero_spread"]
     actor_axis, critic_axis = panels["health_grad_norm"].axes
-    (band,) = actor_axis.bands  # median + k * scale with the run's grad_spike = 3: 3 + 3 * 0.5
-    assert band.label == "median + 3 x scale" and band.high[0] == 4.5 and band.low[0] == 3.0
+    (band,) = actor_axis.bands  # the median up to the skip limit, median x grad_spike: 3 x 3
+    assert band.label == "median x 3 (skip limit)" and band.high[0] == 9.0 and band.low[0] == 3.0
     skipped = next(s for s in actor_axis.series if s.label.startswith("skipped"))
     assert (skipped.label, skipped.steps, skipped.values) == ("skipped (4)", [12, 13, 15], [42.0, 42.0, 42.0])
     assert [s.label for s in panels["health_gold"].axes[0].series] == ["val-core/gsm8k/reward/mean@1",
@@ -198,9 +201,8 @@ def test_a_grad_guard_action_with_no_skip_near_it_is_a_finding_of_its_own(tmp_pa
     assert found.text == "Grad-norm spikes: Stopped the run at step 9 (3 skips within 5 steps)."
 
 
-def test_without_the_detectors_k_the_grad_band_is_the_window_median_plus_or_minus_one_scale(tmp_path):
+def test_without_the_detectors_k_the_grad_plot_has_no_band(tmp_path):
     run = write_run(tmp_path / "run", [healthy_record(s) for s in range(1, 6)])
     (axis,) = next(p for p in health_panels(run) if p.name == "health_grad_norm").axes  # no critic logged
-    (band,) = axis.bands
-    assert (band.label, band.low[0], band.high[0]) == ("median +- scale", 2.5, 3.5)
+    assert axis.bands == []
     assert [s.label for s in axis.series] == ["actor/grad_norm", "window median"]  # no skip: no markers

@@ -1,5 +1,6 @@
 """Reliability: a killed run resumes exactly, a crash mid-save loses nothing, the guards act."""
 
+import math
 import os
 import random
 import signal
@@ -48,7 +49,7 @@ def _wait_for_step(run_dir: Path, step: int, proc, timeout: float = 240.0) -> No
 # its gradient norms by ~10%): their windows, skip counts, entropy episodes and certified checkpoints
 # must come back from the checkpoint exactly for the resumed run to repeat the uninterrupted one.
 FIRING_DETECTORS = {"actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.guard.window": 6,
-                    "trainer.guard.grad_spike": 0.5, "trainer.guard.max_grad_skips": 8,
+                    "trainer.guard.grad_spike": 1.05, "trainer.guard.max_grad_skips": 4,
                     "trainer.guard.entropy_collapse": 1e-7, "trainer.guard.entropy_surge": 1e-7}
 
 
@@ -149,11 +150,12 @@ def test_a_kl_blow_up_is_rolled_back_and_the_run_ends_under_target(ppo_overrides
 
 def test_a_gradient_blow_up_skips_its_optimiser_steps_then_rolls_back(ppo_overrides, tmp_path):
     """A learning-rate warm-up to a rate far too large: within a few steps the actor's gradient
-    norm blows up. The KL guards are off, so the gradient guard alone acts: it skips the spikes
-    (four optimiser steps a PPO step), then rolls back to a checkpoint it certified."""
+    norm blows up (17x its median at step 3, after it had collapsed at step 2). The KL guards are
+    off, so the gradient guard alone acts: it skips the spikes (four optimiser steps a PPO step),
+    then rolls back to a checkpoint it certified."""
     changes = {
         "actor_rollout_ref.actor.optim.lr": 3.0, "actor_rollout_ref.actor.optim.lr_warmup_steps": 6,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.total_training_steps": 5, "trainer.save_freq": 1,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.total_training_steps": 7, "trainer.save_freq": 1,
         "trainer.guard.rollback_kl": "null", "trainer.guard.early_stop_kl": "null",
         "trainer.guard.max_grad_skips": 1, "trainer.guard.grad_spike": 10.0, "trainer.guard.rollback_lr": 1e-7,
     }
@@ -163,15 +165,40 @@ def test_a_gradient_blow_up_skips_its_optimiser_steps_then_rolls_back(ppo_overri
     assert rollback is not None, [(r["step"], r.get("actor/grad_norm"), r.get("critic/grad_norm")) for r in records]
     model, at = rollback["model"], rollback["step"]
     skips = [e for e in events if e["kind"] == "skip_grad_spike" and e["model"] == model and e["step"] <= at]
-    assert len(skips) == rollback["skips"] >= 2 and skips[0]["step"] < at  # a skip alone first, within max_grad_skips
-    for e in skips:  # each more than grad_spike = 10 scales above the window's median
-        assert e["ratio"] > 10.0 and e["grad_norm"] == pytest.approx(e["median"] + e["ratio"] * e["scale"])
+    # skips in two steps (two optimiser steps at step 3, one at 5): a step with skips alone first, within
+    # max_grad_skips = 1; the second step with skips rolls back
+    assert len({e["step"] for e in skips}) == rollback["skips"] == 2 and skips[0]["step"] < at
+    for e in skips:  # each more than grad_spike = 10 times its reference level
+        assert e["ratio"] > 10.0 and e["grad_norm"] == pytest.approx(e["median"] * e["ratio"])
+        assert e["log_ratio"] == pytest.approx(math.log(e["ratio"]))
     counted = sum(r.get(f"{model}/grad_norm_skipped", 0) for r in records if r["step"] <= at)
     assert counted == len(skips)
     # The target is a checkpoint saved before the first skip; the run goes on at the rollback rate.
     assert 1 <= rollback["to_step"] < skips[0]["step"]
     after = [r for r in records if r["step"] > at]
     assert after and all(r["actor/lr"] == pytest.approx(1e-7) and r["guard/rollbacks"] == 1 for r in after)
+
+
+def test_a_batch_with_a_huge_advantage_is_skipped_by_the_default_guard(ppo_overrides, tmp_path, monkeypatch):
+    """With every trainer.guard default, one step whose advantages are 1000x too large (a reward bug,
+    a mis-scaled batch) has its actor optimiser steps skipped; no other step is touched."""
+    from klppo.trainer import ppo_trainer
+
+    real, calls = ppo_trainer.compute_advantage, []
+
+    def one_huge_batch(*args, **kwargs):
+        advantages, returns = real(*args, **kwargs)
+        calls.append(1)
+        return (advantages * 1000.0 if len(calls) == 5 else advantages), returns
+
+    monkeypatch.setattr(ppo_trainer, "compute_advantage", one_huge_batch)
+    records = run_ppo(None, ppo_overrides(**{"trainer.total_training_steps": 6}), print_fn=quiet)
+    events = read_jsonl(tmp_path / "run" / EVENTS_FILE) if (tmp_path / "run" / EVENTS_FILE).exists() else []
+    skips = [e for e in events if e["kind"] == "skip_grad_spike"]
+    assert skips and {(e["step"], e["model"]) for e in skips} == {(5, "actor")}, events
+    assert all(e["ratio"] > 30.0 for e in skips)  # trainer.guard.grad_spike's default
+    assert [r["actor/grad_norm_skipped"] for r in records] == [0, 0, 0, 0, len(skips), 0]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and "actor/grad_norm_median" in records[4]
 
 
 def _nan_reward_file(tmp_path: Path) -> Path:

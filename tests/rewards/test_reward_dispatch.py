@@ -168,3 +168,11 @@ def test_gsm8k_ground_truths_that_an_answer_can_equal_pass(truth):
     from klppo.rewards.score import check_scorable
 
     check_scorable(make_reward_fn(None), [("openai/gsm8k", truth)], "data.train_files", ["t.parquet row 0"])
+
+
+def test_a_bool_entry_is_a_component_of_1_or_0_and_text_is_none():
+    from klppo.rewards.score import reward_components
+
+    # verl's math_dapo returns {"score": ..., "acc": <bool>, "pred": <str>}: its DAPO recipe filters groups by acc
+    assert reward_components({"score": 1.0, "acc": True, "pred": "12", "bonus": 2}) == {"acc": 1.0, "bonus": 2.0}
+    assert reward_components({"score": 0.0, "acc": False}) == {"acc": 0.0} and reward_components(0.5) == {}

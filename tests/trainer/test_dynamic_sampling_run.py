@@ -91,6 +91,50 @@ def test_offline_data_with_too_few_groups_with_spread_stops_after_one_epoch(grpo
                               "actor_rollout_ref.actor.ppo_mini_batch_size": 4}), print_fn=quiet)
 
 
+# verl's DAPO reward: a dict whose "acc" (a bool, as verl's math_dapo returns it) is what the groups are
+# filtered by. Here the score ties in every group, and "acc" differs only in the groups of prompts 0, 4,
+# 8, ...: each recorded group holds the right answer and one off by 1.
+ACC_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    right = solution_str.endswith("#### " + ground_truth)
+    return {"score": 1.0, "acc": right and extra_info["index"] % 4 == 0, "pred": solution_str[-3:]}
+'''
+
+
+@pytest.fixture
+def acc_grpo(ppo_overrides, tmp_path):
+    data = write_arithmetic_offline_parquet(tmp_path / "offline.parquet", 16, seed=2, n_responses=2)
+    reward = tmp_path / "acc_reward.py"
+    reward.write_text(ACC_REWARD)
+
+    def overrides(run_dir=None, **changes):
+        base = {"data.train_files": data, "data.shuffle": "false", "algorithm.adv_estimator": "grpo",
+                "algorithm.use_kl_in_reward": "false", "custom_reward_function.path": reward,
+                f"{FG}.enable": "true", "data.train_batch_size": 2, "data.gen_batch_size": 4,
+                "actor_rollout_ref.actor.ppo_mini_batch_size": 1}
+        return ppo_overrides(run_dir, **{**base, **changes})
+
+    return overrides
+
+
+def test_filter_groups_by_a_reward_component_as_verls_dapo_acc(acc_grpo, monkeypatch, tmp_path):
+    trained = _trained_prompts(monkeypatch)
+    records = run_ppo(None, acc_grpo(**{f"{FG}.metric": "acc"}), print_fn=quiet)
+    # each generation batch of 4 prompts holds one whose responses' acc differ: two draws per step
+    assert trained == [[0, 4], [8, 12]]
+    assert all(r["training/filter_groups/gen_batches"] == 2.0 and r["reward/acc/mean"] == 0.5 for r in records)
+    # by the score, which ties everywhere, no group is kept
+    with pytest.raises(UserError, match="kept 0 prompts whose responses' rewards differ"):
+        run_ppo(None, acc_grpo(tmp_path / "by_score", **{f"{FG}.metric": "score"}), print_fn=quiet)
+
+
+def test_a_filter_component_the_reward_function_does_not_return_is_an_error_naming_the_row(acc_grpo):
+    with pytest.raises(UserError, match=r"offline.parquet row 0: algorithm.filter_groups.metric = 'accuracy', but "
+                                        r"the reward function returned no numeric 'accuracy' for this response \(its "
+                                        r"numeric entries besides 'score': 'acc'\)"):
+        run_ppo(None, acc_grpo(**{f"{FG}.metric": "accuracy"}), print_fn=quiet)
+
+
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     # About half the groups of two tie: the parity of the response's length.

@@ -63,6 +63,12 @@ def test_a_gold_reward_that_disagrees_with_the_training_reward_raises_the_diverg
     (event,) = _events(tmp_path / "run")
     assert (event["kind"], event["step"], event["validations"], event["action"]) == ("reward_divergence", 2, 3, "stop")
     assert event["train_change"] == pytest.approx(train[2] - train[0]) and event["gold_change"] == 0.0
+    # each reward's spread over the held-out responses: the flat gold has none, so it moved by 0 spreads
+    assert all(r["val-gold/reward/std"] == 0.0 < r["val-core/reward/std"] for r in records)
+    spread = sum(r["val-core/reward/std"] for r in records) / 3
+    assert (event["gold_spread"], event["gold_shift"]) == (0.0, 0.0)
+    assert event["train_spread"] == pytest.approx(spread) and event["train_shift"] == pytest.approx(
+        event["train_change"] / spread)
 
 
 def _training_numbers(record: dict) -> dict:
@@ -100,7 +106,8 @@ def test_the_gold_reward_is_logged_but_never_trained_on(gold_runs):
     assert "val-gold/reward/mean" in with_gold[1] and "val-gold/reward/mean" not in without[1]
     assert [_training_numbers(r) for r in with_gold] == [_training_numbers(r) for r in without]
     # the training reward's validation numbers do not move either
-    val_core = lambda r: {k: v for k, v in r.items() if k.startswith("val-core/") and k != "val-core/reward/mean"}  # noqa: E731
+    # (val-core/reward/mean and /std, over all responses, are logged with a gold reward only)
+    val_core = lambda r: {k: v for k, v in r.items() if k.startswith("val-core/") and not k.startswith("val-core/reward/")}  # noqa: E731
     assert [val_core(r) for r in with_gold] == [val_core(r) for r in without]
 
 
