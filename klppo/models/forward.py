@@ -41,7 +41,9 @@ from torch.utils.checkpoint import checkpoint
 
 from klppo.algo import entropy_from_logits, logprobs_from_logits
 from klppo.data.batching import PackedBatch, pack
-from klppo.models.attention import PACKED_SDPA, ROW_BOUNDS, use_packed_attention  # noqa: F401 - also found here
+from klppo.models.attention import (  # noqa: F401 - PACKED_SDPA and use_packed_attention also found here
+    PACKED_SDPA, ROW_BOUNDS, ROW_BOUNDS_IMPLEMENTATIONS, use_packed_attention,
+)
 from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_head_unsupported, fused_lm_head
 
 
@@ -81,10 +83,11 @@ def _padded_forward(model, input_ids, attention_mask, response_length, lm: bool,
 
 
 def _bounds_kwargs(model, bounds: list[list[int]]) -> dict:
-    """``{ROW_BOUNDS: bounds}`` for a PACKED_SDPA model (transformers hands the model's keyword
-    arguments to every attention call, and gradient checkpointing's recomputation keeps them);
-    nothing for other attention implementations, which take no such argument."""
-    return {ROW_BOUNDS: bounds} if model.config._attn_implementation == PACKED_SDPA else {}
+    """``{ROW_BOUNDS: bounds}`` for a model whose attention loops over the sequences (PACKED_SDPA,
+    PACKED_DETERMINISTIC): transformers hands the model's keyword arguments to every attention call,
+    and gradient checkpointing's recomputation keeps them; nothing for other attention
+    implementations, which take no such argument."""
+    return {ROW_BOUNDS: bounds} if model.config._attn_implementation in ROW_BOUNDS_IMPLEMENTATIONS else {}
 
 
 def _packed_reads(packed: PackedBatch, attention_mask: torch.Tensor, response_length: int):
