@@ -20,4 +20,4 @@ export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
 export FLASH_ATTENTION_DETERMINISTIC="${FLASH_ATTENTION_DETERMINISTIC:-1}"
 export TOKENIZERS_PARALLELISM=false KLPPO_QUIET=1 TQDM_DISABLE=1
 unset RANK WORLD_SIZE LOCAL_RANK  # one process: FSDP2 over a group of one
-exec "${PYTHON:-python}" benchmarks/gpu_smoke.py "$@"
+exec "${PYTHON:-python3}" benchmarks/gpu_smoke.py "$@"
