@@ -1,8 +1,9 @@
 """What a PPO step does besides its computation, counted: no garbage collection and no emptying of
 CUDA's cache per step or per phase (each waits for the device; the first H200 run spent 0.5 s per
-step in gc.collect). The run is a tiny one on CPU; the two places that emptied the cache on CUDA
-(the generation copy's release, the offloader's return of a model to CPU) are driven with the
-device faked as CUDA."""
+step in gc.collect), and what any collection during the steps must walk: only what the steps made,
+the set-up frozen (``klppo.run.collector``). The run is a tiny one on CPU; the two places that
+emptied the cache on CUDA (the generation copy's release, the offloader's return of a model to
+CPU) are driven with the device faked as CUDA."""
 
 import gc
 from collections import Counter
@@ -40,10 +41,13 @@ def test_a_tiny_online_run_collects_no_garbage_and_empties_no_cache_in_its_steps
     per_step = []
     train_step = PPOTrainer.train_step
 
+    walked = []  # (objects a full collection would walk, objects frozen) in each step
+
     def counting_step(self):
         before = Counter(counted)
         out = train_step(self)
         per_step.append(Counter(counted) - before)
+        walked.append((len(gc.get_objects()), gc.get_freeze_count()))
         return out
 
     monkeypatch.setattr(PPOTrainer, "train_step", counting_step)
@@ -55,6 +59,26 @@ def test_a_tiny_online_run_collects_no_garbage_and_empties_no_cache_in_its_steps
                                  "algorithm.adv_estimator": "gae", "trainer.total_training_steps": 2})
     run_ppo(None, overrides, print_fn=lambda *a, **k: None)
     assert per_step == [Counter(), Counter()] and copies == [1, 1]  # each step generated with a copy
+    # a collection in a step walks what the steps made: a small share of what the set-up left frozen
+    assert all(frozen > 100_000 and tracked < frozen / 5 for tracked, frozen in walked), walked
+    assert gc.get_freeze_count() == 0  # thawed when training ended (before the export's collection)
+
+
+def test_the_set_up_is_frozen_only_where_nothing_else_froze_it():
+    from klppo.run.collector import FrozenSetup
+
+    with FrozenSetup() as frozen:
+        assert gc.get_freeze_count() > 0
+        frozen.collect_everything()
+        assert gc.get_freeze_count() == 0
+    gc.freeze()  # as vLLM does
+    try:
+        count = gc.get_freeze_count()
+        with FrozenSetup() as frozen:
+            frozen.collect_everything()
+            assert gc.get_freeze_count() > count // 2  # theirs, left frozen (some die by reference count)
+    finally:
+        gc.unfreeze()
 
 
 def test_returning_a_model_to_cpu_leaves_its_memory_to_the_caching_allocator(counted):
