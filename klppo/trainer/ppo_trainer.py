@@ -204,7 +204,7 @@ class PPOTrainer:
         # batch's penalty online (verl), the offline estimate on the steps that measure it.
         current = kl_estimate  # the same on every rank, as the controller's value must stay
         if self.s.rollout != "offline":
-            current = mean_over_ranks({"kl": float(stats["actor/reward_kl_penalty"])})["kl"]
+            current = mean_over_ranks({"kl": float(stats["actor/reward_kl_penalty"])})["kl"]  # host sync
         if current is not None:
             self.p.kl_ctrl.update(current_kl=current, n_steps=len(batch))
         return stats
@@ -251,7 +251,7 @@ class PPOTrainer:
         grad-norm window's metrics). Every rank has the same full gradient norms (FSDP2)."""
         watched = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
         health = ("actor/entropy", "actor/pg_clipfrac")  # not during the critic's warm-up
-        agreed = mean_over_ranks({k: float(metrics[k]) for k in watched + health if k in metrics})
+        agreed = mean_over_ranks({k: float(metrics[k]) for k in watched + health if k in metrics})  # host sync
         action = self.guard.check_finite(self.step, {k: agreed[k] for k in watched if k in agreed})
         if "actor/entropy" in agreed:
             self.guard.check_health(self.step, agreed["actor/entropy"], agreed["actor/pg_clipfrac"])

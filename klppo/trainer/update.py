@@ -62,7 +62,7 @@ class OptimizerSteps:
         """The norms and verdicts as Python values (one host sync for the whole update)."""
         if not self.norms:
             return [], []
-        norms, applied = torch.stack([torch.stack(self.norms).float(), torch.stack(self.applied).float()]).tolist()
+        norms, applied = torch.stack([torch.stack(self.norms).float(), torch.stack(self.applied).float()]).tolist()  # host sync
         return norms, [a > 0 for a in applied]
 
 
