@@ -150,9 +150,11 @@ def backends_child(model_dir: Path, n_prompts: int, new_tokens: int, repeats: in
     prompts = [torch.randint(100, config.vocab_size - 100, (int(n),), generator=generator).tolist()
                for n in torch.randint(24, 48, (n_prompts,), generator=generator)]
     records = [PromptRecord(i, "bench", None, ids, None, {}) for i, ids in enumerate(prompts)]
-    # The last vocabulary entry stands in for EOS: vLLM ignores it (ignore_eos), and HF samples it
-    # with probability ~1/vocabulary per token, so nearly every row decodes all its tokens.
+    # The last vocabulary entry stands in for EOS (the model's own generation config too, whose EOS
+    # HF generate would stop at as well): vLLM ignores it (ignore_eos), and HF samples it with
+    # probability ~1/vocabulary per token, so nearly every row decodes all its tokens.
     never = SimpleNamespace(pad_token_id=config.pad_token_id or 0, eos_token_id=config.vocab_size - 1)
+    model.generation_config.eos_token_id = never.eos_token_id
     settings = EngineSettings(
         tensor_parallel_size=1, dtype=torch.float32, gpu_memory_utilization=0.5, kv_cache_memory_bytes=None,
         max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=48 + new_tokens, enforce_eager=None,
@@ -165,7 +167,7 @@ def backends_child(model_dir: Path, n_prompts: int, new_tokens: int, repeats: in
     syncs = []
     for _ in range(6):  # the first sync pays one-off set-up; the engine repacks weights for its CPU matmuls each time
         start = time.perf_counter()
-        engine.load_weights(engine_weights(model, torch.float32, torch.device("cpu")))
+        engine.load_weights(engine_weights(model, torch.float32, torch.device("cpu"), engine.parameter_names))
         syncs.append(time.perf_counter() - start)
     first, syncs = syncs[0], sorted(syncs[1:])
     params = SamplingParams(n=1, max_new_tokens=new_tokens, temperature=1.0)

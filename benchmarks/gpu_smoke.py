@@ -26,8 +26,10 @@ packed rows against the padded path in bf16 with the attention a run chooses (ju
 offline step whose KL probe runs with the actor and reference under param_offload, and (where
 vLLM is installed: ``bash scripts/setup.sh --vllm``) a bf16 run with vLLM rollouts in a process
 of its own: TP=1, the engine asleep while the models train and woken weights -> sync -> KV cache
-for each generation (GPU), its log-probs against the trainer's, the weight sync's time and the
-generation phase's peak memory, which counts the engine.
+for each generation (GPU), validation after every step (several generations, each after a sleep
+that discarded the weights: a sync before each), every wake past a cache filled with the device's
+free memory (which it must empty first: ``vllm_smoke_run.py``), its log-probs against the
+trainer's, the weight sync's time and the generation phase's peak memory, which counts the engine.
 Each check line ends with the seconds it took; the last lines give each part's time and the
 total, and ``--budget-s S`` adds a check that the whole script took at most S seconds.
 Exit status 1 when a check fails.
@@ -244,11 +246,13 @@ def check_offline_probe_offloaded(model: Path, root: Path, device: str, prompts:
         check("offline KL probe with actor and reference offloaded", False, f"{type(exc).__name__}: {exc}")
 
 
-VLLM_CHECK = "vLLM rollout: bf16, sleep/wake, weight sync, TP=1"
+VLLM_CHECK = "vLLM rollout: bf16, sleep/wake, weight sync, validation, TP=1"
+VLLM_STEPS = 2
 
 
 def check_vllm_rollout(root: Path, device: str, prompts: int, response: int) -> None:
-    """A bf16 online GRPO run with vLLM rollouts through the real entry point (one engine per process)."""
+    """A bf16 online GRPO run with vLLM rollouts and validation after every step, through the real
+    entry point in a process of its own (``vllm_smoke_run.py``, one engine per process)."""
     import json
     import subprocess
 
@@ -259,26 +263,46 @@ def check_vllm_rollout(root: Path, device: str, prompts: int, response: int) -> 
                                                           num_key_value_heads=1)  # vLLM's CPU attention: heads of 32+
     model = build_tiny_model_folder(root / "vllm_model", arithmetic_corpus(200, 0), seed=0, **shape)
     train = write_arithmetic_parquet(root / "vllm_train.parquet", 4 * prompts, seed=1)
-    arf, run_dir = "actor_rollout_ref", root / "run_vllm"
-    args = [f"data.train_files={train}", "data.max_prompt_length=64", f"data.max_response_length={response}",
+    val = write_arithmetic_parquet(root / "vllm_val.parquet", prompts, seed=3, split="test")
+    arf, run_dir, out = "actor_rollout_ref", root / "run_vllm", root / "vllm_engine_calls.json"
+    args = [f"data.train_files={train}", f"data.val_files={val}", f"data.val_batch_size={prompts // 2}",
+            "data.max_prompt_length=64", f"data.max_response_length={response}",
             f"data.train_batch_size={prompts}", f"{arf}.model.path={model}", f"{arf}.rollout.name=vllm",
             f"{arf}.rollout.n=4", f"{arf}.rollout.tensor_model_parallel_size=1", f"{arf}.rollout.free_cache_engine=true",
             f"{arf}.rollout.gpu_memory_utilization=0.3", f"{arf}.actor.ppo_mini_batch_size={prompts // 2}",
             f"{arf}.actor.optim.lr=1e-5", f"{arf}.actor.fsdp_config.dtype=bfloat16", f"{arf}.actor.use_kl_loss=true",
-            "algorithm.adv_estimator=grpo", "trainer.total_training_steps=2", "trainer.save_freq=-1",
+            "algorithm.adv_estimator=grpo", f"trainer.total_training_steps={VLLM_STEPS}", "trainer.save_freq=-1",
+            "trainer.test_freq=1", "trainer.val_before_train=true",
             "trainer.logger=[]", f"trainer.device={device}", f"trainer.default_local_dir={run_dir}"]
-    done = subprocess.run([sys.executable, "-m", "klppo.commands.main_ppo", *args], capture_output=True, text=True)
+    script = Path(__file__).with_name("vllm_smoke_run.py")
+    done = subprocess.run([sys.executable, str(script), str(out), *args], capture_output=True, text=True)
     if done.returncode:
         check(VLLM_CHECK, False, done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else "failed")
         return
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    last = records[-1]
+    calls, last = json.loads(out.read_text()), records[-1]
+    ok = len(records) == VLLM_STEPS + 1 and vllm_calls_ok(calls, device, records) and last["timing_s/weight_sync"] > 0
     diff, outside = last["training/rollout_probs_diff_mean"], last["training/rollout_probs_ratio_outside"]
-    ok = len(records) == 2 and last["timing_s/weight_sync"] > 0 and diff < 0.05 and math.isfinite(last["actor/pg_loss"])
+    ok = ok and diff < 0.05 and math.isfinite(last["actor/pg_loss"])
     check(VLLM_CHECK, ok, f"gen {last['timing_s/gen']:.2f} s, weight sync {last['timing_s/weight_sync']:.3f} s, "
           f"gen peak {last.get('perf/peak_memory_gb/gen', math.nan):.2f} GiB vs update "
           f"{last.get('perf/peak_memory_gb/update_actor', math.nan):.2f} GiB, |p_trainer - p_engine| mean {diff:.2e}, "
-          f"{100 * outside:.1f}% of tokens with ratio outside [0.8, 1.25]")
+          f"{100 * outside:.1f}% of tokens with ratio outside [0.8, 1.25]; {calls['generations']} generations, "
+          f"{calls['loads']} weight loads, {calls['wakes']} wakes each past {calls['cached_before_wake_gib']:.1f} GiB "
+          f"held in PyTorch's cache")
+
+
+def vllm_calls_ok(calls: dict, device: str, records: list[dict]) -> bool:
+    """Every validation (before training and after each step) generated for its two batches and its
+    KL probe's two, with the weights; on a GPU each generation after its own weight load (the sleep
+    after the one before discarded them) and both wakes past a cache holding the device's free memory."""
+    validations = sum("val-aux/kl_to_ref" in r for r in records)
+    ok = calls["exit"] == 0 and validations == VLLM_STEPS + 1
+    ok = ok and calls["generations"] == VLLM_STEPS + 4 * validations
+    if device == "cuda":
+        ok = ok and calls["loads"] == calls["generations"] and calls["wakes"] == 2 * calls["generations"]
+        ok = ok and calls["cached_before_wake_gib"] > 1.0
+    return ok
 
 
 def check_memory_and_mfu(records: list[dict], device: torch.device) -> None:

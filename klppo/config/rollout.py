@@ -99,7 +99,8 @@ class RolloutConfig:
     # Reuse the KV of prompt prefixes across requests (reset whenever the weights change).
     enable_prefix_caching: bool = True
     # The engine's weight dtype; auto = the actor's compute dtype (fsdp_config.dtype), so the
-    # sampler and the trainer compute with the same precision.
+    # sampler and the trainer compute with the same precision; but float32 for a LoRA actor in
+    # bf16/fp16, whose merged weights would round its small updates away.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # How the engine starts: dummy (random weights, nothing read) or a format vLLM reads from
     # model.path (auto, safetensors). Either way it generates with the actor's weights, synced
@@ -112,10 +113,12 @@ class RolloutConfig:
     # (rollout correction and the rollout-vs-trainer metrics use them).
     calculate_log_probs: bool = True
     # Which log-probs the engine returns: processed_logprobs (of the distribution it samples:
-    # after temperature, top_k and top_p) or raw_logprobs (of the model's logits at temperature 1).
+    # after temperature, top_k and top_p) or raw_logprobs (of the model's logits at temperature 1:
+    # not the trainer's at any other temperature, so refused there with rollout correction).
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     # Generate to response_length even past EOS (benchmarking); the response still ends at
-    # its first EOS for training, as in verl.
+    # its first EOS for training, as in verl. Without it a response ends at any EOS the model
+    # lists (the tokenizer's and those of its generation_config.json).
     ignore_eos: bool = False
     # Seed of the per-request sampling seeds: request (step, prompt, sample) draws from a
     # stream of its own, so the same responses come on any number of ranks and after a resume.

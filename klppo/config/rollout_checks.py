@@ -6,6 +6,7 @@ default they are named in one warning (they configure an engine that run does no
 
 from __future__ import annotations
 
+from klppo.config.lora import lora_enabled
 from klppo.config.rollout import ENGINE_KEYS, ROLLOUT, RolloutConfig
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.schema import PPOConfig
@@ -20,6 +21,29 @@ def resolve_rollout_engine(rollout: RolloutConfig, max_prompt_length: int, notes
         rollout.name = "hf"
     if rollout.max_model_len is None and rollout.response_length is not None:
         rollout.max_model_len = max_prompt_length + rollout.response_length
+
+
+def engine_dtype(cfg: PPOConfig) -> str:
+    """The vLLM engine's weight dtype: ``rollout.dtype``, where ``auto`` is the actor's compute dtype
+    (``fsdp_config.dtype``), so the sampler computes as the trainer does, but float32 for a LoRA
+    actor computing in half precision.
+
+    The engine takes each adapted weight merged, W + alpha / r * B @ A (``run/adapters.merged_weights``),
+    and bf16 rounds away every change below its resolution of W, which early LoRA updates are
+    (lora_B starts at zero), so a bf16 engine would sample from a policy that lags the one PPO
+    trains. The fp32 engine samples from the policy of the fp32 weights the optimiser updates.
+    Measured on the tiny model after 4 bf16 LoRA steps at lr 1e-5 (log-probs of sampled tokens):
+    the fp32 merge agreed with the fp32 adapters to 1e-6, and its change from the base was the
+    update's; the bf16 merge's change pointed along the update's at cos 0.22. The bf16 actor's own
+    pi_old, adapters apart but rounded in every layer, is as far (7e-4) from either engine, so
+    bf16 runs keep a sampler-trainer gap of that size either way. The price is the engine's
+    weights in fp32: twice their memory, and slower generation (README, "vLLM rollouts")."""
+    rollout, fsdp = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor.fsdp_config
+    if rollout.dtype != "auto":
+        return rollout.dtype
+    if lora_enabled(cfg.actor_rollout_ref.model) and fsdp.dtype != "float32":
+        return "float32"
+    return fsdp.dtype
 
 
 def engine_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
@@ -39,6 +63,11 @@ def engine_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
         out.append(((f"{ROLLOUT}.calculate_log_probs", "algorithm.rollout_correction"),
                     f"algorithm.rollout_correction needs the engine's log-probs of the sampled tokens; set "
                     f"{ROLLOUT}.calculate_log_probs=true, or switch the correction off"))
+    if raw_log_probs_off_temperature(rollout) and rollout_correction_active(cfg):
+        out.append(((f"{ROLLOUT}.logprobs_mode", "algorithm.rollout_correction"),
+                    f"{ROLLOUT}.logprobs_mode = 'raw_logprobs' at temperature = {rollout.temperature} gives log softmax(z), "
+                    f"while the trainer's pi_old is log softmax(z / T), so algorithm.rollout_correction's weights and "
+                    f"rejections would be biased; set {ROLLOUT}.logprobs_mode=processed_logprobs, or temperature=1.0"))
     needed = cfg.data.max_prompt_length + (rollout.response_length or 0)
     if rollout.max_model_len is not None and rollout.max_model_len < needed:
         out.append(((f"{ROLLOUT}.max_model_len",), f"{ROLLOUT}.max_model_len = {rollout.max_model_len} is shorter "
@@ -59,6 +88,16 @@ def rollout_notes(cfg: PPOConfig) -> list[str]:
                          f"effect with {ROLLOUT}.name = 'hf'; set {ROLLOUT}.name=vllm to use them")
     notes += _decoding_notes(rollout)
     notes += _truncated_sampling_notes(cfg)
+    if rollout.name == "vllm" and rollout.dtype in ("bfloat16", "float16") and lora_enabled(cfg.actor_rollout_ref.model):
+        notes.append(f"warning: {ROLLOUT}.dtype = '{rollout.dtype}' with a LoRA actor: the engine takes the merged "
+                     f"weights W + s * B @ A rounded to {rollout.dtype}, which loses every update below its resolution "
+                     f"of W (early LoRA steps), so the engine samples from a policy behind the one PPO trains; "
+                     f"{ROLLOUT}.dtype=auto gives a LoRA actor a float32 engine")
+    if raw_log_probs_off_temperature(rollout) and not rollout_correction_active(cfg):  # with it: an error
+        notes.append(f"warning: {ROLLOUT}.logprobs_mode = 'raw_logprobs' at temperature = {rollout.temperature}: the "
+                     f"engine's log-probs are log softmax(z), the trainer's log softmax(z / T), so "
+                     f"training/rollout_probs_diff_* measure the temperature, not the engine; set "
+                     f"{ROLLOUT}.logprobs_mode=processed_logprobs")
     return notes
 
 
@@ -74,6 +113,15 @@ def _decoding_notes(rollout: RolloutConfig) -> list[str]:
                 "generation_weights = 'sharded': the sharded actor decodes with the dynamic cache (FSDP2's "
                 "per-layer hooks cannot be compiled); generation_weights=auto decodes with a plain copy"]
     return []
+
+
+def raw_log_probs_off_temperature(rollout: RolloutConfig) -> bool:
+    """Whether the engine's log-probs of the sampled tokens are not the trainer's: vLLM's raw_logprobs
+    are "the values before applying any logit processors", temperature among them
+    (``vllm/config/model.py``, ``logprobs_mode``), the trainer's pi_old is log softmax(z / T)
+    (``forward.response_logprobs``), so the two differ at every temperature but 1."""
+    return (rollout.name == "vllm" and rollout.calculate_log_probs and rollout.logprobs_mode == "raw_logprobs"
+            and rollout.temperature != 1.0)
 
 
 def _truncated_sampling_notes(cfg: PPOConfig) -> list[str]:

@@ -190,6 +190,7 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
     packed: bool = False,
     max_tokens: int | None = None,
     head: HeadSettings = HeadSettings(),
@@ -202,41 +203,47 @@ def response_logprobs(
     as packed rows of at most ``max_tokens`` tokens each (a batch over it is split).
     ``spans``: the rows' ``RowSpans`` where the caller read them for a whole batch (then this
     forward waits for the device nowhere); read here otherwise, one host sync.
+    ``entropy_grad=False``: the entropies are measured, not differentiated (no loss term uses
+    them), and backward skips their pass over the logits.
     """
     spans = spans if spans is not None else row_spans(attention_mask)
     groups = _row_groups(spans.lengths, max_tokens) if packed else [slice(None)]
     if len(groups) > 1:
         parts = [response_logprobs(model, input_ids[g], attention_mask[g], response_length, temperature=temperature,
-                                   with_entropy=with_entropy, packed=True, head=head, spans=spans.select(g))
-                 for g in groups]
+                                   with_entropy=with_entropy, entropy_grad=entropy_grad, packed=True, head=head,
+                                   spans=spans.select(g)) for g in groups]
         return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
     rows, mask = input_ids.shape[0], attention_mask.bool()
     head = replace(head, fused=head.fused_for(model, input_ids.device))
     fused = partial(fused_lm_head, model, temperature=temperature, chunk_logits=head.chunk_logits,
-                    with_entropy=with_entropy, compiled=head.compiled) if head.fused else None
+                    with_entropy=with_entropy, entropy_grad=entropy_grad, compiled=head.compiled) if head.fused else None
     if packed:
         out, labels, out_rows, slots = _packed_forward(model, input_ids, mask, response_length, lm=True, spans=spans,
                                                        head=fused)
-        lp, ent = _token_scores(out, labels, temperature, with_entropy, head)  # (n,)
+        lp, ent = _token_scores(out, labels, temperature, with_entropy, head, entropy_grad)  # (n,)
         log_probs = torch.zeros(rows, response_length, device=input_ids.device)
         entropy = torch.zeros_like(log_probs).index_put((out_rows, slots), ent) if with_entropy else None
         return log_probs.index_put((out_rows, slots), lp), entropy
     out, labels, t = _padded_forward(model, input_ids, mask, response_length, lm=True, spans=spans, head=fused)
-    lp, ent = _token_scores(out, labels, temperature, with_entropy, head)  # (B, T')
+    lp, ent = _token_scores(out, labels, temperature, with_entropy, head, entropy_grad)  # (B, T')
     real = mask[:, -response_length:]  # (B, T)
     log_probs = torch.where(real, _widen(lp, response_length), 0.0)
     entropy = torch.where(real, _widen(ent, response_length), 0.0) if with_entropy else None
     return log_probs, entropy
 
 
-def _token_scores(out: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool, head: HeadSettings):
+def _token_scores(out: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool, head: HeadSettings,
+                  entropy_grad: bool = True):
     """(..., V) logits, or the fused head's (..., 1 or 2) scores -> log-probs (...) and entropies (...) or None."""
-    if head.fused:
-        return out[..., 0], (out[..., 1] if with_entropy else None)
+    if head.fused:  # the head's output stacks [log-prob, entropy]; a measured entropy is cut from the graph
+        entropy = (out[..., 1] if entropy_grad else out[..., 1].detach()) if with_entropy else None
+        return out[..., 0], entropy
     logits = out.float() / temperature
     if not with_entropy:
         return logprobs_from_logits(logits, labels), None
     entropy = partial(_chunked_entropy, rows=head.entropy_chunk_rows) if head.entropy_chunking else entropy_from_logits
+    if not entropy_grad:
+        return logprobs_from_logits(logits, labels), entropy(logits.detach())
     if head.entropy_checkpointing and logits.requires_grad:
         return logprobs_from_logits(logits, labels), checkpoint(entropy, logits, use_reentrant=False)
     return logprobs_from_logits(logits, labels), entropy(logits)

@@ -119,7 +119,7 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature: float, chunk_logits: int, with_entropy: bool,
-                compiled: bool | None = None):
+                entropy_grad: bool = True, compiled: bool | None = None):
         n, vocab = hidden.shape[0], weight.shape[0]
         width = _slice_width(n, vocab, chunk_logits)
         m = hidden.new_full((n,), float("-inf"), dtype=torch.float32)  # running max of z
@@ -135,7 +135,12 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.temperature, ctx.width, ctx.compiled = temperature, width, compiled
         ctx.set_materialize_grads(False)
         log_probs = picked - lse
-        return (log_probs, lse - mu) if with_entropy else log_probs
+        if not with_entropy:
+            return log_probs
+        entropy = lse - mu
+        if not entropy_grad:  # measured only: backward gets no gradient for it and skips its term
+            ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy=None):
@@ -145,7 +150,7 @@ class _ChunkedHead(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if want_w else None  # one slice of rows at a time
         grad_b = torch.zeros_like(bias) if want_b else None
         if grad_log_probs is None and grad_entropy is None:
-            return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None
+            return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None, None
         for start in range(0, weight.shape[0], ctx.width):
             cols = slice(start, start + ctx.width)
             z = _slice_logits(hidden, weight, bias, start, ctx.width)
@@ -157,7 +162,7 @@ class _ChunkedHead(torch.autograd.Function):
                 grad_b[cols] = dz.float().sum(0)
             if want_h:
                 _accumulate(grad_h, dz, weight[cols])
-        return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None
+        return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None, None
 
 
 def _at_labels(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -208,6 +213,7 @@ def chunked_logprobs(
     temperature: float = 1.0,
     chunk_logits: int = DEFAULT_CHUNK_LOGITS,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
     compiled: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax((h W^T + b) / temperature)[label] (N,) and optionally the entropy (N,), both
@@ -215,12 +221,14 @@ def chunked_logprobs(
     ``chunk_logits`` logits at a time (vocabulary slices of ceil(chunk_logits / N) entries).
     Equals ``logprobs_from_logits`` / ``entropy_from_logits`` on
     ``F.linear(hidden, weight, bias).float() / temperature`` up to float rounding.
+    ``entropy_grad=False``: the entropy is not differentiable (a metric), and backward skips its
+    term, one pass less over each slice's logits.
     ``compiled``: each slice's elementwise work compiled by torch.compile (None: on CUDA; ``_on_device``).
     """
     if chunk_logits < 1:
         raise ValueError(f"chunk_logits={chunk_logits}: the logits per chunk must be at least 1")
     out = _ChunkedHead.apply(hidden, weight, bias, labels, float(temperature), int(chunk_logits), with_entropy,
-                             compiled)
+                             entropy_grad, compiled)
     return out if with_entropy else (out, None)
 
 
@@ -317,10 +325,12 @@ def fused_lm_head(
     temperature: float = 1.0,
     chunk_logits: int = DEFAULT_CHUNK_LOGITS,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
     compiled: bool | None = None,
 ) -> Iterator[None]:
     """While open, ``model(...).logits`` is (..., 2) [log-prob, entropy] (or (..., 1) [log-prob])
-    of ``labels`` at the positions the head sees, instead of (..., V) logits.
+    of ``labels`` at the positions the head sees, instead of (..., V) logits (``entropy_grad``:
+    as ``chunked_logprobs``').
 
     ``labels`` has the shape of the head's input without the hidden dim (what ``logits_to_keep``
     selects): (B, T') for the padded path, (1, n) or (n,) for a packed row. One forward only.
@@ -341,7 +351,7 @@ def fused_lm_head(
         flat = hidden.reshape(-1, hidden.shape[-1])
         lp, ent = chunked_logprobs(flat, head.weight, labels.reshape(-1), bias=head.bias,
                                    temperature=temperature / scale, chunk_logits=chunk_logits, with_entropy=with_entropy,
-                                   compiled=compiled)
+                                   entropy_grad=entropy_grad, compiled=compiled)
         out = torch.stack([lp, ent], -1) if with_entropy else lp[:, None]
         out = out if scale == 1.0 else out / scale
         return out.view(*hidden.shape[:-1], out.shape[-1])

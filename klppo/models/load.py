@@ -332,6 +332,13 @@ def check_same_tokenizer(reference: PreTrainedTokenizerBase, path: str, key: str
         )
 
 
+def first_eos_id(config) -> int | None:
+    """The model config's EOS id, the first where it lists several (config.json's ``eos_token_id``
+    may: Llama-3.1-Instruct's has three), as a pad id must be one id."""
+    eos = config.eos_token_id
+    return eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+
+
 def load_reward_model(
     path: str, *, key: str, device: torch.device, gradient_checkpointing: bool = False, seed: int = 0
 ) -> PreTrainedModel:
@@ -343,7 +350,7 @@ def load_reward_model(
     with seeded(seed, device):
         model = _from_pretrained(AutoModelForSequenceClassification, folder, key, config=config, dtype=torch.float32)
     if model.config.pad_token_id is None:
-        model.config.pad_token_id = model.config.eos_token_id
+        model.config.pad_token_id = first_eos_id(model.config)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -412,7 +419,7 @@ def empty_model_for(role: str, path: str, *, key: str, gradient_checkpointing: b
     if generation is not None:
         model.generation_config = generation
     if role == "reward_model" and model.config.pad_token_id is None:
-        model.config.pad_token_id = model.config.eos_token_id
+        model.config.pad_token_id = first_eos_id(model.config)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

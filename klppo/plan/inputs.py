@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 from klppo.config import PPOConfig
 from klppo.config.batch_sizes import uses_critic, uses_reference
 from klppo.config.lora import lora_enabled
+from klppo.config.rollout_checks import engine_dtype
 from klppo.config.schema import FSDPConfig, LoraKeys
 from klppo.plan.model_shape import GOLD_ROLE, ModelShape, read_model_shape
 
@@ -68,6 +69,7 @@ class PlanSettings:
     engine_share: float  # vLLM: rollout.gpu_memory_utilization
     engine_kv_bytes: Optional[int]  # vLLM: rollout.kv_cache_memory_bytes
     engine_tp: int
+    engine_bytes: int  # vLLM: bytes per weight element (rollout_checks.engine_dtype)
     uses_reference: bool  # a KL term needs the reference (a LoRA actor is its own, with adapters off)
     device_bytes: int  # the device's memory (what vLLM's share is of)
 
@@ -248,5 +250,6 @@ def plan_settings(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int
         passes=passes(cfg, world_size, lengths, device), fused_head=arf.model.use_fused_kernels is not False,
         generation_copy=generation_copy(cfg, models[0], device, device_bytes),
         engine_share=arf.rollout.gpu_memory_utilization, engine_kv_bytes=arf.rollout.kv_cache_memory_bytes,
-        engine_tp=arf.rollout.tensor_model_parallel_size, uses_reference=uses_reference(cfg),
+        engine_tp=arf.rollout.tensor_model_parallel_size, engine_bytes=DTYPE_BYTES[engine_dtype(cfg)],
+        uses_reference=uses_reference(cfg),
         device_bytes=device_bytes)

@@ -203,7 +203,7 @@ def generation_items(s: PlanSettings, rows: int, tokens: int) -> list[tuple[str,
         if s.engine_kv_bytes is None and s.device == "cuda":
             return [("vLLM engine (gpu_memory_utilization)", -1)]  # filled in by the caller: a share of the device
         kv = s.engine_kv_bytes or 0
-        return [("vLLM engine weights", actor.parameters * actor.compute_bytes // s.engine_tp), ("vLLM KV cache", kv)]
+        return [("vLLM engine weights", actor.parameters * s.engine_bytes // s.engine_tp), ("vLLM KV cache", kv)]
     dtype = actor.compute_bytes
     items = [("generation copy", actor.parameters * dtype if s.generation_copy else 0)]
     items.append(("KV cache", rows * tokens * sh.num_hidden_layers * 2 * sh.num_key_value_heads * sh.head_dim * dtype))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -120,12 +120,26 @@ def right_pad(sequences: list[list[int]], pad_id: int, min_length: int = 1) -> t
     return ids, mask
 
 
-def mask_after_eos(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """(B, T) bool mask that keeps every token up to and including the first EOS."""
-    is_eos = response_ids == eos_token_id
+def mask_after_eos(response_ids: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:
+    """(B, T) bool mask that keeps every token up to and including the first EOS (any of the
+    ids ``eos_token_ids`` gives, where a model ends its turn with more than one)."""
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    is_eos = torch.isin(response_ids, torch.tensor(ids, dtype=response_ids.dtype, device=response_ids.device))
     # Count EOS seen strictly before each position; a token is real while none has been seen.
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return eos_before == 0
+
+
+def eos_token_ids(tokenizer, generation_config=None) -> tuple[int, ...]:
+    """Every token that ends a response: the tokenizer's EOS, then any other the model's generation
+    config lists (``eos_token_id`` may be a list: Qwen2.5-Instruct's generation_config.json has
+    ``[151645, 151643]``, ``<|im_end|>`` and ``<|endoftext|>``, its tokenizer only the first).
+    Hugging Face ``generate`` stops at each id of its config's list; the trainer and vLLM must
+    stop at the same set."""
+    listed = getattr(generation_config, "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    ids = [tokenizer.eos_token_id] + [int(i) for i in listed]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 def assemble_batch(

@@ -20,7 +20,7 @@ import torch
 from transformers import CompileConfig, GenerationConfig
 
 from klppo.data.rl_dataset import PromptRecord, collate_prompts
-from klppo.rollout.batch import RolloutBatch, assemble_batch, mask_after_eos
+from klppo.rollout.batch import RolloutBatch, assemble_batch, eos_token_ids, mask_after_eos
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
     others set ``no_repeat_ngram_size``, ``min_p``, ``suppress_tokens``, ...), so the responses
     would not come from the policy whose log-probs PPO uses (``neutral_generation_config``).
 
-    Tokens after a response's first EOS are replaced by padding and masked out. Sampling
+    Tokens after a response's first EOS (any of ``eos_token_ids``: the tokenizer's and those the
+    model's generation config lists) are replaced by padding and masked out. Sampling
     draws from torch's global RNG, which checkpoints save and restore, so a resumed run
     samples the same responses as an uninterrupted one.
 
@@ -89,13 +90,14 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
     prompt_mask = prompt_mask.repeat_interleave(params.n, dim=0).to(device)
     was_training = model.training
     model.eval()
-    output = _generate(model, prompt_ids, prompt_mask, neutral_generation_config(params, tokenizer),
+    eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
+    output = _generate(model, prompt_ids, prompt_mask, neutral_generation_config(params, tokenizer, eos),
                        decoding.on(device), synced_gpus)
     model.train(was_training)
     response_ids = output[:, prompt_ids.shape[1] :].cpu()  # (B, T) with T <= max_new_tokens
     if response_ids.shape[1] == 0:
         response_ids = torch.full((len(response_ids), 1), tokenizer.pad_token_id, dtype=torch.long)
-    response_mask = mask_after_eos(response_ids, tokenizer.eos_token_id)
+    response_mask = mask_after_eos(response_ids, eos)
     response_ids = response_ids.masked_fill(~response_mask, tokenizer.pad_token_id)
     return assemble_batch(records, params.n, tokenizer.pad_token_id, response_ids, response_mask)
 
@@ -167,8 +169,9 @@ def _set_rng_states(states: tuple) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
-def neutral_generation_config(params: SamplingParams, tokenizer) -> GenerationConfig:
-    """The generation config of sampling from softmax(z / T) with ``params``' top_p / top_k alone.
+def neutral_generation_config(params: SamplingParams, tokenizer, eos: tuple[int, ...] = ()) -> GenerationConfig:
+    """The generation config of sampling from softmax(z / T) with ``params``' top_p / top_k alone,
+    stopping at each id of ``eos`` (default: the tokenizer's EOS).
 
     Every field left unset falls back to transformers' neutral global defaults (no repetition
     penalty, no n-gram blocking, no minimum length, no suppressed tokens, ...).
@@ -177,7 +180,7 @@ def neutral_generation_config(params: SamplingParams, tokenizer) -> GenerationCo
     if params.do_sample:  # top_k 0 switches top-k off (transformers' own default is 50)
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0)}
     return GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=params.do_sample,
-                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, eos_token_id=list(eos or [tokenizer.eos_token_id]),
                             use_cache=True, **sampling)
 
 

@@ -36,7 +36,7 @@ import torch
 
 from klppo.data.rl_dataset import PromptRecord
 from klppo.errors import UserError
-from klppo.rollout.batch import RolloutBatch, assemble_batch, mask_after_eos, right_pad
+from klppo.rollout.batch import RolloutBatch, assemble_batch, eos_token_ids, mask_after_eos, right_pad
 
 if TYPE_CHECKING:
     from klppo.rollout.hf import SamplingParams
@@ -103,6 +103,31 @@ def cpu_kv_cache_bytes(config, s: EngineSettings, free_bytes: int) -> int:
     return max(MIN_CPU_KV_BYTES, min(wanted, free_bytes // 4))
 
 
+def parameter_names(model: torch.nn.Module) -> list[str]:
+    """Every name the engine's model holds a parameter under, tied ones under each of theirs (vLLM's
+    Qwen2 ties ``lm_head.weight`` to ``model.embed_tokens.weight``; Gemma2 has no ``lm_head``)."""
+    return [name for name, _ in model.named_parameters(remove_duplicate=False)]
+
+
+def stop_at(eos: tuple[int, ...], ignore_eos: bool) -> dict:
+    """The stop keys of a vLLM request that ends at any of ``eos``, or (``ignore_eos``) decodes to
+    ``max_tokens`` whatever it samples.
+
+    The engine starts without a tokenizer or the folder's generation config (``skip_tokenizer_init``,
+    ``generation_config="vllm"``), so it knows no EOS of its own: the ids go in ``stop_token_ids``.
+    vLLM stops at a stop token whatever ``ignore_eos`` says (``ignore_eos`` only skips the request's
+    own EOS: ``v1/core/sched/utils.check_stop``), so with ``ignore_eos`` there are none.
+    """
+    return dict(stop_token_ids=[], ignore_eos=True) if ignore_eos else dict(stop_token_ids=list(eos), ignore_eos=False)
+
+
+def free_cached_memory() -> None:
+    """Hand the blocks PyTorch's caching allocator holds without a tensor in them back to the
+    device, what is garbage but not yet collected first (a no-op where CUDA never started)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @contextmanager
 def process_state_kept(device: torch.device) -> Iterator[None]:
     """Whatever the block does to the process's random streams, thread count, environment and
@@ -140,14 +165,14 @@ class VLLMEngine:
     """One vLLM engine in this process: built once, fed the actor's weights, asked for responses."""
 
     def __init__(self, model_path: str, model_config, s: EngineSettings, device: torch.device, distributed: bool,
-                 free_bytes: int) -> None:
+                 free_bytes: int, generation_config=None) -> None:
         """``distributed``: the engine joins torchrun's ranks (the process group is already
-        initialised); in one process it builds its own group of one, or takes the run's."""
+        initialised); in one process it builds its own group of one, or takes the run's.
+        ``generation_config``: the actor's (its EOS ids end responses, ``eos_token_ids``)."""
         require_vllm()
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # klppo reports progress itself
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process, deterministic scheduling
-        self.settings, self.device = s, device
-        self.on_gpu = device.type == "cuda"
+        self.settings, self.device, self.generation_config = s, device, generation_config
         kwargs = dict(
             model=model_path, tokenizer=model_path, skip_tokenizer_init=True, dtype=VLLM_DTYPES[s.dtype],
             tensor_parallel_size=s.tensor_parallel_size, max_model_len=s.max_model_len,
@@ -159,7 +184,11 @@ class VLLMEngine:
             trust_remote_code=False,
         )
         if distributed:
-            kwargs["distributed_executor_backend"] = "external_launcher"
+            # verl's SPMD rollout, the external launcher's (vllm_rollout_spmd.py, retired in verl #4411),
+            # built its engines with disable_custom_all_reduce=True: vLLM's custom all-reduce shares
+            # CUDA IPC buffers between the ranks beside the trainer's NCCL group and outside sleep
+            # mode's pool. Kept off until a multi-GPU run measures it safe (and faster).
+            kwargs.update(distributed_executor_backend="external_launcher", disable_custom_all_reduce=True)
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization,
                           enable_sleep_mode=s.sleep_between_generations)
@@ -173,9 +202,20 @@ class VLLMEngine:
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
-        self.asleep = False
-        if self.on_gpu and s.sleep_between_generations:
+        self.parameter_names = frozenset(self.llm.apply_model(parameter_names)[0])  # the same on every TP rank
+        self.released: set[str] = set()  # what a sleep released and no wake has brought back ("weights", "kv_cache")
+        self.holds_weights = False  # the actor's weights, loaded since the last level-2 sleep (not the start-up ones)
+        if self.sleeps:
             self.sleep()
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def sleeps(self) -> bool:
+        """Whether the engine sleeps between generations (free_cache_engine; vLLM's CPU backend has no sleep mode)."""
+        return self.on_gpu and self.settings.sleep_between_generations
 
     # ---- weights ----
 
@@ -184,30 +224,48 @@ class VLLMEngine:
         ``responses.engine_weights``) into the engine, and forget the KV it cached for prompt
         prefixes under the old weights."""
         with process_state_kept(self.device):
-            if self.asleep:
-                self.llm.wake_up(tags=["weights"])
+            self.wake("weights")
             self.llm.collective_rpc("reload_weights",
                                     kwargs={"weights_iterator": iter(tensors), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
+        self.holds_weights = True
 
-    # ---- generation ----
+    # ---- sleep mode (GPU, free_cache_engine) ----
+
+    def wake(self, tag: str) -> None:
+        """Map back the memory of ``tag`` ("weights" or "kv_cache") if a sleep released it.
+
+        PyTorch's caching allocator first returns the blocks it keeps but no tensor uses (the
+        activations and optimiser-step buffers of the phases before): vLLM maps the engine's
+        memory outside that cache, so without this a wake can run out of memory that is free in
+        all but name. verl empties the cache before each wake (``fsdp_workers.rollout_mode``,
+        ``aggressive_empty_cache``)."""
+        if tag not in self.released:
+            return
+        free_cached_memory()
+        self.llm.wake_up(tags=[tag])
+        self.released.discard(tag)
+
+    def sleep(self) -> None:
+        """Release the KV cache and the weights (level 2: the weights are discarded, not kept on the
+        host, since every generation loads the actor's anyway): the engine then holds no weights
+        until the next ``load_weights``."""
+        self.llm.sleep(level=2)
+        self.released = {"weights", "kv_cache"}
+        self.holds_weights = False
 
     @contextmanager
     def awake(self) -> Iterator[None]:
-        """GPU with free_cache_engine: the KV cache is allocated for the block and freed after it."""
-        if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
+        """The KV cache is allocated for the block; with free_cache_engine on a GPU the engine
+        sleeps again after it (weights and KV cache released)."""
+        self.wake("kv_cache")
         try:
             yield
         finally:
-            if self.on_gpu and self.settings.sleep_between_generations:
+            if self.sleeps:
                 self.sleep()
 
-    def sleep(self) -> None:
-        """Release the KV cache and the weights (level 2: every generation loads the actor's anyway)."""
-        self.llm.sleep(level=2)
-        self.asleep = True
+    # ---- generation ----
 
     def generate(self, records: list[PromptRecord], params: SamplingParams, seeds: list[int], tokenizer
                  ) -> RolloutBatch:
@@ -218,20 +276,24 @@ class VLLMEngine:
 
         n, s = params.n, self.settings
         assert len(seeds) == len(records) * n, "one seed per request"
+        # After a level-2 sleep the weights' memory is gone: generating would read unmapped memory.
+        assert self.holds_weights, "the engine holds no weights (released by a sleep): load_weights first"
         requests = [{"prompt_token_ids": list(record.prompt_ids)} for record in records for _ in range(n)]
         sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0)) \
             if params.do_sample else dict(temperature=0.0)
+        eos = eos_token_ids(tokenizer, self.generation_config)
         per_request = [RequestParams(n=1, max_tokens=params.max_new_tokens, seed=seed, detokenize=False,
-                                     stop_token_ids=[tokenizer.eos_token_id], ignore_eos=s.ignore_eos,
-                                     logprobs=0 if s.calculate_log_probs else None, **sampling) for seed in seeds]
+                                     **stop_at(eos, s.ignore_eos), logprobs=0 if s.calculate_log_probs else None,
+                                     **sampling) for seed in seeds]
         with process_state_kept(self.device), self.awake():
             outputs = self.llm.generate(requests, per_request, use_tqdm=False)
-        return self._batch(records, n, [o.outputs[0] for o in outputs], tokenizer)
+        return self._batch(records, n, [o.outputs[0] for o in outputs], tokenizer, eos)
 
-    def _batch(self, records: list[PromptRecord], n: int, completions: list, tokenizer) -> RolloutBatch:
+    def _batch(self, records: list[PromptRecord], n: int, completions: list, tokenizer, eos: tuple[int, ...]
+               ) -> RolloutBatch:
         tokens = [list(c.token_ids) for c in completions]
         response_ids, real = right_pad(tokens, tokenizer.pad_token_id)
-        response_mask = mask_after_eos(response_ids, tokenizer.eos_token_id) & real
+        response_mask = mask_after_eos(response_ids, eos) & real
         response_ids = response_ids.masked_fill(~response_mask, tokenizer.pad_token_id)
         log_probs = None
         if self.settings.calculate_log_probs:

@@ -322,7 +322,8 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     engine = None
     if settings.engine is not None:  # last: on a GPU it takes its share of the memory the models left
         engine = VLLMEngine(cfg.actor_rollout_ref.model.path, actor.config, settings.engine, env.device,
-                            env.world_size > 1, available_bytes(env.device))  # a group of one needs no launcher
+                            env.world_size > 1, available_bytes(env.device),  # a group of one needs no launcher
+                            generation_config=getattr(actor, "generation_config", None))
     return PPOParts(
         settings=settings, env=env, tokenizer=tokenizer, actor=actor, actor_optimizer=actor_optimizer,
         actor_scheduler=actor_scheduler, ref=ref, reward_models=reward_models, critic=critic,

@@ -20,6 +20,7 @@ from klppo.config.batch_sizes import batch_size_problems, shard_chunk_rows, upda
 from klppo.config.checks import GROUP_ESTIMATORS
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.lora import lora_enabled
+from klppo.config.rollout_checks import engine_dtype
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
 from klppo.config.schema import FSDPConfig
 from klppo.data.batching import MicroBatching
@@ -265,7 +266,7 @@ def engine_settings(cfg: PPOConfig, world_size: int) -> Optional[EngineSettings]
     if world_size % tp:
         raise UserError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {world_size} "
                         f"ranks of this run; use a divisor of {world_size} (1 gives every rank an engine)")
-    dtype = compute_dtype(cfg.actor_rollout_ref.actor.fsdp_config) if rollout.dtype == "auto" else ROLLOUT_DTYPES[rollout.dtype]
+    dtype = ROLLOUT_DTYPES[engine_dtype(cfg)]
     return EngineSettings(
         tensor_parallel_size=tp, dtype=dtype, gpu_memory_utilization=rollout.gpu_memory_utilization,
         kv_cache_memory_bytes=rollout.kv_cache_memory_bytes, max_num_batched_tokens=rollout.max_num_batched_tokens,

@@ -43,9 +43,11 @@ def validation_sampler(parts: PPOParts) -> Iterator[tuple[Sample, int]]:
     """(how this rank samples, as training does: the vLLM engine fed the actor's current weights or
     the actor (or its gathered copy) through HF generate; how many ranks sample each part together)."""
     if parts.engine is not None:
-        sync_engine_weights(parts)
+        sync_engine_weights(parts)  # the actor's current weights
 
         def with_engine(records: list[PromptRecord], params: SamplingParams) -> RolloutBatch:
+            if not parts.engine.holds_weights:  # free_cache_engine: the last generation's sleep released them
+                sync_engine_weights(parts)
             seeds = engine_seeds(parts, records, params.n, VALIDATION)
             return parts.engine.generate(records, params, seeds, parts.tokenizer)
 

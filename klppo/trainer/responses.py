@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Container, Iterator
 
 import torch
 
@@ -58,7 +58,8 @@ def step_responses(parts: PPOParts, records: list[PromptRecord], timer: PhaseTim
     """
     s, tokenizer, env = parts.settings, parts.tokenizer, parts.env
     if parts.engine is not None:
-        sync_engine_weights(parts, timer)  # every draw: a sleeping engine (free_cache_engine) drops its weights
+        if draw == 0 or not parts.engine.holds_weights:  # the step's new weights; or a sleep released them
+            sync_engine_weights(parts, timer)
         with timer.phase("gen"):
             return engine_responses(parts, records, s.sampling, step, draw)
     with timer.phase("gen"):
@@ -108,26 +109,33 @@ def engine_responses(parts: PPOParts, records: list[PromptRecord], params: Sampl
 def sync_engine_weights(parts: PPOParts, timer: PhaseTimer | None = None) -> None:
     """Stream the actor's current weights into the engine (``timing_s/weight_sync``): whole tensors a
     decoder block at a time on every rank, a LoRA actor's adapters merged on the way in fp32. Before
-    every generation, so updates, rollbacks and resumes all reach it."""
+    a step's generation, so updates, rollbacks and resumes all reach it, and before any generation
+    after a sleep released them (``VLLMEngine.holds_weights``)."""
     phase = timer.phase("weight_sync") if timer is not None else nullcontext()
+    engine = parts.engine
     with phase, parts.offloader.resident("actor"):
-        parts.engine.load_weights(engine_weights(parts.actor, parts.settings.engine.dtype, parts.env.device))
+        engine.load_weights(engine_weights(parts.actor, parts.settings.engine.dtype, parts.env.device,
+                                           engine.parameter_names))
 
 
-def engine_weights(actor: torch.nn.Module, dtype: torch.dtype, device: torch.device
+def engine_weights(actor: torch.nn.Module, dtype: torch.dtype, device: torch.device, takes: Container[str]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, whole tensor in ``dtype`` on ``device``) of every weight the engine needs
     (``adapters.merged_weights``); collective.
 
-    A tied parameter comes under each of its names: vLLM's CPU backend repacks the LM head's
-    weight for its own matmul, so loading the embeddings alone left a model whose head kept the
-    engine's start-up weights (log-probs off by up to 1.1 nats on the tiny model).
+    A tied parameter comes under each of its names that the engine's model ``takes`` (its parameter
+    names, ``VLLMEngine.parameter_names``): vLLM's CPU backend repacks the LM head's weight for its
+    own matmul, so loading the embeddings alone left a model whose head kept the engine's start-up
+    weights (log-probs off by up to 1.1 nats on the tiny model); but a model whose vLLM class has no
+    LM head of its own (Gemma2 computes its logits with the embeddings) refuses the name, and the
+    first sync would raise.
     """
     aliases = tied_aliases(actor)
     for name, tensor in merged_weights(actor, dtype, device, copies=False):  # the engine copies them in
         yield name, tensor
         for alias in aliases.get(name, ()):
-            yield alias, tensor
+            if alias in takes:
+                yield alias, tensor
 
 
 # ---- Hugging Face generate ----

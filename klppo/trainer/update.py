@@ -177,13 +177,16 @@ def _actor_micro_loss(actor, micro: RolloutBatch, spans: RowSpans, s: ActorUpdat
     mask = micro.update_mask
     log_prob, entropy = response_logprobs(
         actor, micro.input_ids, micro.attention_mask, micro.response_length,
-        temperature=s.temperature, with_entropy=True, packed=s.micro.packed, max_tokens=s.micro.max_tokens,
-        head=s.head, spans=spans,
+        temperature=s.temperature, with_entropy=True, entropy_grad=bool(s.entropy_coeff), packed=s.micro.packed,
+        max_tokens=s.micro.max_tokens, head=s.head, spans=spans,
     )  # (b, T), (b, T)
     counts = {"global_token_count": tokens, "global_seq_count": seqs}
     pg_loss, pg_stats = policy_loss(micro, log_prob, s, counts)
-    entropy_loss = agg_loss(entropy, mask, s.loss_agg_mode, **counts)
-    loss = pg_loss - s.entropy_coeff * entropy_loss
+    loss = pg_loss
+    # The entropy is always measured (actor/entropy, the entropy guards); it joins the loss only with a
+    # bonus: 0 x entropy adds nothing, yet its backward made a pass over the head's (N, V) logits.
+    if s.entropy_coeff:
+        loss = loss - s.entropy_coeff * agg_loss(entropy, mask, s.loss_agg_mode, **counts)
     sums = {"actor/pg_loss": pg_loss.detach()}
     means = {k: v for k, v in pg_stats.items() if k != "actor/pg_loss"}
     means["actor/entropy"] = masked_mean(entropy.detach(), mask)

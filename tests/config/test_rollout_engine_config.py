@@ -40,6 +40,20 @@ def test_the_engine_dtype_follows_the_actors_compute_dtype_unless_set():
     assert compile_ppo(load(f"{ROLLOUT}.name=hf")[0], 1).engine is None
 
 
+def test_a_lora_actor_computing_in_bf16_gets_an_fp32_engine_and_a_warning_where_bf16_is_asked_for():
+    import torch
+
+    lora = (f"{ROLLOUT}.name=vllm", "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
+            "actor_rollout_ref.model.lora_rank=8")
+    cfg, notes = load(*lora)
+    assert compile_ppo(cfg, 1).engine.dtype == torch.float32 and notes == []  # bf16 would round the merge's update away
+    cfg, notes = load(*lora, f"{ROLLOUT}.dtype=bfloat16")
+    assert compile_ppo(cfg, 1).engine.dtype == torch.bfloat16
+    assert len(notes) == 1 and "loses every update below its resolution" in notes[0]
+    cfg, _ = load(f"{ROLLOUT}.name=vllm", "actor_rollout_ref.model.lora_rank=8")
+    assert compile_ppo(cfg, 1).engine.dtype == torch.float32  # an fp32 actor: its own dtype
+
+
 def test_a_tensor_parallel_size_that_does_not_divide_the_ranks_is_an_error_naming_the_key():
     cfg, _ = load(f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.tensor_model_parallel_size=3")
     with pytest.raises(UserError, match="tensor_model_parallel_size=3 does not divide the 2 ranks"):
@@ -116,3 +130,16 @@ def test_an_offline_run_warns_about_truncated_sampling_only_where_its_kl_probe_s
     _, notes = load(f"{ROLLOUT}.name=offline", f"{ROLLOUT}.top_p=0.9", "algorithm.use_kl_in_reward=true")
     assert len(notes) == 1 and "offline KL probe" in notes[0]
     assert load(f"{ROLLOUT}.name=offline", f"{ROLLOUT}.top_p=0.9")[1] == []  # no reference: nothing samples
+
+
+def test_raw_log_probs_off_temperature_one_are_refused_with_rollout_correction_and_warned_about_otherwise():
+    raw = (f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.logprobs_mode=raw_logprobs")
+    with pytest.raises(UserError, match="logprobs_mode=processed_logprobs") as info:
+        load(*raw, f"{ROLLOUT}.temperature=0.7", "algorithm.rollout_correction.rollout_is=token")
+    assert "log softmax(z / T)" in str(info.value)
+    with pytest.raises(UserError, match="raw_logprobs"):
+        load(*raw, f"{ROLLOUT}.temperature=1.3", "algorithm.rollout_correction.bypass_mode=true")
+    _, notes = load(*raw, f"{ROLLOUT}.temperature=0.7")
+    assert len(notes) == 1 and "training/rollout_probs_diff_* measure the temperature" in notes[0]
+    assert load(*raw, "algorithm.rollout_correction.rollout_is=token")[1] == []  # T = 1: raw is what the trainer scores
+    assert load(f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.temperature=0.7", "algorithm.rollout_correction.rollout_is=token")[1] == []

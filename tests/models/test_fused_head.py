@@ -256,6 +256,28 @@ def test_entropy_chunking_and_checkpointing_do_not_change_numbers(head):
         torch.testing.assert_close(grads_o[name], grads[name], **TOL, msg=name)
 
 
+@pytest.mark.parametrize("head", [HeadSettings(fused=True, chunk_logits=40), HeadSettings(fused=False),
+                                  HeadSettings(fused=False, entropy_checkpointing=True)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_entropy_without_gradient_changes_no_number_of_a_loss_without_it(head, packed):
+    """The actor's update with entropy_coeff 0: the same log-probs, entropies and gradients bit for bit
+    as with the entropy in the loss at weight 0, and the entropy is a plain measurement."""
+    model, ids_mask_width = _model(tied=False), _batch()
+
+    def run(entropy_grad: bool):
+        model.zero_grad()
+        lp, ent = response_logprobs(model, *ids_mask_width, temperature=0.7, with_entropy=True,
+                                    entropy_grad=entropy_grad, packed=packed, head=head)
+        loss = (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum()
+        (loss - 0.0 * ent.sum() if entropy_grad else loss).backward()
+        return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    lp, ent, grads = run(entropy_grad=True)
+    lp_m, ent_m, grads_m = run(entropy_grad=False)
+    assert not ent_m.requires_grad and torch.equal(lp_m, lp) and torch.equal(ent_m, ent.detach())
+    assert all(torch.equal(grads_m[name], grads[name]) for name in grads)
+
+
 def test_the_head_is_restored_after_the_forward_even_when_it_fails():
     model = _model(tied=True)
     keys = list(model.state_dict())

@@ -38,6 +38,13 @@ def _as_bin_only(folder: Path, weights: dict) -> None:
     (folder / "model.safetensors").unlink()
 
 
+def test_a_reward_model_without_a_pad_token_pads_with_the_first_of_several_eos_ids(folder):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, 2], "pad_token_id": None}))
+    model = load_reward_model(str(folder), key="reward_model.model.path", device=CPU)  # a list as the pad id was refused
+    assert model.config.pad_token_id == 1
+
+
 def test_a_folder_with_only_pytorch_model_bin_loads_the_same_weights_safely(folder, tiny_model_dir):
     _as_bin_only(folder, load_file(folder / "model.safetensors"))
     loaded = load_causal_lm(str(folder), key=KEY, device=CPU).state_dict()

@@ -196,3 +196,13 @@ def test_sizes_parse_with_units():
     assert parse_size(1024, "k") == 1024 and parse_size("1.5TiB", "k") == int(1.5 * 2**40)
     with pytest.raises(Exception, match="e.g. 80GiB"):
         parse_size("lots", "trainer.plan_device_memory")
+
+
+def test_a_bf16_lora_actors_vllm_engine_holds_fp32_weights(qwen05_dir, task_dir):
+    # rollout.dtype auto: a LoRA actor computing in bf16 samples from an fp32 engine (rollout_checks.engine_dtype).
+    vllm = (f"data.train_files={task_dir / 'train.parquet'}", "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", "actor_rollout_ref.rollout.kv_cache_memory_bytes=1024")
+    full = _plan(qwen05_dir, task_dir, *vllm)
+    lora = _plan(qwen05_dir, task_dir, *vllm, "actor_rollout_ref.model.lora_rank=16")
+    assert _item(full, "gen", "vLLM engine weights") == P05 * 2
+    assert _item(lora, "gen", "vLLM engine weights") == lora.settings.model("actor").parameters * 4

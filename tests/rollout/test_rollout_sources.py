@@ -1,10 +1,12 @@
 """Response sources: recorded (offline) and generated (hf), grouped by prompt, masks right."""
 
+from types import SimpleNamespace
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from klppo.data.rl_dataset import load_rl_dataset
-from klppo.rollout.batch import mask_after_eos, right_pad
+from klppo.rollout.batch import eos_token_ids, mask_after_eos, right_pad
 from klppo.rollout.hf import SamplingParams, hf_rollout
 from klppo.rollout.offline import offline_rollout
 
@@ -12,6 +14,18 @@ from klppo.rollout.offline import offline_rollout
 def test_mask_after_eos_keeps_tokens_through_the_first_eos():
     ids = torch.tensor([[4, 5, 1, 7, 1], [4, 5, 6, 7, 8], [1, 2, 3, 4, 5]])
     assert mask_after_eos(ids, eos_token_id=1).int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_mask_after_eos_ends_a_response_at_the_first_of_several_eos_ids():
+    ids = torch.tensor([[4, 9, 1, 7], [4, 1, 9, 7], [4, 5, 6, 7]])
+    assert mask_after_eos(ids, (1, 9)).int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+
+
+def test_the_eos_ids_are_the_tokenizers_then_every_other_the_generation_config_lists():
+    tokenizer = SimpleNamespace(eos_token_id=151645)  # Qwen2.5-Instruct's <|im_end|>
+    assert eos_token_ids(tokenizer, SimpleNamespace(eos_token_id=[151645, 151643])) == (151645, 151643)
+    assert eos_token_ids(tokenizer, SimpleNamespace(eos_token_id=151643)) == (151645, 151643)
+    assert eos_token_ids(tokenizer, SimpleNamespace(eos_token_id=None)) == eos_token_ids(tokenizer) == (151645,)
 
 
 def test_right_pad_builds_ids_and_mask():
@@ -46,6 +60,26 @@ def test_hf_rollout_samples_n_per_prompt_and_masks_after_eos(tiny_model_dir, tas
     torch.manual_seed(0)
     again = hf_rollout(model, records, tokenizer, SamplingParams(n=3, max_new_tokens=8))
     assert torch.equal(again.response_ids, batch.response_ids)  # same seed, same samples
+
+
+def test_hf_rollout_stops_at_every_eos_the_models_generation_config_lists(tiny_model_dir, task_dir):
+    # A second EOS, as Qwen2.5-Instruct's generation_config.json lists <|endoftext|> beside <|im_end|>:
+    # the third token of the first sampled response stands in for it.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    records = load_rl_dataset(str(task_dir / "train.parquet"), tokenizer, max_prompt_length=64, log=lambda *a: None)[:4]
+    params = SamplingParams(n=2, max_new_tokens=8)
+    torch.manual_seed(0)
+    free = hf_rollout(model, records, tokenizer, params)
+    second = int(free.response_ids[0, 2])
+    assert second not in (tokenizer.eos_token_id, *free.response_ids[0, :2].tolist()) and free.response_mask[0].all()
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, second]
+    torch.manual_seed(0)  # the same draws: every row samples what it did, up to where it stops
+    batch = hf_rollout(model, records, tokenizer, params)
+    expected = mask_after_eos(free.response_ids, (tokenizer.eos_token_id, second))
+    assert batch.response_mask[0].sum() == 3 and batch.response_ids[0, 2] == second  # stopped at it, and kept it
+    assert torch.equal(batch.response_mask, expected[:, : batch.response_length])
+    assert torch.equal(batch.response_ids, free.response_ids.masked_fill(~expected, tokenizer.pad_token_id)[:, : batch.response_length])
 
 
 def _model_with_generation_config(folder, **generation) -> AutoModelForCausalLM:

@@ -13,19 +13,11 @@ import pytest
 import torch
 
 from klppo.algo import rollout_probs_diff_metrics
-from klppo.rollout.vllm import MIN_CPU_KV_BYTES, EngineSettings, cpu_kv_cache_bytes, kv_bytes_per_token, process_state_kept, request_seed
+from klppo.rollout.vllm import MIN_CPU_KV_BYTES, cpu_kv_cache_bytes, kv_bytes_per_token, process_state_kept, request_seed
 from klppo.models.tiny import tiny_model_config
+from tests.fake_vllm import engine_settings as settings
 
 CPU = torch.device("cpu")
-
-
-def settings(**changes) -> EngineSettings:
-    base = dict(tensor_parallel_size=1, dtype=torch.float32, gpu_memory_utilization=0.5, kv_cache_memory_bytes=None,
-                max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=96, enforce_eager=None,
-                enable_chunked_prefill=True, enable_prefix_caching=True, load_format="dummy",
-                sleep_between_generations=True, calculate_log_probs=True, logprobs_mode="processed_logprobs",
-                ignore_eos=False, seed=42, rows_per_generation=16)
-    return EngineSettings(**{**base, **changes})
 
 
 def test_request_seeds_are_stable_distinct_and_fit_in_62_bits():

@@ -64,11 +64,12 @@ def main(model_dir: str, train: str, out: str) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = "3"
     torch.manual_seed(7), np.random.seed(7), random.seed(7)
     before = process_state()
-    engine = VLLMEngine(model_dir, model.config, SETTINGS, torch.device("cpu"), False, 8 << 30)
+    engine = VLLMEngine(model_dir, model.config, SETTINGS, torch.device("cpu"), False, 8 << 30,
+                        generation_config=model.generation_config)
     results["state_after_build"] = process_state() == before
     results["rng_draw"] = torch.rand(1).item()
 
-    engine.load_weights(klppo_weights(model))
+    engine.load_weights(klppo_weights(model, engine))
     results["greedy"] = same_greedy(engine, model, records, tokenizer)
     results["gap_t1"] = log_prob_gap(engine, model, records, tokenizer, 1.0)
     results["gap_t07"] = log_prob_gap(engine, model, records, tokenizer, 0.7)
@@ -93,7 +94,7 @@ def main(model_dir: str, train: str, out: str) -> None:
     # although the prompts' KV is in the prefix cache from the generations above.
     perturb(model, 0)
     results["before_sync"] = same_greedy(engine, model, records, tokenizer)
-    engine.load_weights(klppo_weights(model))
+    engine.load_weights(klppo_weights(model, engine))
     results["after_sync"] = same_greedy(engine, model, records, tokenizer)
     results["gap_after_sync"] = log_prob_gap(engine, model, records, tokenizer, 1.0)
 
@@ -102,11 +103,11 @@ def main(model_dir: str, train: str, out: str) -> None:
     long = [dataclasses.replace(r, prompt_ids=(list(r.prompt_ids) * 7)[:200]) for r in records[:8]]
     same_greedy(engine, model, long, tokenizer)  # fills the prefix cache
     perturb(model, 1)
-    engine.load_weights(klppo_weights(model))
+    engine.load_weights(klppo_weights(model, engine))
     results["long_prompts_after_sync"] = same_greedy(engine, model, long, tokenizer)
     engine.llm.reset_prefix_cache = lambda *a, **k: True  # what a sync without the reset would leave
     perturb(model, 2)
-    engine.load_weights(klppo_weights(model))
+    engine.load_weights(klppo_weights(model, engine))
     results["stale_prefix_cache"] = same_greedy(engine, model, long, tokenizer)
     engine.shutdown()
     with open(out, "w") as f:
@@ -120,11 +121,11 @@ def perturb(model, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + seed)) * 0.05)
 
 
-def klppo_weights(model):
+def klppo_weights(model, engine):
     """What the trainer streams: ``responses.engine_weights`` of the (unsharded) actor."""
     from klppo.trainer.responses import engine_weights
 
-    return engine_weights(model, torch.float32, torch.device("cpu"))
+    return engine_weights(model, torch.float32, torch.device("cpu"), engine.parameter_names)
 
 
 if __name__ == "__main__":

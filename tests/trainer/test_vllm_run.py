@@ -1,7 +1,9 @@
 """PPO runs with vLLM rollouts through the real entry point, one process each (one engine per
 process): a run killed with SIGKILL resumes to the uninterrupted run's numbers, a LoRA actor's
-merged weights reach the engine, and rollout correction acts online on the engine's log-probs."""
+merged weights reach the engine (a bf16 one's small updates too), and rollout correction acts
+online on the engine's log-probs."""
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +19,7 @@ from klppo.monitoring.logger import read_metrics
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).parents[2]
+LORA_WORKER = Path(__file__).with_name("vllm_lora_worker.py")
 REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return (len(solution_str) % 7) / 7\n"
 
 
@@ -105,3 +108,20 @@ def test_a_bf16_actor_on_a_group_of_one_samples_with_a_bf16_engine_that_scores_a
                                          "trainer.total_training_steps": 2, "trainer.save_freq": -1}))
     metrics = read_metrics(tmp_path / "bf16")
     assert len(metrics) == 2 and all(r["training/rollout_probs_diff_mean"] < 1e-3 for r in metrics)
+
+
+def test_a_bf16_lora_actors_engine_samples_from_the_policy_its_small_updates_made(overrides, tmp_path):
+    # 4 steps at lr 1e-5: each adapted weight moves far below bf16's resolution of it. Merged into a bf16
+    # engine the update was lost (gap 2.4e-3, 8x the update's mean change of 3e-4); rollout.dtype auto
+    # gives the LoRA actor an fp32 engine.
+    run = tmp_path / "bf16_lora"
+    _run(overrides(run, **{"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora_alpha": 16,
+                           "actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16", "algorithm.adv_estimator": "grpo",
+                           "actor_rollout_ref.actor.optim.lr": 1e-5, "trainer.save_freq": -1}))
+    done = subprocess.run([sys.executable, str(LORA_WORKER), str(run), str(tmp_path / "out.json")], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-6000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["dtype"] == "torch.float32"
+    assert result["change"] > 1e-4  # training moved the actor's log-probs of the sampled tokens
+    assert result["gap"] < 1e-5  # and the engine samples from that actor, the moves included
