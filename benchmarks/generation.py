@@ -31,6 +31,7 @@ the path one process took before: decoding through the FSDP2 actor itself, with 
 Greedy tokens of compiled vs dynamic decoding are compared too (bf16 kernels may round apart).
 
     python benchmarks/generation.py --decoding [--shape 181m] [--prompts 32] [--n 8] [--tokens 256] [--before]
+        [--modes dynamic static compiled]
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def main(argv=None) -> dict[str, float]:
     parser.add_argument("--n", type=int, default=None, help="--decoding: samples per prompt (8 on CUDA, 2 on CPU)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="--decoding: bf16 on CUDA")
     parser.add_argument("--before", action="store_true", help="--decoding: also through the FSDP2 actor itself")
+    parser.add_argument("--modes", nargs="+", choices=["dynamic", "static", "compiled"],
+                        default=["dynamic", "static", "compiled"], help="--decoding: these modes (dynamic always)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.decoding:
@@ -304,7 +307,7 @@ def decoding_runs(actor, records, args, dtype, device) -> dict[str, dict]:
     params = SamplingParams(n=args.n, max_new_tokens=args.tokens)
     cache = max(len(r.prompt_ids) for r in records) + args.tokens
     results = {}
-    for mode in ("dynamic", "static", "compiled"):
+    for mode in ["dynamic", *(m for m in args.modes if m != "dynamic")]:  # dynamic first: the reference
         decoding = Decoding(mode, cache)
         first = timed_generation(actor, records, params, decoding, dtype, device)
         other = timed_generation(actor, records[: max(1, len(records) // 2)], params, decoding, dtype, device)

@@ -1,6 +1,7 @@
 """GPU check: tokens/s/GPU and MFU of the actor update of a ~0.5B Qwen2 model under FSDP2.
 
     python benchmarks/gpu_check.py                                   # 1 GPU (a few minutes)
+    python benchmarks/gpu_check.py --compare-checkpointing           # and again with gradient checkpointing
     torchrun --nproc_per_node 8 benchmarks/gpu_check.py              # N GPUs, one rank each
     python benchmarks/gpu_check.py --device cpu --size tiny --batch 8   # CPU smoke run (seconds)
 
@@ -9,15 +10,21 @@ actor and a frozen reference each wrapped by ``klppo.distributed.apply_fsdp2`` (
 gradient reduction and master weights), a synthetic batch per rank of uniform prompt lengths
 and log-normal response lengths (``throughput.synthetic_batch``), and a few GRPO-style PPO
 iterations over it: old log-probs, reference log-probs, group advantages from the synthetic
-scores, one actor update (ppo_epochs 1, one optimiser step, micro-batches under a token budget,
-each run as one packed row). The first iteration is a warm-up, left out of the figures.
+scores, one actor update (ppo_epochs 1, one optimiser step of klppo's AdamW (``build_optimizer``:
+fused on CUDA), micro-batches under a token budget, each run as one packed row, the fused LM
+head). The first iteration is a warm-up (compilations, cuBLAS handles), left out of the figures.
+``--compare-checkpointing`` then turns on the actor's gradient checkpointing and measures again
+in the same process (one warm-up iteration more), so one call reports both.
 
 MFU is ``model_flops(config, lengths, training=True, head_positions=response tokens)`` of the
 actor update over its wall time and the device's dense peak for ``--dtype``
 (``klppo.monitoring.flops``): the FLOPs the update runs, causal attention (half the pairs) and
 the LM head only at the response positions where log-probs are read, no FLOPs for the
 embedding lookup (verl's count charges the vocabulary twice for every token and attention
-as non-causal: about 1.45x these figures on this workload). Target: MFU >= 45%.
+as non-causal: about 1.45x these figures on this workload). Target: MFU >= 45%. On CUDA the
+MFU is also given against the bf16 matmul rate measured on the card (an 8192^3 product,
+median of 10), the ceiling a run can reach, where the datasheet's peak is a lead. Gradient
+checkpointing's recomputation is not counted (the same FLOPs, more time).
 
 Each rank draws its own synthetic batch (seed + rank); every rank runs as many micro-batches as
 the rank that needs the most, as in training. A single process runs FSDP2 over a group of one.
@@ -44,9 +51,11 @@ from klppo.models.tiny import tiny_model_config
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
 from klppo.monitoring.memory import PeakMemory
 from klppo.monitoring.timer import PhaseTimer
+from klppo.models.forward import HeadSettings
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.forwards import compute_log_prob
 from klppo.run.settings import ActorUpdateSettings
+from klppo.run.setup import build_optimizer
+from klppo.trainer.forwards import compute_log_prob
 from klppo.trainer.update import update_actor
 from throughput import synthetic_batch
 
@@ -74,6 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
                    help="FSDP2 parameter dtype in forward/backward; master weights and gradient reduction stay fp32")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block's activations")
+    p.add_argument("--compare-checkpointing", action="store_true",
+                   help="then measure again with gradient checkpointing, in this process (figures under with_checkpointing)")
+    p.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
+                   help="FSDP2's reshard_after_forward (fsdp_config.reshard_after_forward): false keeps each block "
+                        "gathered from forward to backward (no second gather; its parameters held whole meanwhile)")
+    p.add_argument("--head", choices=["auto", "eager"], default="auto",
+                   help="the fused LM head's slices: auto = compiled on CUDA (HeadSettings.compiled); eager = never")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this file (rank 0)")
     return p.parse_args(argv)
@@ -146,13 +162,19 @@ def build_models(config: Qwen2Config, args, env: DistEnv):
     ref.load_state_dict(actor.state_dict())
     ref.requires_grad_(False).eval()
     if args.gradient_checkpointing:
-        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_blocks(actor)
     param_dtype = DTYPES[args.dtype] if args.dtype != "float32" else None
     for model in (actor, ref):
         model.config.use_cache = False
         set_packed_attention(model, attention_of(args, env.device.type))
-        apply_fsdp2(model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
+        apply_fsdp2(model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32,
+                    reshard_after_forward=args.reshard_after_forward == "true")
     return actor, ref
+
+
+def checkpoint_blocks(model) -> None:
+    """Gradient checkpointing of every decoder block, as klppo's loader turns it on (non-reentrant)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 # ---- one iteration ----
@@ -175,8 +197,13 @@ def actor_settings(args) -> ActorUpdateSettings:
     return ActorUpdateSettings(
         mini_batch_rows=args.batch, micro=token_budget(args), ppo_epochs=1, clip_ratio_low=0.2,
         clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=True,
-        kl_loss_coef=0.001, kl_loss_type="low_var_kl", grad_clip=1.0, temperature=1.0,
+        kl_loss_coef=0.001, kl_loss_type="low_var_kl", grad_clip=1.0, temperature=1.0, head=head_settings(args),
     )
+
+
+def head_settings(args) -> HeadSettings:
+    """The fused head, its slices compiled on CUDA unless ``--head eager``."""
+    return HeadSettings(compiled=False if args.head == "eager" else None)
 
 
 def token_budget(args) -> MicroBatching:
@@ -192,10 +219,10 @@ def ppo_iteration(actor, ref, optimizer, batch: RolloutBatch, args, memory: Peak
     with timer.phase("step"):
         # step 1. old log-probs: the actor before the update
         with timer.phase("old_log_prob"):
-            batch.old_log_prob = compute_log_prob(actor, batch, forward, temperature=1.0)
+            batch.old_log_prob = compute_log_prob(actor, batch, forward, temperature=1.0, head=head_settings(args))
         # step 2. reference log-probs, for the KL loss
         with timer.phase("ref"):
-            batch.ref_log_prob = compute_log_prob(ref, batch, forward, temperature=1.0)
+            batch.ref_log_prob = compute_log_prob(ref, batch, forward, temperature=1.0, head=head_settings(args))
         # step 3. GRPO advantages from the synthetic outcome scores
         with timer.phase("advantages"):
             batch.advantages, batch.returns = compute_grpo_outcome_advantage(
@@ -209,26 +236,29 @@ def ppo_iteration(actor, ref, optimizer, batch: RolloutBatch, args, memory: Peak
 # ---- figures ----
 
 
-def figures(args, env: DistEnv, config, n_params: int, batch: RolloutBatch, timers: list[PhaseTimer]) -> dict:
+def figures(args, env: DistEnv, config, n_params: int, batch: RolloutBatch, timers: list[PhaseTimer],
+            measured_peak: float | None) -> dict:
     """Per-GPU tokens/s and MFU over the timed iterations, from rank 0's batch and times."""
-    seq_lens = batch.attention_mask.sum(-1).tolist()  # host-device sync
+    seq_lens = batch.attention_mask.sum(-1).tolist()  # host sync, after the timing
     tokens, response_tokens = sum(seq_lens), int(batch.response_mask.sum())
     update_s = sum(t.seconds["update_actor"] for t in timers)
     step_s = sum(t.seconds["step"] for t in timers)
-    peak = peak_flops(env.device, DTYPES[args.dtype])
-    update_flops = model_flops(config, seq_lens, training=True, head_positions=response_tokens)
-    update_mfu = mfu(update_flops * len(timers), update_s, peak)
+    update_flops = model_flops(config, seq_lens, training=True, head_positions=response_tokens) * len(timers)
+    update_mfu = mfu(update_flops, update_s, peak_flops(env.device, DTYPES[args.dtype]))
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     return {
         "device": device_name, "world_size": env.world_size, "size": args.size, "params_b": n_params / 1e9,
         "dtype": args.dtype, "attn": args.attn,
         "attn_implementation": attention_of(args, env.device.type), "gradient_checkpointing": args.gradient_checkpointing,
+        "reshard_after_forward": args.reshard_after_forward == "true", "head": args.head,
         "sequences_per_gpu": len(seq_lens), "tokens_per_iteration_per_gpu": tokens,
         "response_tokens_per_iteration_per_gpu": response_tokens,
         "median_sequence_tokens": statistics.median(seq_lens), "token_budget": args.token_budget,
         "timed_iterations": len(timers),
         "actor_update_tokens_per_s_per_gpu": tokens * len(timers) / update_s,
         "actor_update_mfu": update_mfu,
+        "measured_peak_tflops": None if measured_peak is None else measured_peak / 1e12,
+        "actor_update_mfu_vs_measured_peak": mfu(update_flops, update_s, measured_peak),
         "iteration_tokens_per_s_per_gpu": tokens * len(timers) / step_s,
         "peak_memory_gb": max_memory_gb(env.device),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if env.device.type == "cuda" else "process peak RSS",
@@ -239,9 +269,13 @@ def figures(args, env: DistEnv, config, n_params: int, batch: RolloutBatch, time
     }
 
 
+def percent(value: float | None, missing: str = "n/a (no known peak for this device)") -> str:
+    return missing if value is None else f"{100 * value:.1f}"
+
+
 def print_table(f: dict) -> None:
-    mfu_text = "n/a (no known peak for this device)" if f["actor_update_mfu"] is None else f"{100 * f['actor_update_mfu']:.1f}"
     target = "n/a" if f["meets_target"] is None else ("yes" if f["meets_target"] else "no")
+    measured = f["actor_update_mfu_vs_measured_peak"]
     rows = [
         ("device", f["device"]),
         ("world size", f["world_size"]),
@@ -249,11 +283,18 @@ def print_table(f: dict) -> None:
         ("dtype", f"{f['dtype']} ({f['attn']}: {f['attn_implementation']}{', grad ckpt' if f['gradient_checkpointing'] else ''})"),
         ("tokens per iteration per GPU", f"{f['tokens_per_iteration_per_gpu']} ({f['sequences_per_gpu']} sequences)"),
         ("actor update tokens/s/GPU", f"{f['actor_update_tokens_per_s_per_gpu']:.0f}"),
-        ("actor update MFU (%)", mfu_text),
+        ("actor update MFU (%)", percent(f["actor_update_mfu"])),
+        ("  vs the measured matmul peak (%)", "n/a" if measured is None
+         else f"{100 * measured:.1f} (of {f['measured_peak_tflops']:.0f} TFLOP/s)"),
         ("iteration tokens/s/GPU", f"{f['iteration_tokens_per_s_per_gpu']:.0f}"),
         ("peak memory (GB)", f"{f['peak_memory_gb']:.2f} ({f['peak_memory_kind']})"),
         (f"MFU >= {100 * f['mfu_target']:.0f}% target", target),
     ]
+    if "with_checkpointing" in f:
+        c = f["with_checkpointing"]
+        mfu_text = "n/a" if c["actor_update_mfu"] is None else f"{100 * c['actor_update_mfu']:.1f}%"
+        rows.append(("with gradient checkpointing", f"MFU {mfu_text}, {c['actor_update_tokens_per_s_per_gpu']:.0f} "
+                     f"tokens/s/GPU, peak {c['peak_memory_gb']:.2f} GB"))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
@@ -263,21 +304,54 @@ def print_table(f: dict) -> None:
           + ", ".join(f"{k} {v:.2f}" for k, v in f["phase_peak_memory_gb"].items()))
 
 
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float | None:
+    """FLOP/s of an (n x n) @ (n x n) product in ``dtype`` on this card: random data (zeros run faster),
+    3 warm-ups, the median of 10 timed with CUDA events; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    seconds = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()  # host sync: the timing
+        if i >= 3:
+            seconds.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(seconds)
+
+
+def timed_iterations(actor, ref, optimizer, batch: RolloutBatch, args, env: DistEnv, memory: PeakMemory,
+                     label: str = "") -> list[PhaseTimer]:
+    """``args.iterations`` PPO iterations; the timers of all but the first (a warm-up)."""
+    timers = []
+    for i in range(args.iterations):
+        timer = ppo_iteration(actor, ref, optimizer, dataclasses.replace(batch), args, memory)
+        if env.rank == 0:
+            print(f"iteration {i}{label}{' (warm-up)' if i == 0 else ''}: {timer.seconds['step']:.2f} s, "
+                  f"actor update {timer.seconds['update_actor']:.2f} s", flush=True)
+        if i > 0:
+            timers.append(timer)
+    return timers
+
+
 def run(args, env: DistEnv) -> dict:
     config = model_config(args.size, args.prompt_len + args.max_response_len)
     actor, ref = build_models(config, args, env)
     n_params = sum(p.numel() for p in actor.parameters())  # DTensor numel is the full size
-    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6, weight_decay=0.01)
-    batch = workload(args, config.vocab_size, env)
-    timers, memory = [], PeakMemory(env.device)
-    for i in range(args.iterations):
-        timer = ppo_iteration(actor, ref, optimizer, dataclasses.replace(batch), args, memory)
-        if env.rank == 0:
-            print(f"iteration {i}{' (warm-up)' if i == 0 else ''}: {timer.seconds['step']:.2f} s, "
-                  f"actor update {timer.seconds['update_actor']:.2f} s", flush=True)
-        if i > 0:
-            timers.append(timer)
-    return figures(args, env, config, n_params, batch, timers)
+    optimizer = build_optimizer(actor, lr=1e-6, weight_decay=0.01, betas=(0.9, 0.999))  # a run's: fused on CUDA
+    batch, memory = workload(args, config.vocab_size, env), PeakMemory(env.device)
+    measured_peak = matmul_peak(env.device, DTYPES[args.dtype])
+    result = figures(args, env, config, n_params, batch, timed_iterations(actor, ref, optimizer, batch, args, env,
+                                                                        memory), measured_peak)
+    if args.compare_checkpointing and not args.gradient_checkpointing:
+        checkpoint_blocks(actor)
+        memory.reset()  # the process's peak too (max_memory_allocated on CUDA)
+        with_ckpt = argparse.Namespace(**{**vars(args), "gradient_checkpointing": True})
+        timers = timed_iterations(actor, ref, optimizer, batch, with_ckpt, env, memory, " (gradient checkpointing)")
+        result["with_checkpointing"] = figures(with_ckpt, env, config, n_params, batch, timers, measured_peak)
+    return result
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,10 @@
 """GPU smoke test: the paths a CPU run cannot show, in one online PPO run; one line per check.
 
-    bash benchmarks/gpu_smoke.sh            # one CUDA GPU, a few minutes
-    bash benchmarks/gpu_smoke.sh --cpu      # the same checks on a tiny shape on CPU (under a minute)
+    bash benchmarks/gpu_smoke.sh                  # one CUDA GPU: about 100 s on an H200 (budget 150 s)
+    bash benchmarks/gpu_smoke.sh --budget-s 150   # and a check that the whole script kept to it
+    bash benchmarks/gpu_smoke.sh --cpu            # the same checks on a tiny shape on CPU (under a minute)
 
-The run: a Qwen2-shaped model built from a config (random weights, saved as a Hugging Face
+The run: a Qwen2-shaped model built from a config (50M parameters on a GPU; random weights, saved as a Hugging Face
 folder with a tokenizer trained on the arithmetic task), online PPO with Hugging Face
 generation, a critic (GAE), a reference (KL in the reward), a reward model (the same backbone
 with a score head, saved as a sequence-classification folder: PPO refuses a head it would have to
@@ -12,7 +13,11 @@ bf16 under FSDP2 (a process group of one), packed sequences under a token budget
 (the attention a run chooses: torch's varlen kernel on a recent CUDA GPU,
 ``klppo.models.attention``) and the actor under ``offload_policy`` (parameters, gradients and optimiser state
 on CPU). It saves at step 2 and at the end; a second run resumes from step 2 and must repeat
-the first run's last steps exactly (on CUDA with deterministic algorithms, see gpu_smoke.sh).
+the first run's last step exactly: on CUDA both runs use deterministic algorithms (see gpu_smoke.sh),
+under which the packed attention is the math-backend loop (``PACKED_DETERMINISTIC``); the checks
+after them run without, so the packed rows' check and the host syncs see the attention a run
+chooses. Generation decodes with the dynamic cache (``--decoding auto``: a run's default, compiled
+on CUDA, adds its compilations, 40-80 s; ``benchmarks/generation.py --decoding`` measures those).
 
 Checks, each printed as ``PASS|FAIL|SKIP  <check>: <figure>``: the run, finite metrics,
 validation with the reward model, offload_policy, the save, the exact resume, the export,
@@ -25,6 +30,8 @@ for each generation (GPU), validation after every step (several generations, eac
 that discarded the weights: a sync before each), every wake past a cache filled with the device's
 free memory (which it must empty first: ``vllm_smoke_run.py``), its log-probs against the
 trainer's, the weight sync's time and the generation phase's peak memory, which counts the engine.
+Each check line ends with the seconds it took; the last lines give each part's time and the
+total, and ``--budget-s S`` adds a check that the whole script took at most S seconds.
 Exit status 1 when a check fails.
 """
 
@@ -34,6 +41,7 @@ import argparse
 import contextlib
 import importlib.util
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -54,21 +62,55 @@ from klppo.models.tiny import build_tiny_model_folder
 from klppo.monitoring.flops import peak_flops
 from klppo.monitoring.logger import read_metrics
 
-# name -> (model shape, prompts per step, responses per prompt, response tokens, steps)
+# name -> (model shape, prompts per step, responses per prompt, response tokens, steps). The GPU shape
+# (50M parameters, 3 steps of 16 prompts x 4 responses of up to 48 tokens) keeps every check under the
+# 150 s budget: the first H200 run took 167 s for 4 steps of a 181M model, then mostly Python (sdpa per
+# sequence, FSDP2 hooks per token), since removed; see benchmarks/README.md for the estimate.
 SHAPES = {
-    "gpu": (dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-                 intermediate_size=2816), 32, 4, 64, 4),
+    "gpu": (dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048), 16, 4, 48, 3),
     "cpu": (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1), 4, 2, 8, 3),
 }
-SYNC_LIMIT = 4  # host syncs per packed forward + backward: the lengths, the positions and the read-out
+# host syncs per packed forward + backward: klppo reads the rows' spans, transformers looks for packed
+# sequences in the position ids (tests/models/test_host_syncs.py counts both on CPU)
+SYNC_LIMIT = 2
 RESULTS: list[tuple[str, str, str]] = []
+SECONDS: dict[str, float] = {}  # each part of the script: how long it took
+_last = [time.perf_counter()]
 
 
 def check(name: str, passed: bool | None, figure: str) -> None:
-    """Record and print one check: passed True/False, or None for skipped."""
+    """Record and print one check: passed True/False, or None for skipped; with the seconds since the
+    previous check (what it took to reach this one)."""
     verdict = "SKIP" if passed is None else "PASS" if passed else "FAIL"
     RESULTS.append((verdict, name, figure))
-    print(f"{verdict:<4}  {name}: {figure}", flush=True)
+    now = time.perf_counter()
+    print(f"{verdict:<4}  {name}: {figure} [{now - _last[0]:.1f} s]", flush=True)
+    _last[0] = now
+
+
+@contextlib.contextmanager
+def part(name: str):
+    """Time one part of the script (SECONDS[name])."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        SECONDS[name] = SECONDS.get(name, 0.0) + time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def deterministic(device: torch.device):
+    """Deterministic algorithms for the block on CUDA (the exact resume needs the same results twice):
+    a run built inside chooses its attention then (``choose_packed_attention``); off again after."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def quiet(*args, **kwargs) -> None:
@@ -93,9 +135,10 @@ def prepare(root: Path, shape: dict, prompts: int) -> tuple[Path, Path, Path, Pa
 
 
 def overrides(model: Path, reward_model: Path, train: Path, val: Path, run_dir: Path, device: str, prompts: int,
-              n: int, response: int, steps: int) -> list[str]:
+              n: int, response: int, steps: int, decoding: str = "dynamic") -> list[str]:
     arf = "actor_rollout_ref"
     settings = {
+        f"{arf}.rollout.hf_decoding": decoding,
         "data.train_files": train, "data.val_files": val, "data.max_prompt_length": 64,
         "data.max_response_length": response, "data.train_batch_size": prompts,
         f"{arf}.model.path": model, f"{arf}.model.use_remove_padding": "true",
@@ -381,51 +424,89 @@ def check_packed_matches_padded(model_dir: Path, device: torch.device) -> None:
           f"gradient relative error packed {errors[True][1]:.3g} vs padded {errors[False][1]:.3g}")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="tiny shape on CPU (what tests/benchmarks/test_gpu_smoke.py runs)")
     p.add_argument("--keep", type=Path, default=None, help="write the model, data and runs here and keep them")
-    args = p.parse_args(argv)
+    p.add_argument("--budget-s", type=float, default=None, help="also check that the whole script took at most this")
+    p.add_argument("--decoding", choices=["dynamic", "auto"], default="dynamic",
+                   help="rollout.hf_decoding of the PPO runs: auto = a run's default (compiled on CUDA)")
+    return p.parse_args(argv)
+
+
+def run_checks(root: Path, device: torch.device, args) -> None:
+    """Every check, in order; each part's time in SECONDS."""
+    shape, prompts, n, response, steps = SHAPES["cpu" if args.cpu else "gpu"]
+    with part("prepare"):
+        common = prepare(root, shape, prompts)
+    model, run_a, run_b = common[0], root / "run_a", root / "run_b"
+    args_a = overrides(*common, run_a, device.type, prompts, n, response, steps, args.decoding)
+    resume = overrides(*common, run_b, device.type, prompts, n, response, steps, args.decoding) + [
+        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={run_a / 'global_step_2'}"]
+    with deterministic(device):
+        start = time.perf_counter()
+        try:
+            with part("run"):
+                records, seen = ppo_run(args_a)
+        except Exception as exc:  # noqa: BLE001 - the run is the first check; nothing else can follow
+            check("online PPO run", False, f"{type(exc).__name__}: {exc}")
+            return
+        check_run(records, seen, time.perf_counter() - start, steps)
+        with part("resume"):
+            check_save_resume_export(run_a, read_metrics(run_a), resume, steps)
+    with part("memory, MFU, plan"):
+        check_memory_and_mfu(records, device)
+        check_memory_plan(args_a, records, device)
+    with part("host syncs, packed vs padded"):
+        check_host_syncs(model, device)
+        check_packed_matches_padded(model, device)
+    with part("offline probe"):
+        check_offline_probe_offloaded(model, root, device.type, prompts, response)
+    with part("vllm"):
+        check_vllm_rollout(root, device.type, prompts, response)
+
+
+def process_seconds(fallback: float) -> float:
+    """Seconds since this process started (its imports and CUDA's start included), from /proc; the
+    time since ``fallback`` (a perf_counter reading) where there is no /proc."""
+    try:
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: start time
+        return float(Path("/proc/uptime").read_text().split()[0]) - started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - fallback
+
+
+def print_times(total: float, budget: float | None) -> None:
+    """Each part's seconds and the process's total; with a budget, the check that the total kept to it."""
+    print("gpu_smoke: seconds per part: " + ", ".join(f"{k} {v:.1f}" for k, v in SECONDS.items())
+          + f"; total {total:.1f} since the process started (imports included)", flush=True)
+    if budget is not None:
+        check(f"the whole smoke test within --budget-s {budget:g}", total <= budget, f"{total:.1f} s")
+
+
+def main(argv=None) -> int:
+    start = time.perf_counter()
+    args = parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_smoke: no CUDA device is visible; run `bash benchmarks/gpu_smoke.sh --cpu` for the CPU smoke mode",
               file=sys.stderr)
         return 2
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     quiet_libraries()
-    if device.type == "cuda":  # an exact resume needs the same kernels' results twice
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    shape, prompts, n, response, steps = SHAPES["cpu" if args.cpu else "gpu"]
     root = args.keep or Path(tempfile.mkdtemp(prefix="klppo-gpu-smoke-"))
     flash = importlib.util.find_spec("flash_attn") is not None
     print(f"gpu_smoke: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
           f"{torch.__version__}, flash_attn {'installed' if flash else 'not installed'}, files in {root}", flush=True)
+    _last[0] = time.perf_counter()
     try:
-        common = prepare(root, shape, prompts)
-        model = common[0]
-        run_a, run_b = root / "run_a", root / "run_b"
-        start = time.perf_counter()
-        try:
-            records, seen = ppo_run(overrides(*common, run_a, device.type, prompts, n, response, steps))
-        except Exception as exc:  # noqa: BLE001 - the run is the first check; nothing else can follow
-            check("online PPO run", False, f"{type(exc).__name__}: {exc}")
-            return 1
-        check_run(records, seen, time.perf_counter() - start, steps)
-        resume = overrides(*common, run_b, device.type, prompts, n, response, steps) + [
-            "trainer.resume_mode=resume_path", f"trainer.resume_from_path={run_a / 'global_step_2'}"]
-        check_save_resume_export(run_a, read_metrics(run_a), resume, steps)
-        check_memory_and_mfu(records, device)
-        check_memory_plan(overrides(*common, run_a, device.type, prompts, n, response, steps), records, device)
-        check_host_syncs(model, device)
-        check_packed_matches_padded(model, device)
-        check_offline_probe_offloaded(model, root, device.type, prompts, response)
-        check_vllm_rollout(root, device.type, prompts, response)
+        run_checks(root, device, args)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
-    failed = [name for verdict, name, _ in RESULTS if verdict == "FAIL"]
+    print_times(process_seconds(start), args.budget_s)
     counts = Counter(verdict for verdict, _, _ in RESULTS)
     print(f"gpu_smoke: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped", flush=True)
-    return 1 if failed else 0
+    return 1 if counts["FAIL"] else 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ pads most of the compute away or runs out of memory on the long ones. Here:
   reports how uneven the ranks were before and after.
 - ``MicroBatching`` says how one pass over a batch (a no-grad forward, or an update's mini-batch)
   is split; ``micro_batch_plan`` turns it into the row indices of each micro-batch.
-- ``pack`` / ``unpack`` move a padded (B, L) batch to one (1, N) row without padding and back.
+- ``pack`` / ``unpack`` move a padded (B, L) batch to one (1, N) row without padding and back;
+  ``RowSpans`` (``row_spans``) is where each row's real tokens lie, read on the host once per
+  batch, so that packing a micro-batch is host arithmetic rather than host-device syncs.
 
 Everything is deterministic: ties are broken by position, never by hashing or randomness.
 """
@@ -23,12 +25,12 @@ Everything is deterministic: ties are broken by position, never by hashing or ra
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from klppo.errors import UserError
 
@@ -253,28 +255,96 @@ class PackedBatch:
         return self.input_ids.shape[1]
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
+@dataclass(frozen=True)
+class RowSpans:
+    """Where each row of a (B, L) mask has its real tokens, on the host: ``lengths[b]`` columns from
+    ``starts[b]`` on, when ``contiguous`` (every row's real tokens are one run of columns, as a
+    left-padded prompt followed by a right-padded response always is).
+
+    Read once for a batch (``row_spans``: one host-device sync) and handed to each micro-batch's
+    forward (``select``), it makes packing, the positions where log-probs are read and the padded
+    path's trimming host arithmetic: on a GPU each of those read the mask (``nonzero``,
+    ``tolist``), waiting for the device, several times per micro-batch. Where the rows are not
+    contiguous the forwards read the mask as before.
+    """
+
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    contiguous: bool
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        """(B,) one past each row's last real column (its start for an empty row)."""
+        return tuple(s + n for s, n in zip(self.starts, self.lengths))
+
+    def select(self, rows: Sequence[int] | slice) -> "RowSpans":
+        """The spans of ``rows`` (indices or a slice), in that order."""
+        picked = range(len(self))[rows] if isinstance(rows, slice) else rows
+        return RowSpans(tuple(self.starts[i] for i in picked), tuple(self.lengths[i] for i in picked), self.contiguous)
+
+
+def row_spans(attention_mask: torch.Tensor) -> RowSpans:
+    """Each row's first real column and real-token count, and whether every row is one run of columns."""
+    mask = attention_mask.bool()
+    first = mask.to(torch.uint8).argmax(-1)  # the first True (0 for an empty row)
+    last = mask.shape[1] - 1 - mask.flip(-1).to(torch.uint8).argmax(-1)
+    starts, lengths, lasts = torch.stack([first, mask.sum(-1), last]).tolist()  # host sync: once per batch
+    contiguous = all(n == 0 or e - s + 1 == n for s, n, e in zip(starts, lengths, lasts))
+    return RowSpans(tuple(starts), tuple(lengths), contiguous)
+
+
+def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without the host waiting for the device's queue: through pinned
+    memory on CUDA (torch's pinned-block cache keeps it until the copy is done)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def span_index(spans: RowSpans, first: Sequence[int] | None = None, last: Sequence[int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n,) host tensors of every real token of contiguous ``spans``, row-major: its row, its column
+    and its place in the row's run (= its position id). ``first`` / ``last``: each row's first column
+    and one past its last to take instead of the whole run (a subset of it)."""
+    lo = list(first if first is not None else spans.starts)
+    counts = [max(0, h - low) for low, h in zip(lo, last if last is not None else spans.ends)]
+    rows = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor(counts, dtype=torch.long))
+    within = torch.arange(sum(counts)) - torch.tensor([0, *itertools.accumulate(counts)][:-1], dtype=torch.long)[rows]
+    cols = torch.tensor(lo, dtype=torch.long)[rows] + within
+    return rows, cols, cols - torch.tensor(spans.starts, dtype=torch.long)[rows]
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, spans: RowSpans | None = None) -> PackedBatch:
     """(B, L) ids and bool mask -> one row of the real tokens, position ids restarting per row.
 
     Position ids count real tokens only, as the padded forward computes them, so a packed
     sequence sees the same positions as its padded row. A row without real tokens packs to
-    an empty sequence (two equal ``cu_seqlens`` entries).
+    an empty sequence (two equal ``cu_seqlens`` entries). ``spans``: the rows' ``RowSpans``, read
+    here (one host-device sync) when not given; contiguous rows pack from them with no other.
     """
     mask = attention_mask.bool()
-    rows, cols = mask.nonzero(as_tuple=True)  # row-major: each sequence's tokens in order; host-device sync
-    positions = mask.long().cumsum(-1) - 1  # (B, L)
-    seq_lens = mask.sum(-1)  # (B,)
-    lengths = tuple(seq_lens.tolist())  # host-device sync: the lengths are read once, here
-    cu_seqlens = F.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)
+    spans = spans if spans is not None else row_spans(mask)
+    lengths = spans.lengths
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    if spans.contiguous:
+        index = torch.stack(span_index(spans))  # (3, N): rows, columns, positions
+        rows, cols, positions = host_to(index, input_ids.device).unbind()
+        packed_positions = positions.unsqueeze(0)
+    else:
+        rows, cols = mask.nonzero(as_tuple=True)  # row-major: each sequence's tokens in order; host-device sync
+        packed_positions = (mask.long().cumsum(-1) - 1)[rows, cols].unsqueeze(0)
     return PackedBatch(
         input_ids=input_ids[rows, cols].unsqueeze(0),
-        position_ids=positions[rows, cols].unsqueeze(0),
-        cu_seqlens=cu_seqlens,
+        position_ids=packed_positions,
+        cu_seqlens=host_to(cu_seqlens, input_ids.device),
         max_seqlen=max(lengths, default=0),
         rows=rows,
         cols=cols,
         shape=(mask.shape[0], mask.shape[1]),
-        lengths=lengths,
+        lengths=tuple(lengths),
     )
 
 

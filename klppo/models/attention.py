@@ -18,7 +18,15 @@ The candidates (``packed_attention_for`` picks one; benchmarks/README.md has the
 - ``PACKED_SDPA``: sdpa run causally on each sequence of the row, a Python loop. Free on CPU
   and the fastest there (2-3x the masked sdpa on 16 sequences of 64-512 tokens); on an H200 it
   left the GPU waiting on Python (32,800 sdpa calls = 55 s of host time in 2 steps), so CUDA
-  never gets it (STYLE.md rule 11).
+  never gets it for speed (STYLE.md rule 11).
+- ``PACKED_DETERMINISTIC`` (CUDA under ``torch.use_deterministic_algorithms``): ``PACKED_SDPA``'s
+  loop with every sdpa call held to the math backend. The fast kernels' backwards add with
+  atomics in an order that changes from run to run: flash and varlen stay non-deterministic under
+  ``warn_only=True`` (torch sets FlashAttention's deterministic flag only under the strict mode),
+  memory-efficient attention too, and cuDNN warns it is not deterministic; an exact resume
+  (``benchmarks/gpu_smoke.sh``) must get the same gradients twice. Math's memory is the squared
+  length of each sequence, not of the row, which is why it runs per sequence; it is slow and
+  only for runs that ask for determinism.
 
 Rows that are not packed (the padded path, with its attention mask) and generation (a KV
 cache: query and key lengths differ) run plain sdpa under every choice, so one choice serves
@@ -36,12 +44,14 @@ import inspect
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 PACKED_SDPA = "klppo_packed_sdpa"
 PACKED_VARLEN = "klppo_packed_varlen"
+PACKED_DETERMINISTIC = "klppo_packed_deterministic"
 # The keyword argument that hands PACKED_SDPA each row's sequence bounds once per forward.
 ROW_BOUNDS = "klppo_row_bounds"
 # What each choice is called on the command line of the benchmarks (benchmarks/gpu_check.py --attn).
@@ -51,24 +61,29 @@ ATTENTION_NAMES = {"varlen": PACKED_VARLEN, "flash_attention_2": "flash_attentio
 VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 # Measured on CPU (benchmarks/packed_attention.py): the per-sequence loop beats one masked sdpa call.
 CPU_PACKED_ATTENTION = PACKED_SDPA
-OUR_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_VARLEN)
+OUR_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC)
+# The implementations that read each row's sequence bounds from ROW_BOUNDS.
+ROW_BOUNDS_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_DETERMINISTIC)
 
 
 # ---- the choice ----
 
 
 def packed_attention_for(device_type: str, compute_dtypes: Iterable[torch.dtype | None], *, torch_varlen: bool,
-                         flash_installed: bool) -> str:
+                         flash_installed: bool, deterministic: bool = False) -> str:
     """The attention every model of a run uses for packed rows.
 
     ``compute_dtypes``: what each model's forward runs in (None: float32); the varlen kernels
     take bf16/fp16 only, so they are chosen only when every model computes in one of those.
     ``torch_varlen``: this torch has ``varlen_attn`` and its flash kernels (``torch_varlen_runs``).
-    CUDA: torch's varlen > flash-attn's varlen > one masked sdpa call per layer; elsewhere the
-    fastest measured there (``CPU_PACKED_ATTENTION``).
+    CUDA: torch's varlen > flash-attn's varlen > one masked sdpa call per layer; under
+    ``deterministic`` algorithms ``PACKED_DETERMINISTIC`` instead; elsewhere the fastest measured
+    there (``CPU_PACKED_ATTENTION``, deterministic on CPU as it is).
     """
     if device_type != "cuda":
         return CPU_PACKED_ATTENTION
+    if deterministic:
+        return PACKED_DETERMINISTIC
     half = all(dtype in VARLEN_DTYPES for dtype in compute_dtypes)
     if torch_varlen and half:
         return PACKED_VARLEN
@@ -86,9 +101,12 @@ def torch_varlen_runs(device_type: str) -> bool:
 
 
 def choose_packed_attention(device_type: str, compute_dtypes: Iterable[torch.dtype | None]) -> str:
-    """``packed_attention_for`` with what this process has installed; call once per run."""
+    """``packed_attention_for`` with what this process has installed and whether it asked for
+    deterministic algorithms (``torch.use_deterministic_algorithms``, read now); call once per run,
+    after that switch."""
     return packed_attention_for(device_type, list(compute_dtypes), torch_varlen=torch_varlen_runs(device_type),
-                                flash_installed=importlib.util.find_spec("flash_attn") is not None)
+                                flash_installed=importlib.util.find_spec("flash_attn") is not None,
+                                deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 def set_packed_attention(model: torch.nn.Module, implementation: str) -> str:
@@ -222,6 +240,15 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     return torch.cat(out, dim=0), None
 
 
+def deterministic_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """``packed_sdpa_attention`` with sdpa held to its math backend (``PACKED_DETERMINISTIC``): plain
+    matmuls and a softmax, whose backward is the same every run, for packed rows, padded rows and
+    generation alike. The backend is chosen in forward; backward follows the ops it recorded."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+
+
 def _packed_sdpa_mask(*args, **kwargs):
     """sdpa's mask, but none for rows without padding and cache: packing is read from positions."""
     if (kwargs.get("attention_mask") is None and kwargs.get("local_size") is None and not kwargs.get("q_offset")
@@ -230,6 +257,7 @@ def _packed_sdpa_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-for _name, _function in ((PACKED_SDPA, packed_sdpa_attention), (PACKED_VARLEN, packed_varlen_attention)):
+for _name, _function in ((PACKED_SDPA, packed_sdpa_attention), (PACKED_VARLEN, packed_varlen_attention),
+                         (PACKED_DETERMINISTIC, deterministic_sdpa_attention)):
     AttentionInterface.register(_name, _function)
     AttentionMaskInterface.register(_name, _packed_sdpa_mask)

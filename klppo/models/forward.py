@@ -40,8 +40,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from klppo.algo import entropy_from_logits, logprobs_from_logits
-from klppo.data.batching import PackedBatch, pack
-from klppo.models.attention import PACKED_SDPA, ROW_BOUNDS, use_packed_attention  # noqa: F401 - also found here
+from klppo.data.batching import PackedBatch, RowSpans, host_to, pack, row_spans, span_index
+from klppo.models.attention import (  # noqa: F401 - PACKED_SDPA and use_packed_attention also found here
+    PACKED_SDPA, ROW_BOUNDS, ROW_BOUNDS_IMPLEMENTATIONS, use_packed_attention,
+)
 from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_head_unsupported, fused_lm_head
 
 
@@ -53,11 +55,14 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 # ---- where the response is read ----
 
 
-def _trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
+def _trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, spans: RowSpans):
     """Drop the columns that are padding in every row -> (ids, mask, P', T')."""
     prompt_length = input_ids.shape[1] - response_length
     assert prompt_length >= 1, "a sequence needs at least one prompt column"
-    used = attention_mask.any(0).nonzero().flatten().tolist()  # host-device sync
+    if spans.contiguous:  # the first and last real column of every row, on the host already
+        used = [c for s, e in zip(spans.starts, spans.ends) if e > s for c in (s, e - 1)]
+    else:
+        used = attention_mask.any(0).nonzero().flatten().tolist()  # host sync
     first = min([c for c in used if c < prompt_length], default=prompt_length - 1)
     last = max([c for c in used if c >= prompt_length], default=prompt_length)
     return input_ids[:, first : last + 1], attention_mask[:, first : last + 1], prompt_length - first, last + 1 - prompt_length
@@ -67,9 +72,9 @@ def _trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, respons
 Head = Callable[[torch.Tensor], AbstractContextManager] | None
 
 
-def _padded_forward(model, input_ids, attention_mask, response_length, lm: bool, head: Head = None):
+def _padded_forward(model, input_ids, attention_mask, response_length, lm: bool, spans: RowSpans, head: Head = None):
     """(B, T', ...) model outputs at the positions that predict the response, the labels (B, T') and T'."""
-    ids, mask, p, t = _trim_padding(input_ids, attention_mask, response_length)
+    ids, mask, p, t = _trim_padding(input_ids, attention_mask, response_length, spans)
     labels = ids[:, p : p + t]
     extra = {"logits_to_keep": torch.arange(p - 1, p - 1 + t, device=ids.device)} if lm else {}
     extra.update(_bounds_kwargs(model, [[0, ids.shape[1]]] * ids.shape[0]))  # one sequence per row
@@ -81,26 +86,33 @@ def _padded_forward(model, input_ids, attention_mask, response_length, lm: bool,
 
 
 def _bounds_kwargs(model, bounds: list[list[int]]) -> dict:
-    """``{ROW_BOUNDS: bounds}`` for a PACKED_SDPA model (transformers hands the model's keyword
-    arguments to every attention call, and gradient checkpointing's recomputation keeps them);
-    nothing for other attention implementations, which take no such argument."""
-    return {ROW_BOUNDS: bounds} if model.config._attn_implementation == PACKED_SDPA else {}
+    """``{ROW_BOUNDS: bounds}`` for a model whose attention loops over the sequences (PACKED_SDPA,
+    PACKED_DETERMINISTIC): transformers hands the model's keyword arguments to every attention call,
+    and gradient checkpointing's recomputation keeps them; nothing for other attention
+    implementations, which take no such argument."""
+    return {ROW_BOUNDS: bounds} if model.config._attn_implementation in ROW_BOUNDS_IMPLEMENTATIONS else {}
 
 
-def _packed_reads(packed: PackedBatch, attention_mask: torch.Tensor, response_length: int):
+def _packed_reads(packed: PackedBatch, attention_mask: torch.Tensor, response_length: int, spans: RowSpans):
     """Packed positions whose next token is a real response token, and that token's (row, slot)."""
     length = attention_mask.shape[1]
     prompt_length = length - response_length
+    if spans.contiguous:  # columns max(start, P - 1) .. end - 2 of each row: host arithmetic
+        first = [max(s, prompt_length - 1) for s in spans.starts]
+        rows, cols, within = span_index(spans, first, [e - 1 for e in spans.ends])
+        offsets = torch.tensor([0, *itertools.accumulate(spans.lengths)][:-1], dtype=torch.long)
+        index = torch.stack([offsets[rows] + within, rows, cols + 1 - prompt_length])
+        return host_to(index, attention_mask.device).unbind()
     nxt = (packed.cols + 1).clamp(max=length - 1)
     read = (packed.cols >= prompt_length - 1) & (packed.cols < length - 1) & attention_mask[packed.rows, nxt]
-    positions = read.nonzero().flatten()  # (n,)
+    positions = read.nonzero().flatten()  # (n,); host sync
     return positions, packed.rows[positions], packed.cols[positions] + 1 - prompt_length
 
 
-def _packed_forward(model, input_ids, attention_mask, response_length, lm: bool, head: Head = None):
+def _packed_forward(model, input_ids, attention_mask, response_length, lm: bool, spans: RowSpans, head: Head = None):
     """(n, ...) outputs at the packed positions that predict real response tokens, their labels and slots."""
-    packed = pack(input_ids, attention_mask)
-    positions, rows, slots = _packed_reads(packed, attention_mask.bool(), response_length)
+    packed = pack(input_ids, attention_mask, spans)
+    positions, rows, slots = _packed_reads(packed, attention_mask.bool(), response_length, spans)
     labels = input_ids[rows, slots + input_ids.shape[1] - response_length]  # (n,)
     extra = {"logits_to_keep": positions} if lm else {}
     extra.update(_bounds_kwargs(model, [list(itertools.accumulate(packed.lengths, initial=0))]))
@@ -118,13 +130,13 @@ def _varlen(packed: PackedBatch) -> dict:
             "max_length_q": packed.max_seqlen, "max_length_k": packed.max_seqlen}
 
 
-def _row_groups(attention_mask: torch.Tensor, max_tokens: int | None) -> list[slice]:
-    """Consecutive rows whose real tokens fit ``max_tokens`` (one group when it is None)."""
-    rows = attention_mask.shape[0]
+def _row_groups(lengths: tuple[int, ...], max_tokens: int | None) -> list[slice]:
+    """Consecutive rows whose real tokens (``lengths``, on the host) fit ``max_tokens`` (one group when it is None)."""
+    rows = len(lengths)
     if max_tokens is None:
         return [slice(0, rows)]
     groups, start, used = [], 0, 0
-    for row, n in enumerate(attention_mask.sum(-1).tolist()):  # host-device sync
+    for row, n in enumerate(lengths):
         if used + n > max_tokens and row > start:
             groups.append(slice(start, row))
             start, used = row, 0
@@ -153,6 +165,9 @@ class HeadSettings:
     entropy_checkpointing: unfused only; the entropy's softmax is recomputed in backward
         instead of kept (verl's ``actor.entropy_checkpointing``).
     The fused head already does both; the two entropy options are ignored there.
+    compiled: the fused head's per-slice elementwise work compiled by torch.compile (inductor fuses
+        about 8 fp32 passes over each (tokens x slice) block into 2 in forward and 12 into 1 in
+        backward); None (the default): on CUDA, never on CPU (where it would change pinned results).
     """
 
     fused: bool | None = None
@@ -160,6 +175,7 @@ class HeadSettings:
     entropy_chunking: bool = False
     entropy_chunk_rows: int = 2048
     entropy_checkpointing: bool = False
+    compiled: bool | None = None
 
     def fused_for(self, model: torch.nn.Module, device: torch.device | None = None) -> bool:
         """Whether ``model``'s log-probs (inputs on ``device``) go through the fused head."""
@@ -178,32 +194,37 @@ def response_logprobs(
     packed: bool = False,
     max_tokens: int | None = None,
     head: HeadSettings = HeadSettings(),
+    spans: RowSpans | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, T) of the response tokens under ``model``, and optionally entropies (B, T).
 
     Logits are divided by the sampling ``temperature`` first, as verl does, so the log-probs
     are those of the distribution the responses were sampled from. ``packed`` runs the rows
     as packed rows of at most ``max_tokens`` tokens each (a batch over it is split).
+    ``spans``: the rows' ``RowSpans`` where the caller read them for a whole batch (then this
+    forward waits for the device nowhere); read here otherwise, one host sync.
     ``entropy_grad=False``: the entropies are measured, not differentiated (no loss term uses
     them), and backward skips their pass over the logits.
     """
-    groups = _row_groups(attention_mask, max_tokens) if packed else [slice(None)]
+    spans = spans if spans is not None else row_spans(attention_mask)
+    groups = _row_groups(spans.lengths, max_tokens) if packed else [slice(None)]
     if len(groups) > 1:
         parts = [response_logprobs(model, input_ids[g], attention_mask[g], response_length, temperature=temperature,
-                                   with_entropy=with_entropy, entropy_grad=entropy_grad, packed=True, head=head)
-                 for g in groups]
+                                   with_entropy=with_entropy, entropy_grad=entropy_grad, packed=True, head=head,
+                                   spans=spans.select(g)) for g in groups]
         return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
     rows, mask = input_ids.shape[0], attention_mask.bool()
     head = replace(head, fused=head.fused_for(model, input_ids.device))
     fused = partial(fused_lm_head, model, temperature=temperature, chunk_logits=head.chunk_logits,
-                    with_entropy=with_entropy, entropy_grad=entropy_grad) if head.fused else None
+                    with_entropy=with_entropy, entropy_grad=entropy_grad, compiled=head.compiled) if head.fused else None
     if packed:
-        out, labels, out_rows, slots = _packed_forward(model, input_ids, mask, response_length, lm=True, head=fused)
+        out, labels, out_rows, slots = _packed_forward(model, input_ids, mask, response_length, lm=True, spans=spans,
+                                                       head=fused)
         lp, ent = _token_scores(out, labels, temperature, with_entropy, head, entropy_grad)  # (n,)
         log_probs = torch.zeros(rows, response_length, device=input_ids.device)
         entropy = torch.zeros_like(log_probs).index_put((out_rows, slots), ent) if with_entropy else None
         return log_probs.index_put((out_rows, slots), lp), entropy
-    out, labels, t = _padded_forward(model, input_ids, mask, response_length, lm=True, head=fused)
+    out, labels, t = _padded_forward(model, input_ids, mask, response_length, lm=True, spans=spans, head=fused)
     lp, ent = _token_scores(out, labels, temperature, with_entropy, head, entropy_grad)  # (B, T')
     real = mask[:, -response_length:]  # (B, T)
     log_probs = torch.where(real, _widen(lp, response_length), 0.0)
@@ -242,18 +263,21 @@ def response_values(
     *,
     packed: bool = False,
     max_tokens: int | None = None,
+    spans: RowSpans | None = None,
 ) -> torch.Tensor:
-    """Values (B, T): V(s_t) of the state before each response token (verl's convention)."""
-    groups = _row_groups(attention_mask, max_tokens) if packed else [slice(None)]
+    """Values (B, T): V(s_t) of the state before each response token (verl's convention).
+    ``spans``: as in ``response_logprobs``."""
+    spans = spans if spans is not None else row_spans(attention_mask)
+    groups = _row_groups(spans.lengths, max_tokens) if packed else [slice(None)]
     if len(groups) > 1:
-        return torch.cat([response_values(critic, input_ids[g], attention_mask[g], response_length, packed=True)
-                          for g in groups])
+        return torch.cat([response_values(critic, input_ids[g], attention_mask[g], response_length, packed=True,
+                                          spans=spans.select(g)) for g in groups])
     mask = attention_mask.bool()
     if packed:
-        values, _, rows, slots = _packed_forward(critic, input_ids, mask, response_length, lm=False)
+        values, _, rows, slots = _packed_forward(critic, input_ids, mask, response_length, lm=False, spans=spans)
         out = torch.zeros(input_ids.shape[0], response_length, device=input_ids.device)
         return out.index_put((rows, slots), values[:, 0].float())
-    values, _, _ = _padded_forward(critic, input_ids, mask, response_length, lm=False)
+    values, _, _ = _padded_forward(critic, input_ids, mask, response_length, lm=False, spans=spans)
     return torch.where(mask[:, -response_length:], _widen(values[..., 0].float(), response_length), 0.0)
 
 

@@ -36,6 +36,7 @@ output, whose backward hook gathers them again before this backward runs.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,12 +53,65 @@ def _slice_width(tokens: int, vocab: int, chunk_logits: int) -> int:
     return min(vocab, max(1, -(-chunk_logits // max(tokens, 1))))
 
 
-def _slice_logits(hidden, weight, bias, start: int, width: int, temperature: float) -> torch.Tensor:
-    """(N, W) fp32 logits / temperature of vocabulary entries [start, start + W); the matmul runs in
-    the model's dtype, as the model's head does, and the result is upcast as the naive path does."""
+def _slice_logits(hidden, weight, bias, start: int, width: int) -> torch.Tensor:
+    """(N, W) logits of vocabulary entries [start, start + W) in the model's dtype, as its head computes them."""
     cols = slice(start, start + width)
-    z = F.linear(hidden, weight[cols], None if bias is None else bias[cols]).float()  # fresh: safe to modify
+    return F.linear(hidden, weight[cols], None if bias is None else bias[cols])
+
+
+def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / temperature, upcast as the naive path does (a fresh tensor: safe to modify)."""
+    z = z.float()
     return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _fold_slice(z, labels, m, s, t, picked, temperature: float):
+    """One slice's logits (N, W), in the model's dtype, folded into the running max ``m``, sum of
+    exp(z - m) ``s``, sum of exp(z - m) * z ``t`` (None without entropy) and ``picked`` z[label]
+    (``labels`` relative to the slice): the running-max form of the online softmax. Returns the
+    four new (N,) statistics. Eager, this is 8 passes over the slice in fp32; compiled on CUDA
+    (``_on_device``) inductor fuses them into two reads of the slice."""
+    z = _scaled(z, temperature)
+    new_m = torch.maximum(m, z.amax(-1))
+    scale = torch.exp(m - new_m)  # 0 on the first slice (m = -inf)
+    e = torch.sub(z, new_m[:, None]).exp_()
+    s = s * scale + e.sum(-1)
+    if t is not None:
+        t = t * scale + e.mul_(z).sum(-1)
+    return new_m, s, t, picked + _at_labels(z, labels)
+
+
+def _slice_grad(z, labels, lse, mu, g_lp, g_ent, temperature: float) -> torch.Tensor:
+    """d(loss) / d(slice logits), (N, W) in the model's dtype (the gradient its head output would get),
+    from the recomputed logits ``z`` in that dtype. Compiled on CUDA: one read and one write."""
+    dz = _grad_logits(_scaled(z, temperature), labels, lse, mu, g_lp, g_ent)
+    return dz.div_(temperature).to(z.dtype)
+
+
+# Where inductor could not compile the slice functions (a torch version or device it does not
+# manage), the head runs them eagerly from then on, after one warning.
+_COMPILED: dict[str, object] = {}
+_COMPILE_FAILED: list[str] = []
+
+
+def _on_device(fn, compiled: bool | None, *args):
+    """``fn(*args)``, compiled by torch.compile (dynamic shapes: one compilation for every token count
+    and slice width) where ``compiled`` says so (None: on CUDA), eagerly otherwise. Eager on CPU,
+    where the head's results are pinned bit for bit; a compilation that fails (anything but running
+    out of memory) warns once and runs eagerly, as every later call does."""
+    if not (args[0].is_cuda if compiled is None else compiled) or _COMPILE_FAILED:
+        return fn(*args)
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
+    try:
+        return _COMPILED[fn.__name__](*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 - an optimisation must never be why a run fails
+        _COMPILE_FAILED.append(f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+        warnings.warn(f"fused LM head: torch.compile failed ({_COMPILE_FAILED[0]}); its slices run eagerly "
+                      "(correct, slower on a GPU)", stacklevel=2)
+        return fn(*args)
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -65,7 +119,7 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature: float, chunk_logits: int, with_entropy: bool,
-                entropy_grad: bool = True):
+                entropy_grad: bool = True, compiled: bool | None = None):
         n, vocab = hidden.shape[0], weight.shape[0]
         width = _slice_width(n, vocab, chunk_logits)
         m = hidden.new_full((n,), float("-inf"), dtype=torch.float32)  # running max of z
@@ -73,19 +127,12 @@ class _ChunkedHead(torch.autograd.Function):
         t = torch.zeros_like(m) if with_entropy else None  # running sum of exp(z - m) * z
         picked = torch.zeros_like(m)  # z[label]
         for start in range(0, vocab, width):
-            z = _slice_logits(hidden, weight, bias, start, width, temperature)  # (N, W)
-            new_m = torch.maximum(m, z.amax(-1))
-            scale = torch.exp(m - new_m)  # 0 on the first slice (m = -inf)
-            e = torch.sub(z, new_m[:, None]).exp_()
-            s = s * scale + e.sum(-1)
-            if with_entropy:
-                t = t * scale + e.mul_(z).sum(-1)
-            picked += _at_labels(z, labels - start)
-            m = new_m
+            z = _slice_logits(hidden, weight, bias, start, width)  # (N, W)
+            m, s, t, picked = _on_device(_fold_slice, compiled, z, labels - start, m, s, t, picked, temperature)
         lse = m + s.log()
         mu = t / s if with_entropy else None
         ctx.save_for_backward(hidden, weight, bias, labels, lse, mu)
-        ctx.temperature, ctx.width = temperature, width
+        ctx.temperature, ctx.width, ctx.compiled = temperature, width, compiled
         ctx.set_materialize_grads(False)
         log_probs = picked - lse
         if not with_entropy:
@@ -103,19 +150,19 @@ class _ChunkedHead(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if want_w else None  # one slice of rows at a time
         grad_b = torch.zeros_like(bias) if want_b else None
         if grad_log_probs is None and grad_entropy is None:
-            return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None
+            return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None, None
         for start in range(0, weight.shape[0], ctx.width):
             cols = slice(start, start + ctx.width)
-            z = _slice_logits(hidden, weight, bias, start, ctx.width, ctx.temperature)
-            dz = _grad_logits(z, labels - start, lse, mu, grad_log_probs, grad_entropy)
-            dz = dz.div_(ctx.temperature).to(hidden.dtype)  # the gradient the model's head output would get
+            z = _slice_logits(hidden, weight, bias, start, ctx.width)
+            dz = _on_device(_slice_grad, ctx.compiled, z, labels - start, lse, mu, grad_log_probs, grad_entropy,
+                            ctx.temperature)  # (N, W) in the model's dtype
             if want_w:
                 torch.mm(dz.T, hidden, out=grad_w[cols])
             if want_b:
                 grad_b[cols] = dz.float().sum(0)
             if want_h:
                 _accumulate(grad_h, dz, weight[cols])
-        return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None
+        return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None, None
 
 
 def _at_labels(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -167,6 +214,7 @@ def chunked_logprobs(
     chunk_logits: int = DEFAULT_CHUNK_LOGITS,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    compiled: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax((h W^T + b) / temperature)[label] (N,) and optionally the entropy (N,), both
     differentiable w.r.t. ``hidden`` (N, H), ``weight`` (V, H) and ``bias`` (V,), holding about
@@ -175,11 +223,12 @@ def chunked_logprobs(
     ``F.linear(hidden, weight, bias).float() / temperature`` up to float rounding.
     ``entropy_grad=False``: the entropy is not differentiable (a metric), and backward skips its
     term, one pass less over each slice's logits.
+    ``compiled``: each slice's elementwise work compiled by torch.compile (None: on CUDA; ``_on_device``).
     """
     if chunk_logits < 1:
         raise ValueError(f"chunk_logits={chunk_logits}: the logits per chunk must be at least 1")
     out = _ChunkedHead.apply(hidden, weight, bias, labels, float(temperature), int(chunk_logits), with_entropy,
-                             entropy_grad)
+                             entropy_grad, compiled)
     return out if with_entropy else (out, None)
 
 
@@ -277,6 +326,7 @@ def fused_lm_head(
     chunk_logits: int = DEFAULT_CHUNK_LOGITS,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    compiled: bool | None = None,
 ) -> Iterator[None]:
     """While open, ``model(...).logits`` is (..., 2) [log-prob, entropy] (or (..., 1) [log-prob])
     of ``labels`` at the positions the head sees, instead of (..., V) logits (``entropy_grad``:
@@ -287,6 +337,7 @@ def fused_lm_head(
     The scores are those of the model's own logits: a constant factor c the model applies after
     the head (``head_logit_scale``) is folded into the temperature, z = c * head / T = head / (T / c),
     and the scores leave the head divided by c, which the model's own rescaling then undoes.
+    ``compiled``: as in ``chunked_logprobs``.
     """
     unsupported = fused_head_unsupported(model, labels.device)
     if unsupported:
@@ -300,7 +351,7 @@ def fused_lm_head(
         flat = hidden.reshape(-1, hidden.shape[-1])
         lp, ent = chunked_logprobs(flat, head.weight, labels.reshape(-1), bias=head.bias,
                                    temperature=temperature / scale, chunk_logits=chunk_logits, with_entropy=with_entropy,
-                                   entropy_grad=entropy_grad)
+                                   entropy_grad=entropy_grad, compiled=compiled)
         out = torch.stack([lp, ent], -1) if with_entropy else lp[:, None]
         out = out if scale == 1.0 else out / scale
         return out.view(*hidden.shape[:-1], out.shape[-1])

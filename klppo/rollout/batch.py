@@ -86,7 +86,7 @@ class RolloutBatch:
         field would stall the host until the device caught up, once per field and micro-batch.
         """
         idx = torch.as_tensor(indices, dtype=torch.long)
-        rows = idx.tolist()  # host-side indices (a list or CPU tensor: no device involved)
+        rows = idx.tolist() if isinstance(indices, torch.Tensor) else list(indices)  # host sync for a device index
         on_device: dict[torch.device, torch.Tensor] = {}
         picked = {}
         for field in dataclasses.fields(self):

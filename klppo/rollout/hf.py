@@ -121,7 +121,7 @@ def _generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config
     rng = _rng_states(prompt_ids.device)
     try:
         with generating_with(model, with_decoding(config, decoding)):
-            return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), synced_gpus=synced_gpus)
+            return _call_generate(model, prompt_ids, prompt_mask, synced_gpus)
     except Exception as error:  # noqa: BLE001 (the fallback re-raises what it cannot handle)
         if decoding.mode != "compiled" or isinstance(error, torch.OutOfMemoryError):
             raise
@@ -132,6 +132,20 @@ def _generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config
                       stacklevel=2)
     _set_rng_states(rng)
     with generating_with(model, config):
+        return _call_generate(model, prompt_ids, prompt_mask, synced_gpus)
+
+
+# transformers warns at every generate call whose inputs are on another device type than the model's
+# first parameter. An actor sharded under FSDP2's offload_policy (rollout.generation_weights=sharded)
+# keeps its parameters on CPU and computes every layer on the inputs' device, as klppo asks: the
+# warning described nothing wrong, hundreds of times a run (issue #32 item 14).
+_DEVICE_TYPE_WARNING = r"You are calling \.generate\(\) with the `input_ids` being on a device type different"
+
+
+def _call_generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, synced_gpus: bool) -> torch.Tensor:
+    """``model.generate`` on the prompts' device, without transformers' device-type warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DEVICE_TYPE_WARNING, category=UserWarning)
         return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), synced_gpus=synced_gpus)
 
 

@@ -58,7 +58,12 @@ class Offloader:
 
     @contextmanager
     def resident(self, *roles: str) -> Iterator[None]:
-        """The models of ``roles`` on the device for the ``with`` block, back on CPU after it."""
+        """The models of ``roles`` on the device for the ``with`` block, back on CPU after it.
+
+        Their device memory goes back to PyTorch's caching allocator, where the next model moved in
+        and the next phase's tensors find it; emptying the cache after every phase waited for the
+        device and gave the driver blocks that were allocated again moments later (a vLLM engine,
+        the one user of memory outside that allocator, empties it before it wakes)."""
         moved = [self.held[role] for role in roles if role in self.held]
         for held in moved:
             self._move(held, self.device)
@@ -67,5 +72,3 @@ class Offloader:
         finally:
             for held in moved:
                 self._move(held, CPU)
-            if moved and self.device.type == "cuda":
-                torch.cuda.empty_cache()

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
-from klppo.data.batching import MicroBatching, micro_batch_plan, rank_shards, restore_order, row_chunks
+from klppo.data.batching import (
+    MicroBatching, RowSpans, micro_batch_plan, rank_shards, restore_order, row_chunks, row_spans,
+)
 from klppo.distributed import all_gather_objects, all_gather_rows, all_reduce_max_int
 from klppo.models.forward import HeadSettings, response_logprobs, response_values, sequence_scores
 from klppo.monitoring.timer import PhaseTimer
@@ -65,15 +67,17 @@ def step_shards(parts: PPOParts, batch: RolloutBatch) -> StepShards:
 # ---- the no-grad forwards ----
 
 
-def _forward_in_parts(batch: RolloutBatch, forward: Callable[[RolloutBatch], torch.Tensor],
+def _forward_in_parts(batch: RolloutBatch, forward: Callable[[RolloutBatch, RowSpans], torch.Tensor],
                       split: MicroBatching) -> torch.Tensor:
-    """``forward(micro) -> (b, T)`` over the batch's micro-batches, rows back in the batch's order.
+    """``forward(micro, spans) -> (b, T)`` over the batch's micro-batches, rows back in the batch's order.
 
-    Every rank runs as many forwards as the rank that needs the most, which FSDP2's
-    collectives need.
+    The rows' spans are read on the host once here (``RowSpans``), so the micro-batches' forwards
+    do not wait for the device. Every rank runs as many forwards as the rank that needs the
+    most, which FSDP2's collectives need.
     """
-    plan = micro_batch_plan(batch.attention_mask.sum(-1), split, all_reduce_max_int)
-    parts = [forward(batch.select(idx)) for idx in plan]
+    spans = row_spans(batch.attention_mask)  # host sync: once per pass
+    plan = micro_batch_plan(spans.lengths, split, all_reduce_max_int)
+    parts = [forward(batch.select(idx), spans.select(idx)) for idx in plan]
     return restore_order(torch.cat(parts), [i for idx in plan for i in idx])
 
 
@@ -83,10 +87,10 @@ def compute_log_prob(model, batch: RolloutBatch, split: MicroBatching, *, temper
     """(B, T) response log-probs under ``model``, a micro-batch (rows or token budget) at a time."""
     model.eval()
 
-    def forward(micro: RolloutBatch) -> torch.Tensor:
+    def forward(micro: RolloutBatch, spans: RowSpans) -> torch.Tensor:
         log_prob, _ = response_logprobs(model, micro.input_ids, micro.attention_mask, micro.response_length,
                                         temperature=temperature, packed=split.packed, max_tokens=split.max_tokens,
-                                        head=head)
+                                        head=head, spans=spans)
         return log_prob
 
     return _forward_in_parts(batch, forward, split)
@@ -97,9 +101,9 @@ def compute_values(critic, batch: RolloutBatch, split: MicroBatching) -> torch.T
     """(B, T) critic values, a micro-batch (rows or token budget) at a time."""
     critic.eval()
 
-    def forward(micro: RolloutBatch) -> torch.Tensor:
+    def forward(micro: RolloutBatch, spans: RowSpans) -> torch.Tensor:
         return response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length,
-                               packed=split.packed, max_tokens=split.max_tokens)
+                               packed=split.packed, max_tokens=split.max_tokens, spans=spans)
 
     return _forward_in_parts(batch, forward, split)
 

@@ -10,7 +10,6 @@ checkpoint holds and a rollback restores in ``klppo.run.state``, the guards' dec
 
 from __future__ import annotations
 
-import gc
 import math
 from pathlib import Path
 from typing import Callable
@@ -30,6 +29,7 @@ from klppo.rollout.batch import RolloutBatch
 from klppo.run import state as run_state
 from klppo.run.adapters import export_model
 from klppo.run.build import GOLD_ROLE, PPOParts
+from klppo.run.collector import FrozenSetup
 from klppo.run.folder import RunFolder
 from klppo.safety.guards import GRAD_MODELS, Action, RunGuard, most_severe
 from klppo.trainer.dynamic_sampling import scored_step_batch
@@ -59,6 +59,7 @@ class PPOTrainer:
         self.progress = None
         self.guard = RunGuard(self.s.guard)
         self.step = 0
+        self.frozen = FrozenSetup()  # no garbage collection walks what was built before training
 
     def fit(self, resume_from: Path | None = None) -> list[dict[str, float]]:
         """Train to the last step (or until a guard stops the run), continuing after checkpoint
@@ -69,7 +70,8 @@ class PPOTrainer:
         if self.print is print:  # console lines go above the bar
             self.print = self.progress.write
         try:
-            return self._train_to_the_end()
+            with self.frozen:
+                return self._train_to_the_end()
         finally:
             self.progress.close()
             if self.logger is not None:
@@ -137,7 +139,7 @@ class PPOTrainer:
             if optimizer is not None:
                 optimizer.state.clear()
         p.ref, p.critic, p.reward_models, p.gold_reward_model = None, None, [], None
-        gc.collect()
+        self.frozen.collect_everything()
 
     def train_step(self) -> tuple[dict[str, float | torch.Tensor], Action]:
         p, adv, timer = self.p, self.s.advantage, PhaseTimer(self.progress, self.memory)
@@ -202,7 +204,7 @@ class PPOTrainer:
         # batch's penalty online (verl), the offline estimate on the steps that measure it.
         current = kl_estimate  # the same on every rank, as the controller's value must stay
         if self.s.rollout != "offline":
-            current = mean_over_ranks({"kl": float(stats["actor/reward_kl_penalty"])})["kl"]
+            current = mean_over_ranks({"kl": float(stats["actor/reward_kl_penalty"])})["kl"]  # host sync
         if current is not None:
             self.p.kl_ctrl.update(current_kl=current, n_steps=len(batch))
         return stats
@@ -249,7 +251,7 @@ class PPOTrainer:
         grad-norm window's metrics). Every rank has the same full gradient norms (FSDP2)."""
         watched = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
         health = ("actor/entropy", "actor/pg_clipfrac")  # not during the critic's warm-up
-        agreed = mean_over_ranks({k: float(metrics[k]) for k in watched + health if k in metrics})
+        agreed = mean_over_ranks({k: float(metrics[k]) for k in watched + health if k in metrics})  # host sync
         action = self.guard.check_finite(self.step, {k: agreed[k] for k in watched if k in agreed})
         if "actor/entropy" in agreed:
             self.guard.check_health(self.step, agreed["actor/entropy"], agreed["actor/pg_clipfrac"])

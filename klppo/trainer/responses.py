@@ -187,7 +187,13 @@ def generation_decoding(parts: PPOParts, sharded: bool) -> Decoding:
 
 @contextmanager
 def generation_model(parts: PPOParts) -> Iterator[tuple[torch.nn.Module, bool]]:
-    """(the model to generate with, whether it is the sharded actor); a plain copy is freed afterwards."""
+    """(the model to generate with, whether it is the sharded actor); a plain copy is freed afterwards.
+
+    Freed to PyTorch's caching allocator, not to the driver: the next phases' tensors take its
+    blocks. ``torch.cuda.empty_cache`` here waited for the device and returned them, to be
+    allocated again by the next phase and the next step's copy; only memory outside PyTorch's
+    allocator would gain, and the one such user, a vLLM engine, empties the cache itself before
+    it wakes (``klppo.rollout.vllm``)."""
     if not uses_gathered_copy(parts):
         yield parts.actor, is_sharded(parts.actor)
         return
@@ -196,8 +202,6 @@ def generation_model(parts: PPOParts) -> Iterator[tuple[torch.nn.Module, bool]]:
         yield copy, False
     finally:
         del copy
-        if parts.env.device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def generation_copy(actor: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

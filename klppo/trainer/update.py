@@ -34,15 +34,15 @@ from typing import Callable, Optional
 import torch
 
 from klppo.algo import agg_loss, compute_value_loss, kl_loss, masked_mean
-from klppo.data.batching import MicroBatching, micro_batch_plan, row_chunks
+from klppo.data.batching import MicroBatching, RowSpans, micro_batch_plan, row_chunks, row_spans
 from klppo.distributed import all_reduce_max_int, reduce_counts, reduce_stats
 from klppo.models.forward import response_logprobs, response_values
 from klppo.rollout.batch import RolloutBatch
 from klppo.trainer.rollout_correction import policy_loss, with_rollout_correction
 from klppo.run.settings import ActorUpdateSettings, CriticUpdateSettings
 
-# (micro-batch, global token count, global sequence count) -> (loss, summed stats, token-mean stats)
-MicroLoss = Callable[[RolloutBatch, torch.Tensor, torch.Tensor], tuple]
+# (micro-batch, its rows' spans, global token count, global sequence count) -> (loss, summed stats, token-mean stats)
+MicroLoss = Callable[[RolloutBatch, RowSpans, torch.Tensor, torch.Tensor], tuple]
 
 
 def _counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +62,7 @@ class OptimizerSteps:
         """The norms and verdicts as Python values (one host sync for the whole update)."""
         if not self.norms:
             return [], []
-        norms, applied = torch.stack([torch.stack(self.norms).float(), torch.stack(self.applied).float()]).tolist()
+        norms, applied = torch.stack([torch.stack(self.norms).float(), torch.stack(self.applied).float()]).tolist()  # host sync
         return norms, [a > 0 for a in applied]
 
 
@@ -100,15 +100,11 @@ def optimizer_step(model, optimizer, grad_clip: float, max_norm: float = math.in
     return grad_norm.detach()
 
 
-def micro_plans(batch: RolloutBatch, mini_rows: int, micro: MicroBatching) -> list[tuple[list[int], list[list[int]]]]:
+def micro_plans(batch: RolloutBatch, spans: RowSpans, mini_rows: int, micro: MicroBatching
+                ) -> list[tuple[list[int], list[list[int]]]]:
     """Each mini-batch's rows and its micro-batches' rows (within the mini-batch), planned once
-    for all epochs. A token budget reads the rows' lengths on the host once (one sync per
-    update, not one per mini-batch and epoch); fixed rows need none."""
-    if micro.max_tokens is not None:
-        lengths = batch.attention_mask.sum(-1).tolist()  # host sync
-    else:
-        lengths = [0] * len(batch)  # unread: fixed rows only count them
-    return [(mini, micro_batch_plan([lengths[i] for i in mini], micro, all_reduce_max_int))
+    for all epochs from the rows' lengths (``spans``, read on the host once per update)."""
+    return [(mini, micro_batch_plan([spans.lengths[i] for i in mini], micro, all_reduce_max_int))
             for mini in row_chunks(len(batch), mini_rows)]
 
 
@@ -122,24 +118,27 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
                  steps: Optional[OptimizerSteps] = None) -> dict[str, torch.Tensor]:
     """ppo_epochs x mini-batches x micro-batches of ``micro_loss``, one optimiser step per mini-batch.
 
-    ``micro_loss(micro, tokens, seqs) -> (loss, sums, means)``: ``sums`` are the micro-batch's
+    ``micro_loss(micro, spans, tokens, seqs) -> (loss, sums, means)``: ``sums`` are the micro-batch's
     shares of mini-batch losses (they add up), ``means`` are its own token means (weighted here
-    by its token share). Returns every metric averaged over the optimiser steps.
+    by its token share). Returns every metric averaged over the optimiser steps. The rows' spans
+    (``RowSpans``) are read once for the whole update, the one host sync before the optimiser
+    steps: each micro-batch's forward and backward then run without the host waiting on the device.
     ``after_micro_batch``: called after each micro-batch's backward (``monitoring.overlap.profiled``).
     ``steps``: the optimiser steps' limit, and where their norms and verdicts go.
     """
     model.train()
     steps = steps if steps is not None else OptimizerSteps()
     per_update: dict[str, list[torch.Tensor]] = defaultdict(list)
-    plans = micro_plans(batch, mini_rows, micro)
+    spans = row_spans(batch.attention_mask)  # host sync: once per update
+    plans = micro_plans(batch, spans, mini_rows, micro)
     for _ in range(epochs):
         for mini_idx, plan in plans:
-            mini = batch.select(mini_idx)
+            mini, mini_spans = batch.select(mini_idx), spans.select(mini_idx)
             tokens, seqs = reduce_counts(*_counts(mini.update_mask))
             stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
             for micro_idx in plan:
                 part = mini.select(micro_idx)
-                loss, sums, means = micro_loss(part, tokens, seqs)
+                loss, sums, means = micro_loss(part, mini_spans.select(micro_idx), tokens, seqs)
                 loss.backward()
                 after_micro_batch()
                 weight = part.update_mask.sum() / tokens  # token share of this micro-batch
@@ -164,12 +163,12 @@ def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings,
     metrics = _run_updates(
         actor, optimizer, batch, mini_rows=s.mini_batch_rows, micro=s.micro, epochs=s.ppo_epochs,
         grad_clip=s.grad_clip, prefix="actor", after_micro_batch=after_micro_batch, steps=steps,
-        micro_loss=lambda micro, tokens, seqs: _actor_micro_loss(actor, micro, s, tokens, seqs),
+        micro_loss=lambda micro, spans, tokens, seqs: _actor_micro_loss(actor, micro, spans, s, tokens, seqs),
     )
     return {**metrics, **correction}
 
 
-def _actor_micro_loss(actor, micro: RolloutBatch, s: ActorUpdateSettings, tokens, seqs):
+def _actor_micro_loss(actor, micro: RolloutBatch, spans: RowSpans, s: ActorUpdateSettings, tokens, seqs):
     """Clipped surrogate - entropy bonus (+ KL loss) of one micro-batch, mini-batch normalised.
 
     The losses count the tokens rollout rejection kept (``update_mask``; every response token
@@ -179,7 +178,7 @@ def _actor_micro_loss(actor, micro: RolloutBatch, s: ActorUpdateSettings, tokens
     log_prob, entropy = response_logprobs(
         actor, micro.input_ids, micro.attention_mask, micro.response_length,
         temperature=s.temperature, with_entropy=True, entropy_grad=bool(s.entropy_coeff), packed=s.micro.packed,
-        max_tokens=s.micro.max_tokens, head=s.head,
+        max_tokens=s.micro.max_tokens, head=s.head, spans=spans,
     )  # (b, T), (b, T)
     counts = {"global_token_count": tokens, "global_seq_count": seqs}
     pg_loss, pg_stats = policy_loss(micro, log_prob, s, counts)
@@ -203,9 +202,9 @@ def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSetting
                   steps: Optional[OptimizerSteps] = None) -> dict[str, torch.Tensor]:
     """One clipped value-loss update of the critic over ``batch`` (this rank's shard)."""
 
-    def micro_loss(micro: RolloutBatch, tokens, seqs):
+    def micro_loss(micro: RolloutBatch, spans: RowSpans, tokens, seqs):
         vpreds = response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length,
-                                 packed=s.micro.packed, max_tokens=s.micro.max_tokens)  # (b, T)
+                                 packed=s.micro.packed, max_tokens=s.micro.max_tokens, spans=spans)  # (b, T)
         loss, stats = compute_value_loss(
             vpreds, micro.returns, micro.values, micro.response_mask,
             cliprange_value=s.cliprange_value, loss_agg_mode=s.loss_agg_mode,

@@ -18,11 +18,18 @@ def gpu_check(*args):
                           timeout=300, cwd=ROOT, env=env)
 
 
-def test_tiny_cpu_run_reports_positive_throughput_and_an_mfu_key(tmp_path):
+def test_tiny_cpu_run_reports_positive_throughput_and_an_mfu_key_with_and_without_checkpointing(tmp_path):
     out = tmp_path / "figures.json"
-    result = gpu_check("--device", "cpu", "--size", "tiny", "--batch", 8, "--iterations", 2, "--json", out)
+    result = gpu_check("--device", "cpu", "--size", "tiny", "--batch", 8, "--iterations", 2, "--compare-checkpointing",
+                       "--json", out)
     assert result.returncode == 0, result.stderr
     figures = json.loads(out.read_text())
+    again = figures["with_checkpointing"]  # the same process, the actor's blocks then checkpointed
+    assert not figures["gradient_checkpointing"] and again["gradient_checkpointing"]
+    assert again["actor_update_tokens_per_s_per_gpu"] > 0 and again["timed_iterations"] == 1
+    assert "with gradient checkpointing" in result.stdout
+    # no CUDA: no measured matmul peak either
+    assert figures["measured_peak_tflops"] is None and figures["actor_update_mfu_vs_measured_peak"] is None
     assert figures["actor_update_tokens_per_s_per_gpu"] > 0
     assert figures["iteration_tokens_per_s_per_gpu"] > 0
     assert figures["timed_iterations"] == 1  # the warm-up is left out

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from klppo.data.batching import (
+    RowSpans,
     balance_across_ranks,
     karmarkar_karp,
     pack,
+    row_spans,
     restore_order,
     seqlen_balance_metrics,
     token_budget_micro_batches,
@@ -146,3 +148,31 @@ def test_pack_of_an_empty_row_is_an_empty_sequence():
     packed = pack(ids, ids != 0)
     assert packed.cu_seqlens.tolist() == [0, 2, 2]
     assert unpack(packed.input_ids.unsqueeze(-1), packed)[..., 0].tolist() == [[4, 5], [0, 0]]
+
+
+def test_row_spans_give_each_rows_first_real_column_and_count_and_see_gaps():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]]).bool()
+    spans = row_spans(mask)
+    assert (spans.starts, spans.lengths, spans.contiguous) == ((2, 0, 0, 5), (3, 4, 0, 1), True)
+    assert spans.ends == (5, 4, 0, 6)
+    assert spans.select([3, 0]) == RowSpans((5, 2), (1, 3), True)
+    assert spans.select(slice(1, 3)) == RowSpans((0, 0), (4, 0), True)
+    assert not row_spans(torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0]]).bool()).contiguous  # a gap in row 0
+
+
+def test_packing_from_the_spans_gives_what_packing_from_the_mask_gives():
+    """Contiguous rows pack by host arithmetic; RowSpans(contiguous=False) makes pack read the mask."""
+    ids = torch.tensor([[0, 0, 5, 6, 7, 0], [8, 9, 1, 2, 0, 0], [0, 0, 0, 0, 0, 0], [0, 3, 4, 0, 0, 0]])
+    mask = ids != 0
+    spans = row_spans(mask)
+    by_spans, by_mask = pack(ids, mask), pack(ids, mask, RowSpans(spans.starts, spans.lengths, contiguous=False))
+    for field in ("input_ids", "position_ids", "cu_seqlens", "rows", "cols"):
+        a, b = getattr(by_spans, field), getattr(by_mask, field)
+        assert a.dtype == b.dtype and torch.equal(a, b), field
+    assert (by_spans.max_seqlen, by_spans.lengths, by_spans.shape) == (by_mask.max_seqlen, by_mask.lengths, by_mask.shape)
+
+
+def test_rows_with_gaps_still_pack_every_real_token():
+    ids = torch.tensor([[5, 0, 6, 7], [0, 8, 9, 0]])
+    packed = pack(ids, ids != 0)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9]] and packed.position_ids.tolist() == [[0, 1, 2, 0, 1]]

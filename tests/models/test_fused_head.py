@@ -105,6 +105,76 @@ def test_bf16_head_runs_its_matmul_in_bf16_and_its_softmax_in_fp32():
         _assert_bf16_close(a, b)
 
 
+@pytest.fixture
+def aot_compiled(monkeypatch):
+    """The head's compiled slice functions traced whole by dynamo (fullgraph: no graph break) and run
+    through AOT autograd's functionalisation, without inductor's code generation (torch's own,
+    and slow to compile on a CPU); a fresh cache of compiled functions."""
+    import klppo.models.fused_head as fused_head
+
+    compile_ = torch.compile
+    traced = []
+
+    def compile_whole(fn, **kwargs):
+        traced.append(fn.__name__)
+        return compile_(fn, backend="aot_eager", fullgraph=True, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_whole)
+    monkeypatch.setattr(fused_head, "_COMPILED", {})
+    monkeypatch.setattr(fused_head, "_COMPILE_FAILED", [])
+    return traced
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5])
+def test_the_compiled_slices_give_the_eager_values_and_gradients_for_any_token_count(aot_compiled, seed):
+    """CUDA compiles each slice's elementwise work (``compiled=None``); forced here on CPU, for three
+    token counts and slice widths (the last slice narrower) with one compilation each."""
+    hidden, weight, bias, labels, g, chunk = _case(seed, with_bias=True)
+    inputs = [hidden, weight, bias]
+    results = []
+    for compiled in (False, True):
+        lp, ent = chunked_logprobs(hidden, weight, labels, bias=bias, temperature=0.7, chunk_logits=chunk,
+                                   with_entropy=True, compiled=compiled)
+        results.append([lp, ent, *torch.autograd.grad(_loss(lp, ent, g, "both"), inputs)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **TOL)
+    assert sorted(set(aot_compiled)) == ["_fold_slice", "_slice_grad"] and len(aot_compiled) == 2
+
+
+def test_a_head_whose_compilation_fails_runs_eagerly_after_one_warning(monkeypatch):
+    import warnings
+
+    import klppo.models.fused_head as fused_head
+
+    def refuse(fn, **kwargs):
+        def fails(*args):
+            raise RuntimeError("inductor cannot\nlong traceback")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    monkeypatch.setattr(fused_head, "_COMPILED", {})
+    monkeypatch.setattr(fused_head, "_COMPILE_FAILED", [])
+    hidden, weight, bias, labels, _, chunk = _case(1, with_bias=False)
+    eager, _ = chunked_logprobs(hidden, weight, labels, chunk_logits=chunk, compiled=False)
+    with pytest.warns(UserWarning, match="torch.compile failed .RuntimeError: inductor cannot.; its slices run eagerly"):
+        fell_back, _ = chunked_logprobs(hidden, weight, labels, chunk_logits=chunk, compiled=True)
+    assert torch.equal(fell_back, eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert torch.equal(chunked_logprobs(hidden, weight, labels, chunk_logits=chunk, compiled=True)[0], eager)
+
+
+def test_the_head_compiles_on_cuda_only_unless_told():
+    import klppo.models.fused_head as fused_head
+
+    calls = []
+    fn = lambda x: calls.append(x) or "eager"  # noqa: E731
+    fn.__name__ = "fn"
+    assert fused_head._on_device(fn, None, torch.zeros(1)) == "eager"  # CPU: eager, pinned numbers kept
+    assert fused_head._on_device(fn, False, torch.zeros(1, device="meta")) == "eager"
+    assert HeadSettings().compiled is None
+
+
 def test_chunk_logits_below_one_are_refused():
     hidden, weight, _, labels, _, _ = _case(0, with_bias=False)
     with pytest.raises(ValueError, match="chunk_logits=0"):

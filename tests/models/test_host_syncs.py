@@ -1,34 +1,55 @@
 """Host-device syncs in the hot paths, counted on CPU by wrapping the tensor methods that read a
-device value on the host: a forward (and its backward, recomputation included) reads sequence
-lengths a fixed number of times, not once per attention layer; a batch's index goes to each
-device once; a fused optimiser step decides on a non-finite gradient norm without the host."""
+device value on the host: a forward (and its backward, recomputation included) reads the rows'
+spans once, not once per attention layer; an update reads them once for all its micro-batches
+(none per micro-batch); a batch's index goes to each device once; a fused optimiser step decides
+on a non-finite gradient norm without the host."""
 
+import os
+import sys
 from collections import Counter
 
 import pytest
 import torch
 from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
+from klppo.data.batching import MicroBatching
 from klppo.models.attention import PACKED_SDPA, use_packed_attention
 from klppo.models.forward import response_logprobs, response_values
 from klppo.models.fused_head import head_logit_scale
 from klppo.models.rng import seeded
 from klppo.models.tiny import tiny_model_config
 from klppo.rollout.batch import RolloutBatch
-from klppo.trainer.update import optimizer_step
+from klppo.run.settings import ActorUpdateSettings, CriticUpdateSettings
+from klppo.trainer.update import optimizer_step, update_actor, update_critic
 
 SYNCING = ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero")
 
 
+class Syncs(Counter):
+    """Calls of the syncing tensor methods by name; ``callers``: the file each was called from."""
+
+    callers: list[str]
+
+    def clear(self) -> None:
+        super().clear()
+        self.callers = []
+
+    def in_klppo(self) -> int:
+        """The calls klppo's own code made (transformers' and torch's left out)."""
+        return sum(f"{os.sep}klppo{os.sep}" in caller for caller in self.callers)
+
+
 @pytest.fixture
-def syncs(monkeypatch) -> Counter:
+def syncs(monkeypatch) -> Syncs:
     """Calls of the tensor methods that wait for the device (on CUDA), by name."""
-    counts: Counter = Counter()
+    counts = Syncs()
+    counts.clear()
     for name in SYNCING:
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, _name=name, **kwargs):
             counts[_name] += 1
+            counts.callers.append(sys._getframe(1).f_code.co_filename)
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
@@ -58,10 +79,10 @@ def batch(padded: bool):
     return ids, mask
 
 
-def syncs_of(run, counts: Counter) -> int:
+def syncs_of(run, counts: Syncs, klppo_only: bool = False) -> int:
     counts.clear()
     run()
-    return sum(counts.values())
+    return counts.in_klppo() if klppo_only else sum(counts.values())
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -80,7 +101,59 @@ def test_a_forward_and_backward_read_lengths_as_often_with_four_layers_as_with_t
 
     two, four = syncs_of(run(2), syncs), syncs_of(run(4), syncs)
     assert two == four, f"{four - two} more host syncs with 2 more layers"
-    assert four <= 4, four  # the lengths, the packed positions and the read-out, once each
+    # klppo reads the rows' spans (packing, the read positions and trimming are host arithmetic);
+    # transformers' mask preparation adds its own, once per forward: a packed row's search for
+    # packed sequences in the position ids (masking_utils.find_packed_sequence_indices), a padded
+    # batch's checks of its mask
+    assert syncs.in_klppo() == 1 and four <= 3, syncs.callers
+
+
+def rollout_batch(rows: int, seed: int = 0) -> RolloutBatch:
+    """``rows`` responses of 3-9 tokens to prompts of 2-6 (left-padded to 6, right-padded to 9),
+    scored as a PPO step would have scored them."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens, response_lens = torch.randint(2, 7, (rows,), generator=g), torch.randint(3, 10, (rows,), generator=g)
+    prompt_mask = torch.arange(6) >= 6 - prompt_lens[:, None]
+    response_mask = torch.arange(9) < response_lens[:, None]
+    ids = lambda width: torch.randint(3, 50, (rows, width), generator=g)  # noqa: E731
+    scores = lambda: torch.randn(rows, 9, generator=g) * response_mask  # noqa: E731
+    return RolloutBatch(prompt_ids=ids(6) * prompt_mask, prompt_mask=prompt_mask, response_ids=ids(9) * response_mask,
+                        response_mask=response_mask, group_index=torch.arange(rows) // 2, data_sources=["t"] * rows,
+                        ground_truths=[None] * rows, extra_infos=[{}] * rows, old_log_prob=-scores().abs() - 3,
+                        ref_log_prob=-scores().abs() - 3, values=scores(), advantages=scores(), returns=scores())
+
+
+def actor_settings(max_tokens: int) -> ActorUpdateSettings:
+    return ActorUpdateSettings(
+        mini_batch_rows=8, micro=MicroBatching(max_tokens=max_tokens, packed=True), ppo_epochs=2, clip_ratio_low=0.2,
+        clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.01, use_kl_loss=True,
+        kl_loss_coef=0.001, kl_loss_type="low_var_kl", grad_clip=1.0, temperature=1.0)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_an_update_reads_the_rows_once_however_many_micro_batches_it_runs(syncs, checkpointing):
+    """16 rows, 2 mini-batches, 2 epochs: a token budget of 160 runs 4 micro-batches, one of 40
+    at least twice as many; a fused AdamW (torch's on CUDA parameters, klppo's ``build_optimizer``) steps 4
+    times without the host reading the gradient norm. klppo's code in the whole update: the rows'
+    spans, once; transformers' packed-sequence search adds one per micro-batch's forward."""
+    counts, micro_batches = [], []
+    for budget in (160, 40):
+        actor = model(2, checkpointing=checkpointing)
+        head_logit_scale(actor)  # measured once per model, with one host sync of its own
+        optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-3, fused=True)
+        forwards = []
+        hook = actor.register_forward_hook(lambda *args: forwards.append(1))
+        total = syncs_of(lambda: update_actor(actor, optimizer, rollout_batch(16), actor_settings(budget)), syncs)
+        hook.remove()
+        micro_batches.append(len(forwards))  # the model-level forward: once per micro-batch, recomputed or not
+        counts.append((syncs.in_klppo(), total))
+    assert micro_batches[0] == 4 and micro_batches[1] >= 8, micro_batches
+    assert counts == [(1, 1 + m) for m in micro_batches], (micro_batches, counts)
+    critic = model(2, Qwen2ForTokenClassification)
+    optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-3, fused=True)
+    critic_settings = CriticUpdateSettings(mini_batch_rows=8, micro=MicroBatching(max_tokens=40, packed=True),
+                                           ppo_epochs=2, cliprange_value=0.5, loss_agg_mode="token-mean", grad_clip=1.0)
+    assert syncs_of(lambda: update_critic(critic, optimizer, rollout_batch(16), critic_settings), syncs, True) == 1
 
 
 def test_critic_values_read_lengths_once_per_forward_not_per_layer(syncs):

@@ -11,7 +11,7 @@ from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from klppo.models import attention
 from klppo.models.attention import (
-    PACKED_SDPA, PACKED_VARLEN, block_causal_mask, choose_packed_attention, packed_attention_for,
+    PACKED_DETERMINISTIC, PACKED_SDPA, PACKED_VARLEN, block_causal_mask, choose_packed_attention, packed_attention_for,
     set_packed_attention, torch_varlen_runs,
 )
 from klppo.models.forward import response_logprobs, response_values
@@ -60,6 +60,44 @@ def test_on_a_cuda_host_the_choice_follows_torch_and_the_installed_packages(monk
     if not has_varlen:
         monkeypatch.setattr(attention, "_varlen_api", lambda: None)
     assert choose_packed_attention("cuda", [BF16]) == expected
+
+
+@pytest.mark.parametrize("varlen, flash, dtypes", [(True, True, [BF16]), (False, True, [BF16]), (False, False, [FP32])])
+def test_under_deterministic_algorithms_cuda_gets_the_math_backend_loop_whatever_is_installed(varlen, flash, dtypes):
+    chosen = packed_attention_for("cuda", dtypes, torch_varlen=varlen, flash_installed=flash, deterministic=True)
+    assert chosen == PACKED_DETERMINISTIC
+    # CPU's choice is deterministic as it is
+    assert packed_attention_for("cpu", dtypes, torch_varlen=varlen, flash_installed=flash, deterministic=True) == PACKED_SDPA
+
+
+@pytest.mark.parametrize("warn_only", [True, False])
+def test_a_cuda_host_reads_torch_use_deterministic_algorithms_when_it_chooses(monkeypatch, warn_only):
+    _cuda_host(monkeypatch)
+    assert choose_packed_attention("cuda", [BF16]) == PACKED_VARLEN
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    monkeypatch.setattr(torch, "is_deterministic_algorithms_warn_only_enabled", lambda: warn_only)
+    assert choose_packed_attention("cuda", [BF16]) == PACKED_DETERMINISTIC
+
+
+def test_the_deterministic_attention_holds_every_sdpa_call_to_the_math_backend(monkeypatch):
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append((torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    actor, _ = _models(PACKED_DETERMINISTIC)
+    ids, mask, width = _batch()
+    response_logprobs(actor, ids, mask, width, packed=True)  # packed rows: one call per sequence
+    response_logprobs(actor, ids, mask, width)  # padded rows
+    prompts = torch.randint(2, 64, (2, 4), generator=torch.Generator().manual_seed(2))
+    actor.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=2, do_sample=False,
+                   pad_token_id=0, use_cache=True)
+    assert len(seen) > 5 * LAYERS and set(seen) == {(True, False, False, False)}
+    assert torch.backends.cuda.flash_sdp_enabled()  # restored after each call
 
 
 def test_this_torch_has_varlen_attn_but_not_on_cpu():
@@ -187,7 +225,7 @@ def _assert_close_grads(grads, expected):
         torch.testing.assert_close(a, b, atol=2e-5 * scale, rtol=1e-4)
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", PACKED_SDPA, PACKED_VARLEN])
+@pytest.mark.parametrize("implementation", ["sdpa", PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC])
 def test_packed_rows_score_and_differentiate_as_the_padded_path(implementation, fake_varlen):
     # PACKED_VARLEN through the fake kernel; "sdpa" is transformers' block-diagonal mask, one call a layer
     padded, padded_grads = _scores_and_grads("sdpa", packed=False)

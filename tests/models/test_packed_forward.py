@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-from klppo.data.batching import pack
+from klppo.data.batching import RowSpans, pack, row_spans
 from klppo.models.attention import PACKED_SDPA, PACKED_VARLEN, set_packed_attention, use_packed_attention
 from klppo.models.forward import response_logprobs, response_values
 from klppo.models.tiny import tiny_model_config
@@ -83,6 +83,24 @@ def test_a_packed_row_over_the_budget_is_split_with_the_same_results():
         values_split = response_values(critic, ids, mask, width, packed=True, max_tokens=10)
     torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(values_split, values, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_forwards_from_the_rows_spans_equal_forwards_that_read_the_mask_bit_for_bit(packed):
+    """Spans marked not contiguous send every forward back to reading the mask (nonzero) as before."""
+    actor, critic = _models(PACKED_SDPA)
+    ids, mask, width = _batch()
+    spans = row_spans(mask)
+    by_mask = RowSpans(spans.starts, spans.lengths, contiguous=False)
+    results = []
+    for given in (None, spans, by_mask):
+        actor.zero_grad()
+        lp, ent = response_logprobs(actor, ids, mask, width, with_entropy=True, packed=packed, max_tokens=12, spans=given)
+        values = response_values(critic, ids, mask, width, packed=packed, max_tokens=12, spans=given)
+        (lp.sum() + ent.sum()).backward()
+        results.append([lp, ent, values, *(p.grad for p in actor.parameters())])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(other, results[0]))
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])

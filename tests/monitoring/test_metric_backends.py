@@ -60,3 +60,20 @@ def test_config_check_names_pip_install_for_a_missing_logger_package_before_any_
 def test_all_four_loggers_pass_the_config_check_when_installed():
     cfg = load_ppo_config(None, REQUIRED + ["trainer.logger=[console,jsonl,tensorboard,wandb]"])
     assert cfg.trainer.logger == ["console", "jsonl", "tensorboard", "wandb"]
+
+
+def test_metrics_become_the_floats_item_gives_in_one_copy_per_device(monkeypatch):
+    import torch
+
+    from klppo.monitoring.logger import to_floats
+
+    metrics = {"a": torch.tensor(0.1), "n": 3, "b": torch.tensor(7, dtype=torch.int64), "c": torch.tensor(1 / 3).bfloat16(),
+               "d": torch.tensor(True), "e": 0.25, "f": torch.tensor([2.5], dtype=torch.float64)}
+    expected = {k: float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+    copies = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: copies.append(1) or tolist(self))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("one .item() per metric"))
+    got = to_floats(metrics)
+    assert got == expected and list(got) == list(metrics) and copies == [1]
+    assert all(type(v) is float for v in got.values())

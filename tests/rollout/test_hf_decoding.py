@@ -119,3 +119,29 @@ def test_a_model_whose_compiled_decoding_fails_decodes_with_the_dynamic_cache_af
         warnings.simplefilter("error")  # said once: later calls decode dynamically without trying again
         again = sample(model, records, tokenizers[True], "compiled", True)
     assert torch.equal(again.response_ids, fell_back.response_ids)
+
+
+def test_generate_on_the_device_of_a_model_whose_parameters_stay_on_cpu_prints_no_device_warning(
+        model_and_records, monkeypatch):
+    """FSDP2's offload_policy keeps a sharded actor's parameters on CPU while it computes on the GPU;
+    transformers' warning about inputs on another device than the model's is filtered, others are not."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    model, records, tokenizers = model_and_records
+    generate = model.generate
+    text = ("You are calling .generate() with the `input_ids` being on a device type different than your model's "
+            "device. `input_ids` is on cuda, whereas the model is on cpu.")
+    assert "being on a device type different" in inspect.getsource(GenerationMixin.generate)  # the text still there
+
+    def warning_generate(*args, **kwargs):
+        warnings.warn(text, UserWarning)
+        warnings.warn("something else", UserWarning)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", warning_generate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sample(model, records, tokenizers[True], "dynamic", True)
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == ["something else"]
