@@ -97,7 +97,7 @@ def build_model(out: Path, shape: dict, seed: int = 0) -> Path:
     from transformers import Qwen2ForCausalLM
 
     from klppo.models.rng import seeded
-    from klppo.models.tiny import tiny_model_config, train_tiny_tokenizer
+    from klppo.models.tiny import save_tokenizer, tiny_model_config, train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(corpus(20000 if shape["vocab"] > 1000 else 2000, seed),
                                      vocab_size=shape["vocab"], chat_template=False)
@@ -116,7 +116,7 @@ def build_model(out: Path, shape: dict, seed: int = 0) -> Path:
         model.lm_head.weight[tokenizer.eos_token_id] = 0.0
         model.lm_head.weight[tokenizer.eos_token_id, 0] = -100.0  # EOS logit: -100 x a positive number
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)  # reloads with exactly the model's rows
     return out
 
 

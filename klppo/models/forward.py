@@ -41,9 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from klppo.algo import entropy_from_logits, logprobs_from_logits
 from klppo.data.batching import PackedBatch, RowSpans, host_to, pack, row_spans, span_index
-from klppo.models.attention import (  # noqa: F401 - PACKED_SDPA and use_packed_attention also found here
-    PACKED_SDPA, ROW_BOUNDS, ROW_BOUNDS_IMPLEMENTATIONS, use_packed_attention,
-)
+from klppo.models.attention import ROW_BOUNDS, ROW_BOUNDS_IMPLEMENTATIONS
 from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_head_unsupported, fused_lm_head
 
 
