@@ -443,6 +443,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sides", nargs="+", choices=SIDES, help="these sides only")
     p.add_argument("--no-trl", action="store_true", help="klppo's sides only")
     p.add_argument("--steps", type=int, help="iterations per run (the first is left out); default: the mode's")
+    p.add_argument("--threads", type=int, help="torch threads per worker; default: the mode's (cpu: 2)")
     p.add_argument("--repeats", type=int, default=1, help="runs of every side, alternating (ABBA)")
     p.add_argument("--work", help="folder for the inputs, runs and figures (default: a new temporary folder)")
     p.add_argument("--trl-python", help="a Python with TRL 1.16 (GRPO); default .venv-trl/bin/python")
@@ -458,6 +459,8 @@ def workload(args) -> Workload:
     w = WORKLOADS[args.mode]
     if args.tiny:
         w = dataclasses.replace(w, **TINY)
+    if args.threads is not None:
+        w = dataclasses.replace(w, threads=args.threads)
     return dataclasses.replace(w, steps=args.steps) if args.steps else w
 
 

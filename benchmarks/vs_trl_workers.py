@@ -12,6 +12,7 @@ generation's and update's seconds, plus the mean response length and, on CUDA, t
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -79,6 +80,10 @@ def common_args(w: dict, out: Path) -> dict:
     """TrainingArguments both TRL trainers take, set as klppo's side runs: no checkpointing of
     activations, fp32 on CPU and bf16 autocast over fp32 weights on CUDA, no saving, no reports."""
     cpu = w["device"] == "cpu"
+    if not cpu and w["dtype"] == "bfloat16":
+        # The PPOTrainer builds its own Accelerator, which reads the precision from the environment
+        # (``accelerate launch --mixed_precision bf16`` sets it), not from ``bf16=True``.
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
     return dict(output_dir=str(out), learning_rate=w["lr"], logging_steps=1, report_to="none", save_strategy="no",
                 use_cpu=cpu, bf16=not cpu and w["dtype"] == "bfloat16", gradient_checkpointing=False, seed=w["seed"],
                 disable_tqdm=True, dataloader_num_workers=0)
