@@ -58,6 +58,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -231,7 +232,7 @@ def klppo_overrides(side: str, w: Workload, work: Path, run_dir: Path) -> list[s
         f"{arf}.actor.fsdp_config.dtype": w.dtype, f"{arf}.ref.fsdp_config.dtype": w.dtype,
         "trainer.total_training_steps": w.steps, "trainer.save_freq": -1, "trainer.test_freq": -1,
         "trainer.val_before_train": "false", "trainer.logger": "[console]", "trainer.device": w.device,
-        "trainer.default_local_dir": run_dir,
+        "trainer.default_local_dir": run_dir, "trainer.resume_mode": "disable",
     }
     if grpo:
         settings.update({"algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": "false",
@@ -305,11 +306,13 @@ def worker_env(w: Workload, extra_path: str | None = None) -> dict:
     return env
 
 
-def run_side(side: str, w: Workload, work: Path, trl: dict, timeout: float) -> dict:
-    """One side in its own process; its figures (written to ``work/<side>.json`` as well)."""
-    out, log = work / f"{side}.json", work / f"{side}.log"
+def run_side(side: str, run: int, w: Workload, work: Path, trl: dict, timeout: float) -> dict:
+    """Run ``run`` of one side in its own process; its figures (written to ``work/<side>-<run>.json``)."""
+    name = f"{side}-{run}"
+    out, log = work / f"{name}.json", work / f"{name}.log"
     if side.startswith("klppo"):
-        run_dir = work / f"run_{side}"
+        run_dir = work / f"run_{name}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one
         cmd = [sys.executable, "-m", "klppo.trainer.main_ppo", *klppo_overrides(side, w, work, run_dir)]
         status, rss = run_process(cmd, worker_env(w), log, timeout)
         if status == 0:
@@ -318,7 +321,7 @@ def run_side(side: str, w: Workload, work: Path, trl: dict, timeout: float) -> d
                                        "response_length": length, "versions": versions()}))
     else:
         python, path = trl[side]
-        cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--work", str(work)]
+        cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--work", str(work), "--json", str(out)]
         status, rss = run_process(cmd, worker_env(w, path), log, timeout)
     if status != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
@@ -450,7 +453,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trl-ppo-python", help="a Python with TRL 1.12 (PPO); default .venv-trl-ppo/bin/python")
     p.add_argument("--trl-wheels", help="install TRL from these wheels (fetch_gpu_wheels.sh) and run it with this Python")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
-    p.add_argument("--json", help="write the table's rows here")
+    p.add_argument("--json", help="write the table's rows here (a worker: its figures)")
     p.add_argument("--worker", choices=["trl-grpo", "trl-ppo"], help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -480,7 +483,7 @@ def main(argv=None) -> dict[str, dict]:
     if args.worker:
         from benchmarks import vs_trl_workers
 
-        vs_trl_workers.main(args.worker, Path(args.work))
+        vs_trl_workers.main(args.worker, Path(args.work), Path(args.json))
         return {}
     import tempfile
 
@@ -493,7 +496,7 @@ def main(argv=None) -> dict[str, dict]:
     results: dict[str, list[dict]] = {s: [] for s in sides}
     for side in order(sides, args.repeats):
         start = time.perf_counter()
-        results[side].append(run_side(side, w, work, trl, args.timeout))
+        results[side].append(run_side(side, len(results[side]), w, work, trl, args.timeout))
         print(f"  {side}: {time.perf_counter() - start:.1f} s", flush=True)
     rows = report(results, w)
     if args.json:

@@ -1,9 +1,9 @@
 """TRL's sides of ``benchmarks/vs_trl.py``, run in TRL's own environment (no klppo import).
 
-    <trl python> benchmarks/vs_trl.py --worker trl-grpo --work DIR     # what vs_trl.py runs
+    <trl python> benchmarks/vs_trl.py --worker trl-grpo --work DIR --json OUT    # what vs_trl.py runs
 
 Each reads the shared inputs and the workload from ``DIR`` (written by vs_trl.py), trains with
-TRL's trainer as its users do, and writes ``DIR/<side>.json``: per optimiser step the step's,
+TRL's trainer as its users do, and writes ``OUT``: per optimiser step the step's,
 generation's and update's seconds, plus the mean response length and, on CUDA, the peak of
 ``torch.cuda.max_memory_allocated``. Timing wraps TRL's own methods and functions from outside
 (TRL's code runs unchanged); on CUDA every clock read follows a synchronise.
@@ -162,7 +162,7 @@ def trl_ppo(work: Path, w: dict, clock: Clock) -> None:
     trainer.train()
 
 
-def main(side: str, work: Path) -> None:
+def main(side: str, work: Path, out: Path) -> None:
     import transformers
     import trl
 
@@ -175,4 +175,4 @@ def main(side: str, work: Path) -> None:
     result = {"side": side, "steps": clock.steps, "response_length": statistics.mean(clock.lengths),
               "cuda_peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
               "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}}
-    (work / f"{side}.json").write_text(json.dumps(result))
+    out.write_text(json.dumps(result))
