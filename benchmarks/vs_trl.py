@@ -392,30 +392,30 @@ def install_wheels(wheels: Path, trl: str, site: Path) -> Path | None:
 # ---- report ----
 
 
-def summarise(result: dict, w: Workload, side: str) -> dict:
-    steady = result["steps"][1:] or result["steps"]  # the first step pays one-off costs
+def summarise(runs: list[dict], w: Workload, side: str) -> dict:
+    """One side's row: means over the steady steps of all its runs (the first step of a run pays
+    one-off costs), token rates from those means, the mean peak memory of its runs."""
+    steady = [s for r in runs for s in (r["steps"][1:] or r["steps"])]
     mean = {k: statistics.mean(s[k] for s in steady) for k in ("step_s", "gen_s", "update_s")}
-    grpo = side.endswith("grpo")
-    rows = w.grpo_prompts * w.grpo_n if grpo else w.ppo_prompts
+    rows = w.grpo_prompts * w.grpo_n if side.endswith("grpo") else w.ppo_prompts
     tokens = rows * (w.prompt_tokens + w.response_tokens)
-    peak = result.get("cuda_peak_gb") if w.device == "cuda" else result["rss_peak_gb"]
-    probe = [s["phases"].get("kl_probe") for s in steady if "phases" in s and "kl_probe" in s["phases"]]
+    peaks = [r.get("cuda_peak_gb") if w.device == "cuda" else r["rss_peak_gb"] for r in runs]
+    probe = [s["phases"]["kl_probe"] for s in steady if "kl_probe" in s.get("phases", {})]
     return {**mean, "rest_s": mean["step_s"] - mean["gen_s"], "e2e_tps": tokens / mean["step_s"],
             "update_tps": tokens / mean["update_s"] if mean["update_s"] else float("nan"),
-            "peak_gb": peak if peak is not None else float("nan"), "steps": len(steady),
-            "response_length": result.get("response_length", float("nan")),
+            "peak_gb": statistics.mean(peaks) if None not in peaks else float("nan"), "steps": len(steady),
+            "response_length": statistics.mean(r.get("response_length", float("nan")) for r in runs),
             "kl_probe_s": statistics.mean(probe) if probe else None}
 
 
 def report(results: dict[str, list[dict]], w: Workload) -> dict[str, dict]:
-    """Print one row per side (means over runs) and the ratios of each comparison; return the rows."""
+    """Print one row per side and the ratios of each comparison; return the rows."""
     rows = {}
     print()
     for side, runs in results.items():
         versions = runs[0].get("versions", {})
         print(f"{side}: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-        parts = [summarise(r, w, side) for r in runs]
-        rows[side] = {k: statistics.mean(p[k] for p in parts) if parts[0][k] is not None else None for k in parts[0]}
+        rows[side] = summarise(runs, w, side)
     print(f"\n{'side':<18} {'step s':>8} {'gen s':>7} {'rest s':>7} {'update s':>8} {'e2e tok/s':>9} "
           f"{'upd tok/s':>9} {'peak GB':>8} {'resp tok':>8}")
     for side, r in rows.items():
