@@ -177,7 +177,7 @@ def build_inputs(work: Path, w: Workload) -> None:
 
     from transformers.utils import logging
 
-    from klppo.models.tiny import train_tiny_tokenizer
+    from klppo.models.tiny import save_tokenizer, train_tiny_tokenizer
 
     logging.set_verbosity_error()  # the reward model's fresh score head is meant
     logging.disable_progress_bar()
@@ -191,11 +191,11 @@ def build_inputs(work: Path, w: Workload) -> None:
     model = Qwen2ForCausalLM(config)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = config.pad_token_id, config.eos_token_id
     model.save_pretrained(work / "model")
-    tokenizer.save_pretrained(work / "model")
+    save_tokenizer(tokenizer, work / "model")  # reloads with one entry per embedding row
     torch.manual_seed(w.seed + 1)
     reward = AutoModelForSequenceClassification.from_pretrained(work / "model", num_labels=1)
     reward.save_pretrained(work / "reward_model")
-    tokenizer.save_pretrained(work / "reward_model")
+    save_tokenizer(tokenizer, work / "reward_model")
     texts = corpus(w.steps * max(w.ppo_prompts, w.grpo_prompts), w.seed + 2)
     prompts = [exact_prompt(tokenizer, t.split(), w.prompt_tokens) for t in texts]
     ppo, grpo = prompts[: w.steps * w.ppo_prompts], prompts[: w.steps * w.grpo_prompts]
