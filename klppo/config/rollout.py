@@ -16,6 +16,8 @@ ENGINE_KEYS = ("tensor_model_parallel_size", "gpu_memory_utilization", "kv_cache
                "max_num_batched_tokens", "max_num_seqs", "enforce_eager", "enable_chunked_prefill",
                "enable_prefix_caching", "dtype", "load_format", "free_cache_engine", "calculate_log_probs",
                "logprobs_mode", "ignore_eos", "seed")
+# Engine keys that hf acts on too.
+HF_KEYS = ("ignore_eos",)
 
 
 @dataclass
@@ -116,9 +118,11 @@ class RolloutConfig:
     # after temperature, top_k and top_p) or raw_logprobs (of the model's logits at temperature 1:
     # not the trainer's at any other temperature, so refused there with rollout correction).
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
-    # Generate to response_length even past EOS (benchmarking); the response still ends at
-    # its first EOS for training, as in verl. Without it a response ends at any EOS the model
-    # lists (the tokenizer's and those of its generation_config.json).
+    # Generate to response_length even past EOS (benchmarking). vllm: EOS is sampled and decoding
+    # goes on; the response still ends at its first EOS for training, as in verl. hf: no EOS is
+    # sampled before response_length (transformers' min_new_tokens), so every response is exactly
+    # response_length tokens (what TRL's generation_kwargs take; benchmarks/vs_trl.py). Without it
+    # a response ends at any EOS the model lists (the tokenizer's and its generation_config.json's).
     ignore_eos: bool = False
     # Seed of the per-request sampling seeds: request (step, prompt, sample) draws from a
     # stream of its own, so the same responses come on any number of ranks and after a resume.

@@ -7,7 +7,7 @@ default they are named in one warning (they configure an engine that run does no
 from __future__ import annotations
 
 from klppo.config.lora import lora_enabled
-from klppo.config.rollout import ENGINE_KEYS, ROLLOUT, RolloutConfig
+from klppo.config.rollout import ENGINE_KEYS, HF_KEYS, ROLLOUT, RolloutConfig
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.schema import PPOConfig
 from klppo.config.verl import verl_defaults
@@ -81,7 +81,7 @@ def rollout_notes(cfg: PPOConfig) -> list[str]:
     rollout, notes = cfg.actor_rollout_ref.rollout, []
     if rollout.name == "hf":
         defaults, verl = RolloutConfig(), verl_defaults()
-        set_keys = [key for key in ENGINE_KEYS if getattr(rollout, key) not in
+        set_keys = [key for key in ENGINE_KEYS if key not in HF_KEYS and getattr(rollout, key) not in
                     (getattr(defaults, key), verl.get(f"{ROLLOUT}.{key}", getattr(defaults, key)))]
         if set_keys:
             notes.append(f"warning: {ROLLOUT}.{{{', '.join(set_keys)}}} configure the vLLM engine and have no "
@@ -133,6 +133,8 @@ def _truncated_sampling_notes(cfg: PPOConfig) -> list[str]:
                  if v != off]
     if not rollout.do_sample:
         truncated.append("do_sample = false")
+    if rollout.ignore_eos and rollout.name == "hf":
+        truncated.append("ignore_eos = true (hf: EOS is not sampled)")
     if not truncated:
         return []
     offline = rollout.name == "offline"

@@ -31,6 +31,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 disables top-k, as in verl
     do_sample: bool = True
+    # Decode all max_new_tokens: no EOS is sampled before them (benchmarks; rollout.ignore_eos).
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,11 +176,14 @@ def neutral_generation_config(params: SamplingParams, tokenizer, eos: tuple[int,
     stopping at each id of ``eos`` (default: the tokenizer's EOS).
 
     Every field left unset falls back to transformers' neutral global defaults (no repetition
-    penalty, no n-gram blocking, no minimum length, no suppressed tokens, ...).
+    penalty, no n-gram blocking, no minimum length, no suppressed tokens, ...); ``ignore_eos``
+    alone sets a minimum length, all of ``max_new_tokens``.
     """
     sampling = {}
     if params.do_sample:  # top_k 0 switches top-k off (transformers' own default is 50)
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0)}
+    if params.ignore_eos:  # transformers' MinNewTokensLengthLogitsProcessor masks every EOS id until then
+        sampling["min_new_tokens"] = params.max_new_tokens
     return GenerationConfig(max_new_tokens=params.max_new_tokens, do_sample=params.do_sample,
                             pad_token_id=tokenizer.pad_token_id, eos_token_id=list(eos or [tokenizer.eos_token_id]),
                             use_cache=True, **sampling)

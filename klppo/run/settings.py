@@ -256,7 +256,8 @@ def sampling_params(cfg: PPOConfig, *, validation: bool = False) -> SamplingPara
     rollout = cfg.actor_rollout_ref.rollout
     source = rollout.val_kwargs if validation else rollout
     return SamplingParams(n=source.n, max_new_tokens=rollout.response_length, temperature=source.temperature,
-                          top_p=source.top_p, top_k=source.top_k, do_sample=source.do_sample)
+                          top_p=source.top_p, top_k=source.top_k, do_sample=source.do_sample,
+                          ignore_eos=rollout.ignore_eos and rollout.name == "hf")
 
 
 def engine_settings(cfg: PPOConfig, world_size: int) -> Optional[EngineSettings]:

@@ -143,3 +143,11 @@ def test_raw_log_probs_off_temperature_one_are_refused_with_rollout_correction_a
     assert len(notes) == 1 and "training/rollout_probs_diff_* measure the temperature" in notes[0]
     assert load(*raw, "algorithm.rollout_correction.rollout_is=token")[1] == []  # T = 1: raw is what the trainer scores
     assert load(f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.temperature=0.7", "algorithm.rollout_correction.rollout_is=token")[1] == []
+
+
+def test_ignore_eos_acts_on_hf_with_a_warning_that_eos_is_not_sampled():
+    cfg, notes = load(f"{ROLLOUT}.name=hf", f"{ROLLOUT}.ignore_eos=true")
+    assert len(notes) == 1 and "ignore_eos = true (hf: EOS is not sampled)" in notes[0], notes
+    assert compile_ppo(cfg, 1).sampling.ignore_eos
+    cfg, _ = load(f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.ignore_eos=true")  # the engine takes it from its settings
+    assert not compile_ppo(cfg, 1).sampling.ignore_eos and compile_ppo(cfg, 1).engine.ignore_eos

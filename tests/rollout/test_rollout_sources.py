@@ -126,3 +126,19 @@ def test_hf_rollout_samples_from_the_scored_softmax_despite_the_folders_processo
         observed = float(torch.isin(first, torch.tensor(tokens)).float().mean())
         sd = (expected * (1 - expected) / n) ** 0.5
         assert abs(observed - expected) < 5 * sd, (tokens, observed, expected)
+
+
+def test_hf_rollout_with_ignore_eos_decodes_every_token_even_where_eos_is_likeliest(tiny_model_dir, task_dir):
+    """ignore_eos (benchmarks): EOS is not sampled before max_new_tokens, so every response has
+    them all; without it, a model that favours EOS stops at once."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    model.lm_head.register_forward_hook(lambda module, args, out: out.index_add(
+        -1, torch.tensor([eos]), torch.full((*out.shape[:-1], 1), 50.0)))
+    records = load_rl_dataset(str(task_dir / "train.parquet"), tokenizer, max_prompt_length=64, log=lambda *a: None)[:2]
+    torch.manual_seed(0)
+    stopped = hf_rollout(model, records, tokenizer, SamplingParams(n=2, max_new_tokens=8))
+    assert stopped.response_mask.sum(-1).tolist() == [1] * 4
+    full = hf_rollout(model, records, tokenizer, SamplingParams(n=2, max_new_tokens=8, ignore_eos=True))
+    assert full.response_mask.sum(-1).tolist() == [8] * 4 and not (full.response_ids == eos).any()
