@@ -92,7 +92,7 @@ def rankings_table(sft: dict, recorded: list[dict], rm_ranked: list[dict], rm_ac
     return "\n".join(lines)
 
 
-def run_rankings_demo(out: Path, seed: int, ppo_steps: int, lora: bool = False, print_fn=print) -> list[dict]:
+def run_rankings_demo(out: Path, seed: int, ppo_steps: int, lora: bool = True, print_fn=print) -> list[dict]:
     """SFT as in the main demo and a reward model trained on other rankings; then offline KL-PPO
     (no generation during training) twice on the same recorded answers: ranked as recorded, and
     ranked by the reward model. Both are distilled into rewards by Bradley-Terry."""

@@ -30,7 +30,8 @@ def reward_hacking_overrides(data_dir: Path, sft_dir: Path, out_dir: Path, seed:
     rewards = arithmetic_demo.__file__
     changes = {"custom_reward_function.path": rewards, "custom_reward_function.name": "biased_grader",
                "trainer.gold_reward.path": rewards, "trainer.gold_reward.name": "exact_match",
-               "trainer.test_freq": "10", "algorithm.adv_estimator": "grpo", **LORA}
+               "trainer.test_freq": "10", "algorithm.adv_estimator": "grpo", **LORA,
+               "actor_rollout_ref.actor.optim.lr": "1e-3"}  # to game the grader within the demo's steps
     return with_changes(ppo_overrides(data_dir, sft_dir, out_dir, seed, steps), changes)
 
 
