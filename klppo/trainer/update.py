@@ -76,10 +76,10 @@ def optimizer_step(model, optimizer, grad_clip: float, max_norm: float = math.in
     """Clip, then step unless the gradient norm is not finite or above ``max_norm`` (the step is
     skipped then); ``steps``, when given, records the norm and the verdict.
 
-    A fused AdamW (``build_optimizer`` makes one for CUDA parameters) gets the verdict as a
-    device tensor, ``found_inf``, the way torch's GradScaler hands it over: the kernel skips
-    the update and the step count stays, and the host never waits for the norm. Other
-    optimisers are checked on the host (free on CPU, and verl checks the same way).
+    A fused AdamW (``build_optimizer`` makes one for CUDA and for CPU parameters) gets the
+    verdict as a device tensor, ``found_inf``, the way torch's GradScaler hands it over: the
+    kernel skips the update and the step count stays, and the host never waits for the norm.
+    Other optimisers are checked on the host (verl checks the same way).
     """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of per-rank partial norms
