@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from klppo.config import PPOConfig
 from klppo.config.batch_sizes import fsdp_sections, uses_critic, uses_reference
+from klppo.config.kl_probe import probe_prompts
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_checks import engine_dtype
 from klppo.config.schema import FSDPConfig, LoraKeys
@@ -187,7 +188,7 @@ def passes(cfg: PPOConfig, world_size: int, lengths: Lengths, device: str = "cpu
     forward_budget = (rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu) if dynamic else None
     forward = _micro_tokens(step_rows, rollout.log_prob_micro_batch_size_per_gpu, forward_budget, packed, lengths)
     response = rollout.response_length or cfg.data.max_response_length
-    probe = cfg.algorithm.kl_ctrl.probe_prompts * n if rollout.name == "offline" and uses_reference(cfg) else 0
+    probe = probe_prompts(cfg) * n if rollout.name == "offline" and uses_reference(cfg) else 0
     return Passes(update_tokens=update[0], update_response_tokens=update[1], critic_tokens=critic_update[0],
                   forward_tokens=forward[0], forward_response_tokens=forward[1],
                   gen_rows=step_rows if rollout.name != "offline" else 0,

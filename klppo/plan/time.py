@@ -28,9 +28,10 @@ def _model(s: PlanSettings, role: str):
 
 
 def step_flops(s: PlanSettings, prompts: list[int], responses: list[int], *, epochs: dict[str, int],
-               probe_rows: int = 0) -> list[PhaseFlops]:
+               probe_rows: float = 0) -> list[PhaseFlops]:
     """FLOPs of one step whose rows have ``prompts`` / ``responses`` tokens (one entry per row of the
-    whole step); ``epochs``: ppo_epochs of the actor and the critic."""
+    whole step); ``epochs``: ppo_epochs of the actor and the critic; ``probe_rows``: the offline KL
+    probe's rows per step (a probe's rows over its cadence, ``config.kl_probe.probe_every``)."""
     seqs = [p + r for p, r in zip(prompts, responses)]
     resp = sum(responses)
     actor = _model(s, "actor")

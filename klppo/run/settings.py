@@ -19,6 +19,7 @@ from klppo.config import PPOConfig
 from klppo.config.batch_sizes import batch_size_problems, shard_chunk_rows, update_sizes, uses_critic, uses_reference
 from klppo.config.checks import GROUP_ESTIMATORS
 from klppo.config.rollout_correction import rollout_correction_active
+from klppo.config.kl_probe import probe_every, probe_prompts
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_checks import engine_dtype
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
@@ -140,7 +141,7 @@ class KLSettings:
     horizon: int
     offline_kl: str = "sampled"  # offline runs: auto | sampled | importance_weighted (kl_ctrl.offline_kl)
     probe_prompts: int = 8  # the sampled probe's prompts per measurement
-    probe_every: int = 1  # offline runs measure the KL every this many steps
+    probe_every: int = 1  # offline runs sample the KL every this many steps (``config.kl_probe``)
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
                                     grouped=algo.adv_estimator in GROUP_ESTIMATORS),
         kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon,
                       offline_kl="sampled" if algo.rollout_correction.bypass_mode else kl.offline_kl,
-                      probe_prompts=min(kl.probe_prompts, cfg.data.train_batch_size), probe_every=kl.probe_every),
+                      probe_prompts=probe_prompts(cfg), probe_every=probe_every(cfg)),
         uses_reference=uses_reference(cfg), actor_lora=lora_enabled(arf.model),
         ref_in_actor=uses_reference(cfg) and lora_enabled(arf.model),
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
