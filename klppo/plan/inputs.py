@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from klppo.config import PPOConfig
-from klppo.config.batch_sizes import fsdp_sections, uses_critic, uses_reference
+from klppo.config.batch_sizes import fsdp_sections, update_gives_old_log_prob, uses_critic, uses_reference
 from klppo.config.kl_probe import probe_prompts
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_checks import engine_dtype
@@ -75,6 +75,7 @@ class PlanSettings:
     whole_loads: bool  # one process without a process group: every model loads with from_pretrained
     uses_reference: bool  # a KL term needs the reference (a LoRA actor is its own, with adapters off)
     device_bytes: int  # the device's memory (what vLLM's share is of)
+    old_log_prob_forward: bool = True  # False where the actor's update gives pi_old (``update_gives_old_log_prob``)
 
     def model(self, role: str) -> Optional[ModelPlan]:
         return next((m for m in self.models if m.role == role), None)
@@ -279,4 +280,4 @@ def plan_settings(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int
         engine_bytes=engine_bytes, engine_sleeps=device == "cuda" and arf.rollout.free_cache_engine,
         whole_loads=world_size == 1 and all(f == FSDPConfig() for f in fsdp_sections(cfg).values()),
         uses_reference=uses_reference(cfg),
-        device_bytes=device_bytes)
+        device_bytes=device_bytes, old_log_prob_forward=not update_gives_old_log_prob(cfg))

@@ -41,7 +41,8 @@ def step_flops(s: PlanSettings, prompts: list[int], responses: list[int], *, epo
     if probe_rows:
         share = probe_rows / len(seqs)
         out.append(PhaseFlops("kl_probe", 3 * share * model_flops(actor, seqs, training=False, head_positions=resp)))
-    out.append(PhaseFlops("old_log_prob", model_flops(actor, seqs, training=False, head_positions=resp)))
+    if s.old_log_prob_forward:
+        out.append(PhaseFlops("old_log_prob", model_flops(actor, seqs, training=False, head_positions=resp)))
     if s.uses_reference:
         out.append(PhaseFlops("ref", model_flops(_model(s, "ref") or actor, seqs, training=False, head_positions=resp)))
     critic, rm = _model(s, "critic"), _model(s, "reward_model")

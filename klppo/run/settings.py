@@ -16,7 +16,9 @@ from typing import Optional
 import torch
 
 from klppo.config import PPOConfig
-from klppo.config.batch_sizes import batch_size_problems, shard_chunk_rows, update_sizes, uses_critic, uses_reference
+from klppo.config.batch_sizes import (
+    batch_size_problems, shard_chunk_rows, update_gives_old_log_prob, update_sizes, uses_critic, uses_reference,
+)
 from klppo.config.checks import GROUP_ESTIMATORS
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.kl_probe import probe_every, probe_prompts
@@ -73,6 +75,9 @@ class ActorUpdateSettings:
     head: HeadSettings = HeadSettings()  # how log-probs and entropies come out of the LM head
     rollout_correction: RolloutCorrectionSettings = RolloutCorrectionSettings()
     compute_dtype: torch.dtype = torch.float32  # fsdp_config.dtype: what forward/backward run in (MFU's peak)
+    # The update's forward is pi_old (one epoch, one mini-batch, ``update_gives_old_log_prob``): old =
+    # log_prob.detach(), and the scoring phase ran no old_log_prob forward (``update.OnPolicy``).
+    on_policy: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class ForwardSettings:
     temperature: float
     head: HeadSettings = HeadSettings()  # how log-probs come out of the LM head (actor and reference)
     old_log_prob_from_rollout: bool = False  # rollout correction's bypass mode: pi_old = the recorded mu
+    old_log_prob_from_update: bool = False  # no forward: the actor's update gives pi_old (``on_policy``)
 
 
 @dataclass(frozen=True)
@@ -308,6 +314,7 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int) -> ActorUpdateSettings:
         use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
         grad_clip=actor.grad_clip, temperature=arf.rollout.temperature, head=head_settings(cfg),
         rollout_correction=rollout_correction_settings(cfg), compute_dtype=compute_dtype(actor.fsdp_config),
+        on_policy=update_gives_old_log_prob(cfg),
     )
 
 
@@ -366,6 +373,7 @@ def _forwards(cfg: PPOConfig) -> ForwardSettings:
             prompt_length=cfg.reward_model.rollout.prompt_length, response_length=cfg.reward_model.rollout.response_length),
         temperature=rollout.temperature, head=head_settings(cfg),
         old_log_prob_from_rollout=rollout_correction_settings(cfg).bypass_mode,
+        old_log_prob_from_update=update_gives_old_log_prob(cfg),
     )
 
 

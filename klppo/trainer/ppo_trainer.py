@@ -36,7 +36,7 @@ from klppo.trainer.dynamic_sampling import scored_step_batch
 from klppo.trainer.evaluate import offline_kl_due, offline_policy_kl, validation_metrics
 from klppo.trainer.forwards import reward_model_roles
 from klppo.trainer.step_metrics import data_metrics, memory_metrics, performance_metrics
-from klppo.trainer.update import OptimizerSteps, update_actor, update_critic
+from klppo.trainer.update import OnPolicy, OptimizerSteps, update_actor, update_critic
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
 # Distributed runs profile the first micro-batch of the updates of step 1 and every this many steps
@@ -149,13 +149,19 @@ class PPOTrainer:
                     adv.estimator, batch.token_level_rewards, batch.response_mask, batch.group_index,
                     values=batch.values, gamma=adv.gamma, lam=adv.lam,
                     norm_adv_by_std_in_grpo=adv.norm_adv_by_std_in_grpo)
-            # step 6. guard: KL of the sampling policy to the reference, finite rewards
-            action = self._guard_before_update(batch, kl)
+            # step 6. guard: KL of the sampling policy to the reference, finite rewards; an on-policy update
+            # measured pi_old itself and asks the guard before it moves any weight (``update.OnPolicy``)
+            on_policy = OnPolicy(lambda kl: self._guard_before_update(batch, kl)) if self.s.actor.on_policy else None
+            action = self._guard_before_update(batch, kl) if on_policy is None else Action.CONTINUE
             # step 7. update: critic, then actor (once trainer.critic_warmup critic-only steps are done)
             if action is Action.CONTINUE:
                 steps = {m: OptimizerSteps(self.guard.grad_limit(m)) for m in GRAD_MODELS}  # spike limits
-                metrics.update(self._update(batch.select(shards.mine), timer, steps))
-                action = self._guard_after_update(metrics, steps)
+                updated = self._update(batch.select(shards.mine), timer, steps, on_policy)
+                if on_policy is not None:
+                    batch.old_log_prob, action = shards.gather(on_policy.log_prob), on_policy.action
+                if action is Action.CONTINUE:
+                    metrics.update(updated)
+                    action = self._guard_after_update(metrics, steps)
         # step 8. metrics
         metrics.update(data_metrics(p, batch, kl, self.guard))
         metrics.update(timer.metrics())
@@ -166,13 +172,13 @@ class PPOTrainer:
         return metrics, action
 
     def _policy_kl(self, batch: RolloutBatch, records, timer: PhaseTimer) -> tuple[float | None, dict]:
-        """KL(pi_old || ref) per token, or None (no reference; an offline step between probes).
+        """KL(pi_old || ref) per token, or None (no reference; an offline step between probes; an on-policy update).
 
         Online, the batch's own responses were sampled by pi_old: the mean log-ratio (k1) on them.
         Offline, they were not: importance-weighted or measured on sampled responses
         (``evaluate.offline_policy_kl``, ``algorithm.kl_ctrl.offline_kl``). The mean over ranks: the
         guard and the controller decide by it, and each rank measures it for itself."""
-        if batch.ref_log_prob is None:
+        if batch.ref_log_prob is None or batch.old_log_prob is None:  # the on-policy update measures it (OnPolicy)
             return None, {}
         if self.s.rollout != "offline":
             kl, metrics = float(masked_mean(batch.old_log_prob - batch.ref_log_prob, batch.response_mask)), {}  # sync
@@ -200,27 +206,36 @@ class PPOTrainer:
             self.p.kl_ctrl.update(current_kl=current, n_steps=len(batch))
         return stats
 
-    def _update(self, batch: RolloutBatch, timer: PhaseTimer,
-                steps: dict[str, OptimizerSteps]) -> dict[str, torch.Tensor | float]:
+    def _update(self, batch: RolloutBatch, timer: PhaseTimer, steps: dict[str, OptimizerSteps],
+                on_policy: OnPolicy | None = None) -> dict[str, torch.Tensor | float]:
         # Losses normalised by global counts, metric shares summed, equal micro-batch counts: the
-        # ranks together make the update one process would make on the whole batch (``update``).
+        # ranks together make the update one process would make on the whole batch (``update``). An
+        # on-policy update goes first: until its guard's check passes, no weight or schedule may move.
         p, metrics = self.p, {}
         overlap = OverlapMeasure()
         measured = self.env.is_distributed and (self.step == 1 or self.step % OVERLAP_EVERY == 0)
-        if p.critic is not None:
+
+        def critic() -> None:
             with (timer.phase("update_critic"), p.offloader.resident("critic"),
                   profiled(p.device, overlap, measured) as micro_done):
                 metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.s.critic, micro_done,
                                              steps["critic"]))
             metrics["critic/lr"] = p.critic_scheduler.get_last_lr()[0]
             p.critic_scheduler.step()
+
+        if p.critic is not None and on_policy is None:
+            critic()
         if self.step > self.s.critic_warmup:
             with (timer.phase("update_actor"), p.offloader.resident("actor"),
                   profiled(p.device, overlap, measured) as micro_done):
                 metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.s.actor, micro_done,
-                                            steps["actor"]))
+                                            steps["actor"], on_policy))
+            if on_policy is not None and on_policy.action is not Action.CONTINUE:
+                return metrics
             metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]
             p.actor_scheduler.step()
+        if p.critic is not None and on_policy is not None:
+            critic()
         if measured:
             metrics.update(overlap.metrics())
         return metrics
