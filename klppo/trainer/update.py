@@ -212,6 +212,7 @@ def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings,
     ``steps``: the optimiser steps' gradient limit and record (``OptimizerSteps``). ``on_policy``
     (with ``s.on_policy``; by default one that always steps): what the update gives, whom it asks."""
     assert on_policy is None or s.on_policy, "only a one-step, one-epoch update is its own pi_old"
+    assert not s.on_policy or (s.ppo_epochs == 1 and len(batch) <= s.mini_batch_rows), "one optimiser step"
     on_policy = on_policy if on_policy is not None or not s.on_policy else OnPolicy()
     batch, correction = with_rollout_correction(batch, s.rollout_correction)
     metrics = _run_updates(
