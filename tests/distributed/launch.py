@@ -67,8 +67,8 @@ def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
             assert math.isclose(ra[key], rb[key], rel_tol=1e-4, abs_tol=1e-5), (ra["step"], key, ra[key], rb[key])
 
 
-def assert_same_weights(a: Path, b: Path, auto_class=AutoModelForCausalLM) -> None:
+def assert_same_weights(a: Path, b: Path, auto_class=AutoModelForCausalLM, atol: float = 1e-5) -> None:
     wa, wb = auto_class.from_pretrained(a).state_dict(), auto_class.from_pretrained(b).state_dict()
     assert wa.keys() == wb.keys()
     for key in wa:
-        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=atol, msg=key)

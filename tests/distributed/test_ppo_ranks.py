@@ -132,7 +132,8 @@ def test_a_failure_on_one_rank_stops_every_rank_with_the_error_shown(ppo_overrid
 
 
 def test_a_world_that_differs_from_the_config_is_a_clear_error(ppo_overrides):
-    with pytest.raises(UserError, match="trainer.n_gpus_per_node x trainer.nnodes = 2 x 1 = 2, but this run has 1"):
+    with pytest.raises(UserError, match=r"trainer.n_gpus_per_node x trainer.nnodes = 2 x 1 = 2 ranks, but this run was "
+                                        r"launched as 1 process; launch it with torchrun --nproc_per_node 2"):
         run_ppo(None, ppo_overrides(**{"trainer.n_gpus_per_node": 2}), print_fn=lambda *a: None)
 
 

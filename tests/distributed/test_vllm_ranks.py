@@ -14,6 +14,12 @@ from klppo.monitoring.logger import read_metrics
 pytestmark = pytest.mark.vllm
 
 STEPS = 3
+LR = 1e-3
+# Weights of runs that differ only in float summation order (micro-batches, packed rows): Adam turns
+# a gradient element near its eps into a step of up to lr whose size that order noise moves, so at
+# this learning rate a few elements of 100k differ by ~1e-5 after 3 steps while every metric agrees
+# to 1e-7. Allowed: 2% of one Adam step per optimiser step.
+WEIGHTS_ATOL = 0.02 * LR * STEPS
 WORKER = Path(__file__).with_name("vllm_sync_worker.py")
 
 
@@ -34,7 +40,7 @@ def vllm_overrides(model: Path, task: Path, run_dir: Path, world: int, **changes
         "data.max_prompt_length": 64, "data.max_response_length": 12, "data.train_batch_size": 8,
         "actor_rollout_ref.model.path": model, "actor_rollout_ref.rollout.name": "vllm",
         "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
-        "actor_rollout_ref.actor.optim.lr": 1e-3, "critic.optim.lr": 1e-3,
+        "actor_rollout_ref.actor.optim.lr": LR, "critic.optim.lr": LR,
         "algorithm.use_kl_in_reward": "true", "algorithm.kl_ctrl.type": "adaptive",
         "trainer.total_training_steps": STEPS, "trainer.save_freq": 2, "trainer.test_freq": 2,
         "trainer.logger": "[]", "trainer.device": "cpu", "trainer.n_gpus_per_node": world,
@@ -60,12 +66,12 @@ def test_two_ranks_with_an_engine_each_train_as_one_process(runs):
     assert all("val-core/openai/gsm8k/reward/mean@1" in one[i] for i in (0, 2, 3))  # through the engine
     assert all(r["timing_s/weight_sync"] > 0 for r in two[1:])
     assert_same_metrics(one, two)
-    assert_same_weights(runs / "one" / "actor_hf", runs / "two" / "actor_hf")
+    assert_same_weights(runs / "one" / "actor_hf", runs / "two" / "actor_hf", atol=WEIGHTS_ATOL)
 
 
 def test_a_tensor_parallel_pair_of_ranks_trains_as_one_process(runs):
     assert_same_metrics(read_metrics(runs / "one"), read_metrics(runs / "two_tp2"))
-    assert_same_weights(runs / "one" / "actor_hf", runs / "two_tp2" / "actor_hf")
+    assert_same_weights(runs / "one" / "actor_hf", runs / "two_tp2" / "actor_hf", atol=WEIGHTS_ATOL)
 
 
 def test_the_engines_log_probs_match_the_trainers_at_every_step(runs):
