@@ -10,7 +10,9 @@ response tokens, temperature 0.7, fp32, one process, through ``run_ppo`` with ev
 named here:
 - ppo: 16 prompts x 1 response (hf generate), GAE with a critic, a random reward model, the KL
   in the reward (k1, 0.05);
-- offline: the same on recorded responses (no generation; the sampled KL probe runs);
+- offline: the same on recorded responses (no generation; the sampled KL probe runs on every
+  step here, ``probe_every`` 1, so that each measured step profiles it: by default a run probes
+  every 4th step, and the report prints that share too);
 - grpo: 4 prompts x 4 responses, the same reward model, a KL loss (k3, 0.05).
 Every response is exactly 32 tokens: the model never samples EOS (one hidden dimension of its
 residual stream is a positive constant and the EOS row of the LM head reads it x -100), and
@@ -187,6 +189,8 @@ def overrides(run: str, root: Path, run_dir: Path, steps: int, size: str) -> lis
                   "actor_rollout_ref.rollout.name": "offline" if run == "offline" else "hf",
                   "algorithm.adv_estimator": "gae", "algorithm.use_kl_in_reward": "true",
                   "algorithm.kl_penalty": "kl", "algorithm.kl_ctrl.kl_coef": 0.05})
+        if run == "offline":
+            s["algorithm.kl_ctrl.probe_every"] = 1  # profiled on every measured step
     return [f"{k}={v}" for k, v in s.items()]
 
 
@@ -547,8 +551,11 @@ def report(run: str, summary: dict, top: int) -> str:
     for name, p in sorted(summary["phases_ms"].items(), key=lambda kv: -kv[1]["wall"]):
         lines.append(f"{name:<40}{p['wall']:>10.1f}{p['model']:>11.1f}{p['wall'] - p['model']:>13.1f}")
     if "kl_probe" in summary["phases_ms"]:
+        from klppo.config.kl_probe import PROBE_EVERY
+
         probe = summary["phases_ms"]["kl_probe"]["wall"]
-        lines.append(f"offline KL probe: {probe:.1f} ms a step, {100 * probe / summary['wall_ms']:.1f}% of the step")
+        lines.append(f"offline KL probe: {probe:.1f} ms, {100 * probe / summary['wall_ms']:.1f}% of a step that probes; "
+                     f"every {PROBE_EVERY}th step by default: {100 * probe / PROBE_EVERY / (summary['wall_ms'] - probe * (1 - 1 / PROBE_EVERY)):.1f}% of the mean step")
     areas: dict[str, float] = defaultdict(float)
     for name, f in summary["functions"].items():
         areas[name if " " in name else ".".join(name.split(".")[:2])] += f["ms"]

@@ -251,7 +251,17 @@ def klppo_overrides(side: str, w: Workload, work: Path, run_dir: Path) -> list[s
                          "reward_model.model.use_remove_padding": "true"})
     if offline:
         settings["algorithm.kl_ctrl.probe_prompts"] = w.probe_prompts
+        settings["trainer.total_training_steps"] = offline_steps(w.steps)
     return [f"{k}={v}" for k, v in settings.items()]
+
+
+def offline_steps(steps: int) -> int:
+    """The offline side's steps: its steady steps (all but the first) whole cycles of the KL probe's
+    default cadence (every PROBE_EVERY-th step from the first), so their mean carries the probe's
+    cost as a run pays it, amortised; ``steps`` steady steps round up to whole cycles."""
+    from klppo.config.kl_probe import PROBE_EVERY
+
+    return 1 + PROBE_EVERY * max(1, -(-(steps - 1) // PROBE_EVERY))
 
 
 def klppo_steps(run_dir: Path) -> tuple[list[dict], float | None, float]:
@@ -410,6 +420,8 @@ def summarise(runs: list[dict], w: Workload, side: str) -> dict:
 
 def report(results: dict[str, list[dict]], w: Workload) -> dict[str, dict]:
     """Print one row per side and the ratios of each comparison; return the rows."""
+    from klppo.config.kl_probe import PROBE_EVERY
+
     rows = {}
     print()
     for side, runs in results.items():
@@ -419,7 +431,8 @@ def report(results: dict[str, list[dict]], w: Workload) -> dict[str, dict]:
     print(f"\n{'side':<18} {'step s':>8} {'gen s':>7} {'rest s':>7} {'update s':>8} {'e2e tok/s':>9} "
           f"{'upd tok/s':>9} {'peak GB':>8} {'resp tok':>8}")
     for side, r in rows.items():
-        probe = f"   (kl_probe {r['kl_probe_s']:.3f} s of the step)" if r.get("kl_probe_s") else ""
+        probe = (f"   (kl_probe {r['kl_probe_s']:.3f} s on the steps it runs, 1 in {PROBE_EVERY}: "
+                 f"{r['kl_probe_s'] / PROBE_EVERY:.3f} s a step)" if r.get("kl_probe_s") else "")
         print(f"{side:<18} {r['step_s']:>8.3f} {r['gen_s']:>7.3f} {r['rest_s']:>7.3f} {r['update_s']:>8.3f} "
               f"{r['e2e_tps']:>9.0f} {r['update_tps']:>9.0f} {r['peak_gb']:>8.2f} {r['response_length']:>8.1f}{probe}")
     print(f"\n{'klppo / TRL (speed: TRL s / klppo s)':<40} {'step':>6} {'gen':>6} {'rest':>6} {'update':>7} "

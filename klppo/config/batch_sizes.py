@@ -63,6 +63,25 @@ def uses_reference(cfg: PPOConfig) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
 
 
+def update_gives_old_log_prob(cfg: PPOConfig) -> bool:
+    """Whether the actor's update gives pi_old's log-probs itself, so that the scoring phase runs
+    no forward for them (no ``old_log_prob`` phase).
+
+    One epoch over one mini-batch holding the whole step is one optimiser step, and its forward
+    runs on the weights that sampled: the update takes old = log_prob.detach() (ratio exactly 1),
+    as verl's dp_actor does then ("on_policy") and TRL's GRPOTrainer with one iteration. klppo
+    then skips the separate forward where nothing before the update reads pi_old: the actor
+    sampled the responses with HF generate (vLLM's and offline data's behaviour log-probs are
+    compared with pi_old, and may correct the update), the KL is not in the reward, and the
+    actor trains from the first step (no critic warm-up). The KL the guard checks before the
+    update is measured by the update's forward, before its optimiser step.
+    """
+    arf, algo = cfg.actor_rollout_ref, cfg.algorithm
+    one_step = arf.actor.ppo_epochs == 1 and arf.actor.ppo_mini_batch_size >= cfg.data.train_batch_size
+    return (one_step and arf.rollout.name == "hf" and not algo.use_kl_in_reward
+            and not (uses_critic(cfg) and cfg.trainer.critic_warmup > 0))
+
+
 def world_size(cfg: PPOConfig) -> int:
     """The ranks a run of ``cfg`` has (``join_world`` refuses any other world)."""
     return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes

@@ -324,8 +324,10 @@ class KLControlConfig:
     offline_kl: Literal["auto", "sampled", "importance_weighted"] = "auto"
     # Prompts of each step the sampled probe generates for (rollout.n responses each).
     probe_prompts: int = 8
-    # Measure the offline KL every this many steps (the controller and the KL guards act on those).
-    probe_every: int = 1
+    # Sample the offline KL every this many steps (the controller and the KL guards act on those),
+    # and on the step after each checkpoint (its KL certifies the checkpoint for rollbacks); null:
+    # every step with an adaptive controller reading it (the KL in the reward), else every 4th.
+    probe_every: Optional[int] = None
 
 
 @dataclass

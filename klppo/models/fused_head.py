@@ -8,7 +8,9 @@ peak. Here the logits of all N tokens for W vocabulary entries at a time are com
 into per-token running statistics and dropped; backward recomputes each slice's logits from the
 saved hidden states and weight (verl's ``FusedLinearForPPO``: ``use_fused_kernels`` with
 ``impl_backend: torch``). Only (N, W) slices, the inputs and (N,) statistics exist at a time;
-W = ceil(chunk_logits / N), so a slice holds about ``chunk_logits`` logits whatever N is.
+W = ceil(chunk_logits / N), so a slice holds about ``chunk_logits`` logits whatever N is. Where
+one slice holds the whole vocabulary, its logits are kept for backward instead (``_keeps_logits``):
+no more memory than a slice, and one matmul less.
 
 Why slices of the vocabulary, not chunks of tokens: the weight's gradient is a sum over tokens,
 so token chunks add a (V, H) product per chunk (V x H memory traffic each time), while a slice
@@ -88,6 +90,15 @@ def _slice_grad(z, labels, lse, mu, g_lp, g_ent, temperature: float) -> torch.Te
     return dz.div_(temperature).to(z.dtype)
 
 
+def _keeps_logits(width: int, vocab: int, needs_grad: bool, compiled: bool | None, device_tensor) -> bool:
+    """Whether forward keeps its logits for backward: where one slice is the whole vocabulary and a
+    gradient will be asked for, eager (where the head's numbers are pinned). Backward then reads
+    the very values it would recompute (the same matmul of the same inputs, scaled the same way),
+    so the gradients are the same bit for bit; at issue #33's size (512 tokens x 4,096) that
+    spares a 512 x 256 x 4,096 matmul per micro-batch, about 5 ms on one CPU thread."""
+    return width >= vocab and needs_grad and not _compiles(compiled, device_tensor)
+
+
 # Where inductor could not compile the slice functions (a torch version or device it does not
 # manage), the head runs them eagerly from then on, after one warning.
 _COMPILED: dict[str, object] = {}
@@ -99,7 +110,7 @@ def _on_device(fn, compiled: bool | None, *args):
     and slice width) where ``compiled`` says so (None: on CUDA), eagerly otherwise. Eager on CPU,
     where the head's results are pinned bit for bit; a compilation that fails (anything but running
     out of memory) warns once and runs eagerly, as every later call does."""
-    if not (args[0].is_cuda if compiled is None else compiled) or _COMPILE_FAILED:
+    if not _compiles(compiled, args[0]):
         return fn(*args)
     if fn.__name__ not in _COMPILED:
         _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
@@ -114,6 +125,11 @@ def _on_device(fn, compiled: bool | None, *args):
         return fn(*args)
 
 
+def _compiles(compiled: bool | None, tensor: torch.Tensor) -> bool:
+    """Whether ``_on_device`` compiles for ``tensor``'s device (``compiled`` None: on CUDA)."""
+    return (tensor.is_cuda if compiled is None else compiled) and not _COMPILE_FAILED
+
+
 class _ChunkedHead(torch.autograd.Function):
     """(hidden (N, H), weight (V, H), bias (V,) | None, labels (N,)) -> log-probs (N,) [, entropies (N,)]."""
 
@@ -126,7 +142,11 @@ class _ChunkedHead(torch.autograd.Function):
         s = torch.zeros_like(m)  # running sum of exp(z - m)
         t = torch.zeros_like(m) if with_entropy else None  # running sum of exp(z - m) * z
         picked = torch.zeros_like(m)  # z[label]
-        for start in range(0, vocab, width):
+        ctx.logits = None  # (N, V) fp32 logits / temperature of the one slice, kept for backward
+        if _keeps_logits(width, vocab, any(ctx.needs_input_grad[:3]), compiled, hidden):
+            ctx.logits = _scaled(_slice_logits(hidden, weight, bias, 0, width), temperature)  # what _fold_slice makes
+            m, s, t, picked = _fold_slice(ctx.logits, labels, m, s, t, picked, 1.0)
+        for start in range(0, vocab, width) if ctx.logits is None else ():
             z = _slice_logits(hidden, weight, bias, start, width)  # (N, W)
             m, s, t, picked = _on_device(_fold_slice, compiled, z, labels - start, m, s, t, picked, temperature)
         lse = m + s.log()
@@ -153,9 +173,13 @@ class _ChunkedHead(torch.autograd.Function):
             return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None, None
         for start in range(0, weight.shape[0], ctx.width):
             cols = slice(start, start + ctx.width)
-            z = _slice_logits(hidden, weight, bias, start, ctx.width)
-            dz = _on_device(_slice_grad, ctx.compiled, z, labels - start, lse, mu, grad_log_probs, grad_entropy,
-                            ctx.temperature)  # (N, W) in the model's dtype
+            if ctx.logits is not None:  # the one slice's, kept: _slice_grad on them without its _scaled
+                dz = _grad_logits(ctx.logits, labels, lse, mu, grad_log_probs, grad_entropy)
+                dz, ctx.logits = dz.div_(ctx.temperature).to(hidden.dtype), None
+            else:
+                z = _slice_logits(hidden, weight, bias, start, ctx.width)
+                dz = _on_device(_slice_grad, ctx.compiled, z, labels - start, lse, mu, grad_log_probs, grad_entropy,
+                                ctx.temperature)  # (N, W) in the model's dtype
             if want_w:
                 torch.mm(dz.T, hidden, out=grad_w[cols])
             if want_b:

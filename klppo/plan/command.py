@@ -13,6 +13,7 @@ from pathlib import Path
 
 from klppo.cli_support import run_cli
 from klppo.config import PPOConfig, load_ppo_config
+from klppo.config.kl_probe import probe_every
 from klppo.errors import UserError
 from klppo.monitoring.flops import peak_flops_by_name
 from klppo.plan.batches import format_batches, plan_batches
@@ -111,7 +112,8 @@ def _time_table(cfg: PPOConfig, e, lengths: Lengths, args, world: int) -> str:
     prompts = [round(lengths.mean_prompt)] * rows
     responses = [round(lengths.mean_response)] * rows
     epochs = {"actor": cfg.actor_rollout_ref.actor.ppo_epochs, "critic": cfg.critic.ppo_epochs}
-    flops = step_flops(e.settings, prompts, responses, epochs=epochs, probe_rows=e.settings.passes.probe_rows)
+    probe_rows = e.settings.passes.probe_rows / probe_every(cfg)  # a probe every probe_every steps
+    flops = step_flops(e.settings, prompts, responses, epochs=epochs, probe_rows=probe_rows)
     name = args.device_name or (_cuda().get_device_name(0) if _cuda() is not None else e.settings.device)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops_by_name(name, _compute_dtype(cfg))
     return format_time(flops, mfu=args.mfu, peak_flops=peak, devices=world, device_name=name)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from klppo.config import PPOConfig
-from klppo.config.batch_sizes import fsdp_sections, uses_critic, uses_reference
+from klppo.config.batch_sizes import fsdp_sections, update_gives_old_log_prob, uses_critic, uses_reference
+from klppo.config.kl_probe import probe_prompts
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_checks import engine_dtype
 from klppo.config.schema import FSDPConfig, LoraKeys
@@ -74,6 +75,7 @@ class PlanSettings:
     whole_loads: bool  # one process without a process group: every model loads with from_pretrained
     uses_reference: bool  # a KL term needs the reference (a LoRA actor is its own, with adapters off)
     device_bytes: int  # the device's memory (what vLLM's share is of)
+    old_log_prob_forward: bool = True  # False where the actor's update gives pi_old (``update_gives_old_log_prob``)
 
     def model(self, role: str) -> Optional[ModelPlan]:
         return next((m for m in self.models if m.role == role), None)
@@ -187,7 +189,7 @@ def passes(cfg: PPOConfig, world_size: int, lengths: Lengths, device: str = "cpu
     forward_budget = (rollout.log_prob_max_token_len_per_gpu or actor.ppo_max_token_len_per_gpu) if dynamic else None
     forward = _micro_tokens(step_rows, rollout.log_prob_micro_batch_size_per_gpu, forward_budget, packed, lengths)
     response = rollout.response_length or cfg.data.max_response_length
-    probe = cfg.algorithm.kl_ctrl.probe_prompts * n if rollout.name == "offline" and uses_reference(cfg) else 0
+    probe = probe_prompts(cfg) * n if rollout.name == "offline" and uses_reference(cfg) else 0
     return Passes(update_tokens=update[0], update_response_tokens=update[1], critic_tokens=critic_update[0],
                   forward_tokens=forward[0], forward_response_tokens=forward[1],
                   gen_rows=step_rows if rollout.name != "offline" else 0,
@@ -278,4 +280,4 @@ def plan_settings(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int
         engine_bytes=engine_bytes, engine_sleeps=device == "cuda" and arf.rollout.free_cache_engine,
         whole_loads=world_size == 1 and all(f == FSDPConfig() for f in fsdp_sections(cfg).values()),
         uses_reference=uses_reference(cfg),
-        device_bytes=device_bytes)
+        device_bytes=device_bytes, old_log_prob_forward=not update_gives_old_log_prob(cfg))

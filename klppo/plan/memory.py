@@ -308,7 +308,8 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
     out.append(_phase("gen", s, ("actor",), gen if s.rollout != "offline" else [], before))
     if p.probe_rows:
         out.append(_phase("kl_probe", s, ("actor", "ref"), probe_items(s, p), before))
-    out.append(_phase("old_log_prob", s, ("actor",), scoring, before))
+    if s.old_log_prob_forward:
+        out.append(_phase("old_log_prob", s, ("actor",), scoring, before))
     if ref is not None:
         out.append(_phase("ref", s, (ref.role,), forward_items(s, ref, p.forward_tokens, p.forward_response_tokens),
                           before))

@@ -28,9 +28,10 @@ def _model(s: PlanSettings, role: str):
 
 
 def step_flops(s: PlanSettings, prompts: list[int], responses: list[int], *, epochs: dict[str, int],
-               probe_rows: int = 0) -> list[PhaseFlops]:
+               probe_rows: float = 0) -> list[PhaseFlops]:
     """FLOPs of one step whose rows have ``prompts`` / ``responses`` tokens (one entry per row of the
-    whole step); ``epochs``: ppo_epochs of the actor and the critic."""
+    whole step); ``epochs``: ppo_epochs of the actor and the critic; ``probe_rows``: the offline KL
+    probe's rows per step (a probe's rows over its cadence, ``config.kl_probe.probe_every``)."""
     seqs = [p + r for p, r in zip(prompts, responses)]
     resp = sum(responses)
     actor = _model(s, "actor")
@@ -40,7 +41,8 @@ def step_flops(s: PlanSettings, prompts: list[int], responses: list[int], *, epo
     if probe_rows:
         share = probe_rows / len(seqs)
         out.append(PhaseFlops("kl_probe", 3 * share * model_flops(actor, seqs, training=False, head_positions=resp)))
-    out.append(PhaseFlops("old_log_prob", model_flops(actor, seqs, training=False, head_positions=resp)))
+    if s.old_log_prob_forward:
+        out.append(PhaseFlops("old_log_prob", model_flops(actor, seqs, training=False, head_positions=resp)))
     if s.uses_reference:
         out.append(PhaseFlops("ref", model_flops(_model(s, "ref") or actor, seqs, training=False, head_positions=resp)))
     critic, rm = _model(s, "critic"), _model(s, "reward_model")

@@ -16,9 +16,12 @@ from typing import Optional
 import torch
 
 from klppo.config import PPOConfig
-from klppo.config.batch_sizes import batch_size_problems, shard_chunk_rows, update_sizes, uses_critic, uses_reference
+from klppo.config.batch_sizes import (
+    batch_size_problems, shard_chunk_rows, update_gives_old_log_prob, update_sizes, uses_critic, uses_reference,
+)
 from klppo.config.checks import GROUP_ESTIMATORS
 from klppo.config.rollout_correction import rollout_correction_active
+from klppo.config.kl_probe import probe_every, probe_prompts
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_checks import engine_dtype
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs
@@ -72,6 +75,9 @@ class ActorUpdateSettings:
     head: HeadSettings = HeadSettings()  # how log-probs and entropies come out of the LM head
     rollout_correction: RolloutCorrectionSettings = RolloutCorrectionSettings()
     compute_dtype: torch.dtype = torch.float32  # fsdp_config.dtype: what forward/backward run in (MFU's peak)
+    # The update's forward is pi_old (one epoch, one mini-batch, ``update_gives_old_log_prob``): old =
+    # log_prob.detach(), and the scoring phase ran no old_log_prob forward (``update.OnPolicy``).
+    on_policy: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ class ForwardSettings:
     temperature: float
     head: HeadSettings = HeadSettings()  # how log-probs come out of the LM head (actor and reference)
     old_log_prob_from_rollout: bool = False  # rollout correction's bypass mode: pi_old = the recorded mu
+    old_log_prob_from_update: bool = False  # no forward: the actor's update gives pi_old (``on_policy``)
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ class KLSettings:
     horizon: int
     offline_kl: str = "sampled"  # offline runs: auto | sampled | importance_weighted (kl_ctrl.offline_kl)
     probe_prompts: int = 8  # the sampled probe's prompts per measurement
-    probe_every: int = 1  # offline runs measure the KL every this many steps
+    probe_every: int = 1  # offline runs sample the KL every this many steps (``config.kl_probe``)
 
 
 @dataclass(frozen=True)
@@ -220,7 +227,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
                                     grouped=algo.adv_estimator in GROUP_ESTIMATORS),
         kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon,
                       offline_kl="sampled" if algo.rollout_correction.bypass_mode else kl.offline_kl,
-                      probe_prompts=min(kl.probe_prompts, cfg.data.train_batch_size), probe_every=kl.probe_every),
+                      probe_prompts=probe_prompts(cfg), probe_every=probe_every(cfg)),
         uses_reference=uses_reference(cfg), actor_lora=lora_enabled(arf.model),
         ref_in_actor=uses_reference(cfg) and lora_enabled(arf.model),
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
@@ -307,6 +314,7 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int) -> ActorUpdateSettings:
         use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
         grad_clip=actor.grad_clip, temperature=arf.rollout.temperature, head=head_settings(cfg),
         rollout_correction=rollout_correction_settings(cfg), compute_dtype=compute_dtype(actor.fsdp_config),
+        on_policy=update_gives_old_log_prob(cfg),
     )
 
 
@@ -365,6 +373,7 @@ def _forwards(cfg: PPOConfig) -> ForwardSettings:
             prompt_length=cfg.reward_model.rollout.prompt_length, response_length=cfg.reward_model.rollout.response_length),
         temperature=rollout.temperature, head=head_settings(cfg),
         old_log_prob_from_rollout=rollout_correction_settings(cfg).bypass_mode,
+        old_log_prob_from_update=update_gives_old_log_prob(cfg),
     )
 
 

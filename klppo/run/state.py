@@ -87,6 +87,18 @@ def restore(parts: PPOParts, folder: Path, guard: RunGuard, *, weights_only: boo
     return shared["step"]
 
 
+def resume(parts: PPOParts, folder: Path, guard: RunGuard) -> int:
+    """Continue from checkpoint ``folder`` as the run that wrote it would have: its state, then what
+    the save left pending (``RunGuard.checkpoint_saved``: the next step's KL certifies this
+    checkpoint, or the resumed guard would not know it good and a rollback would skip it) and the
+    rollback's learning rate. Returns the step to continue after."""
+    step = restore(parts, folder, guard)
+    guard.checkpoint_saved(step)
+    if guard.lr_override is not None:
+        apply_lr_override(parts, guard.lr_override)
+    return step
+
+
 def restore_initial_actor(parts: PPOParts) -> None:
     """Roll the actor back to the weights the run started from and reset Adam: the reference's
     weights, or for a LoRA actor its adapters' starting values (the base weights never change)."""
@@ -116,3 +128,13 @@ def roll_back(parts: PPOParts, guard: RunGuard) -> None:
         else:
             restore(parts, step_dir(run_dir, target), guard, weights_only=True)
     apply_lr_override(parts, guard.lr_override)
+
+
+def release_training_state(parts: PPOParts) -> None:
+    """After the last checkpoint: drop what the export does not need (optimiser states, the
+    reference, critic and reward models), so rank 0 has room for the gathered actor once a
+    collection has freed them."""
+    for optimizer in (parts.actor_optimizer, parts.critic_optimizer):
+        if optimizer is not None:
+            optimizer.state.clear()
+    parts.ref, parts.critic, parts.reward_models, parts.gold_reward_model = None, None, [], None

@@ -258,6 +258,11 @@ class RunGuard:
         spiked = any(step in detector.skipped_at for detector in self.grads.values())
         self.pending_checkpoint = None if spiked else step
 
+    def awaits_kl(self) -> bool:
+        """Whether a checkpoint waits for the next KL measurement to certify it (a KL guard is on):
+        an offline run whose probe skips steps measures on the step after each save (``probe_every``)."""
+        return self.pending_checkpoint is not None and self._kl_limit() is not None
+
     def rollback_target(self, existing: Optional[set[int]] = None) -> Optional[int]:
         """The newest checkpoint certified good (and still on disk, if ``existing`` is given)."""
         good = [s for s in self.good_checkpoints if existing is None or s in existing]

@@ -28,6 +28,7 @@ from klppo.trainer.responses import (
     VALIDATION, engine_seeds, generation_decoding, generation_model, sync_engine_weights,
 )
 from klppo.run.setup import same_on_every_rank
+from klppo.safety.guards import RunGuard
 
 if TYPE_CHECKING:
     from klppo.run.build import PPOParts
@@ -273,6 +274,25 @@ def sampled_kl_to_ref(
     return float(total) / max(float(tokens), 1.0)
 
 
+def importance_weighted(parts: PPOParts, batch: RolloutBatch) -> bool:
+    """Whether an offline step's KL is importance-weighted on its recorded responses (``offline_kl``
+    importance_weighted, or auto and every row carries behaviour log-probs) rather than sampled."""
+    mode = parts.settings.kl.offline_kl
+    recorded = batch.rollout_log_probs is not None and bool(batch.has_rollout_log_probs.all())  # host sync
+    return mode == "importance_weighted" or (mode == "auto" and recorded)
+
+
+def offline_kl_due(parts: PPOParts, batch: RolloutBatch, step: int, guard: RunGuard) -> bool:
+    """Whether offline step ``step`` measures KL(pi_old || ref) (``offline_policy_kl``).
+
+    The sampled probe runs every ``algorithm.kl_ctrl.probe_every`` steps from the first, and also
+    on the step after a checkpoint that the KL guard has yet to certify (``RunGuard.awaits_kl``):
+    the checkpoint holds the weights that step samples with, so its KL says whether a rollback may
+    return there, whatever save_freq is. The importance-weighted KL costs no forward: every step.
+    """
+    return (step - 1) % parts.settings.kl.probe_every == 0 or guard.awaits_kl() or importance_weighted(parts, batch)
+
+
 def offline_policy_kl(parts: PPOParts, batch: RolloutBatch, records: list[PromptRecord], step: int
                       ) -> tuple[float, dict[str, torch.Tensor | float]]:
     """KL(pi_old || ref) of an offline step (``algorithm.kl_ctrl.offline_kl``) and its metrics.
@@ -283,9 +303,8 @@ def offline_policy_kl(parts: PPOParts, batch: RolloutBatch, records: list[Prompt
     ``probe_prompts`` prompts with the low-variance estimator (``actor/kl_to_ref_sampled``).
     """
     s = parts.settings
-    recorded = batch.rollout_log_probs is not None and bool(batch.has_rollout_log_probs.all())  # host sync
-    if s.kl.offline_kl == "importance_weighted" or (s.kl.offline_kl == "auto" and recorded):
-        assert recorded, "build.behaviour_log_probs_need makes every row carry rollout_log_probs here"
+    if importance_weighted(parts, batch):
+        assert bool(batch.has_rollout_log_probs.all()), "build.behaviour_log_probs_need makes every row carry them"
         kl, ess = importance_weighted_kl(batch.old_log_prob, batch.ref_log_prob, batch.rollout_log_probs,
                                          batch.response_mask)
         return float(kl), {"actor/kl_to_ref_importance_weighted": kl, "actor/kl_is_effective_sample_size": ess}

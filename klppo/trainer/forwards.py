@@ -186,12 +186,15 @@ def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer:
 
 
 def score_log_probs(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer) -> None:
-    """Fill ``batch``'s old and reference log-probs and values (``score_batch`` without the rewards)."""
+    """Fill ``batch``'s old and reference log-probs and values (``score_batch`` without the rewards).
+
+    The old log-probs stay None where the actor's update gives them (``old_log_prob_from_update``):
+    the trainer fills them in after it."""
     f, mine, resident = parts.settings.forwards, batch.select(shards.mine), parts.offloader.resident
     if f.old_log_prob_from_rollout:  # rollout correction's bypass mode: pi_old is the recorded mu
         assert batch.rollout_log_probs is not None, "the reader requires rollout_log_probs in bypass mode"
         batch.old_log_prob = batch.rollout_log_probs.to(batch.response_mask.device)
-    else:
+    elif not f.old_log_prob_from_update:
         with timer.phase("old_log_prob"), resident("actor"):
             batch.old_log_prob = shards.gather(compute_log_prob(parts.actor, mine, f.old_log_prob,
                                                                 temperature=f.temperature, head=f.head))

@@ -33,10 +33,10 @@ from klppo.run.collector import FrozenSetup
 from klppo.run.folder import RunFolder
 from klppo.safety.guards import GRAD_MODELS, Action, RunGuard, most_severe
 from klppo.trainer.dynamic_sampling import scored_step_batch
-from klppo.trainer.evaluate import offline_policy_kl, validation_metrics
+from klppo.trainer.evaluate import offline_kl_due, offline_policy_kl, validation_metrics
 from klppo.trainer.forwards import reward_model_roles
 from klppo.trainer.step_metrics import data_metrics, memory_metrics, performance_metrics
-from klppo.trainer.update import OptimizerSteps, update_actor, update_critic
+from klppo.trainer.update import OnPolicy, OptimizerSteps, update_actor, update_critic
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
 # Distributed runs profile the first micro-batch of the updates of step 1 and every this many steps
@@ -99,8 +99,7 @@ class PPOTrainer:
         s, records = self.s, []
         has_val = bool(self.p.val_records or self.p.val_ranked)
         if s.val_only or (has_val and s.val_before_train and self.step == 0):
-            first = self._validate()
-            self._guard_validation(first)  # the baseline of the divergence window; it cannot act yet
+            first, _ = self._validate()  # the baseline of the divergence window; its guard cannot act yet
             records.append(self._log(first))
         if s.val_only:
             return records
@@ -111,9 +110,8 @@ class PPOTrainer:
             if action is Action.ROLLBACK:
                 run_state.roll_back(self.p, self.guard)
             if action is Action.CONTINUE and has_val and s.test_freq > 0 and (self.step % s.test_freq == 0 or last):
-                validated = self._validate()
+                validated, action = self._validate()
                 metrics.update(validated)
-                action = self._guard_validation(validated)
             # Log before saving: a crash in between leaves a logged step that resume truncates and
             # repeats, never a checkpointed step whose metrics were lost.
             records.append(self._log(metrics))
@@ -124,22 +122,13 @@ class PPOTrainer:
                 self.print(f"run stopped by its guard at step {self.step}; the newest checkpoint holds good weights")
                 return records
         self._open()  # a resumed run that had no step left has logged nothing
-        self._release_training_state()
+        run_state.release_training_state(self.p)
+        self.frozen.collect_everything()  # rank 0 needs the room for the gathered actor
         with self.p.offloader.resident("actor"):  # a LoRA actor: merged, and its adapter alone
             written = export_model(self.p.actor, self.p.tokenizer, self.s.run_dir / "actor_hf",
                                    self.s.run_dir / "actor_adapter", self.env)
         self.print(f"actor exported to {' and '.join(str(folder) for folder in written)}")
         return records
-
-    def _release_training_state(self) -> None:
-        """After the last checkpoint: free what the export does not need (optimiser states, the
-        reference, critic and reward models), so rank 0 has room for the gathered actor."""
-        p = self.p
-        for optimizer in (p.actor_optimizer, p.critic_optimizer):
-            if optimizer is not None:
-                optimizer.state.clear()
-        p.ref, p.critic, p.reward_models, p.gold_reward_model = None, None, [], None
-        self.frozen.collect_everything()
 
     def train_step(self) -> tuple[dict[str, float | torch.Tensor], Action]:
         p, adv, timer = self.p, self.s.advantage, PhaseTimer(self.progress, self.memory)
@@ -160,13 +149,19 @@ class PPOTrainer:
                     adv.estimator, batch.token_level_rewards, batch.response_mask, batch.group_index,
                     values=batch.values, gamma=adv.gamma, lam=adv.lam,
                     norm_adv_by_std_in_grpo=adv.norm_adv_by_std_in_grpo)
-            # step 6. guard: KL of the sampling policy to the reference, finite rewards
-            action = self._guard_before_update(batch, kl)
+            # step 6. guard: KL of the sampling policy to the reference, finite rewards; an on-policy update
+            # measured pi_old itself and asks the guard before it moves any weight (``update.OnPolicy``)
+            on_policy = OnPolicy(lambda kl: self._guard_before_update(batch, kl)) if self.s.actor.on_policy else None
+            action = self._guard_before_update(batch, kl) if on_policy is None else Action.CONTINUE
             # step 7. update: critic, then actor (once trainer.critic_warmup critic-only steps are done)
             if action is Action.CONTINUE:
                 steps = {m: OptimizerSteps(self.guard.grad_limit(m)) for m in GRAD_MODELS}  # spike limits
-                metrics.update(self._update(batch.select(shards.mine), timer, steps))
-                action = self._guard_after_update(metrics, steps)
+                updated = self._update(batch.select(shards.mine), timer, steps, on_policy)
+                if on_policy is not None:
+                    batch.old_log_prob, action = shards.gather(on_policy.log_prob), on_policy.action
+                if action is Action.CONTINUE:
+                    metrics.update(updated)
+                    action = self._guard_after_update(metrics, steps)
         # step 8. metrics
         metrics.update(data_metrics(p, batch, kl, self.guard))
         metrics.update(timer.metrics())
@@ -177,19 +172,21 @@ class PPOTrainer:
         return metrics, action
 
     def _policy_kl(self, batch: RolloutBatch, records, timer: PhaseTimer) -> tuple[float | None, dict]:
-        """KL(pi_old || ref) per token, or None (no reference; an offline step between probes).
+        """KL(pi_old || ref) per token, or None (no reference; an offline step between probes; an on-policy update).
 
         Online, the batch's own responses were sampled by pi_old: the mean log-ratio (k1) on them.
         Offline, they were not: importance-weighted or measured on sampled responses
         (``evaluate.offline_policy_kl``, ``algorithm.kl_ctrl.offline_kl``). The mean over ranks: the
         guard and the controller decide by it, and each rank measures it for itself."""
-        if batch.ref_log_prob is None or (self.s.rollout == "offline" and (self.step - 1) % self.s.kl.probe_every):
+        if batch.ref_log_prob is None or batch.old_log_prob is None:  # the on-policy update measures it (OnPolicy)
             return None, {}
         if self.s.rollout != "offline":
             kl, metrics = float(masked_mean(batch.old_log_prob - batch.ref_log_prob, batch.response_mask)), {}  # sync
-        else:
+        elif offline_kl_due(self.p, batch, self.step, self.guard):
             with timer.phase("kl_probe"):
                 kl, metrics = offline_policy_kl(self.p, batch, records, self.step)
+        else:
+            return None, {}
         return mean_over_ranks({"kl": kl})["kl"], metrics
 
     def _shape_rewards(self, batch: RolloutBatch, kl_estimate: float | None) -> dict[str, torch.Tensor]:
@@ -209,27 +206,36 @@ class PPOTrainer:
             self.p.kl_ctrl.update(current_kl=current, n_steps=len(batch))
         return stats
 
-    def _update(self, batch: RolloutBatch, timer: PhaseTimer,
-                steps: dict[str, OptimizerSteps]) -> dict[str, torch.Tensor | float]:
+    def _update(self, batch: RolloutBatch, timer: PhaseTimer, steps: dict[str, OptimizerSteps],
+                on_policy: OnPolicy | None = None) -> dict[str, torch.Tensor | float]:
         # Losses normalised by global counts, metric shares summed, equal micro-batch counts: the
-        # ranks together make the update one process would make on the whole batch (``update``).
+        # ranks together make the update one process would make on the whole batch (``update``). An
+        # on-policy update goes first: until its guard's check passes, no weight or schedule may move.
         p, metrics = self.p, {}
         overlap = OverlapMeasure()
         measured = self.env.is_distributed and (self.step == 1 or self.step % OVERLAP_EVERY == 0)
-        if p.critic is not None:
+
+        def critic() -> None:
             with (timer.phase("update_critic"), p.offloader.resident("critic"),
                   profiled(p.device, overlap, measured) as micro_done):
                 metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.s.critic, micro_done,
                                              steps["critic"]))
             metrics["critic/lr"] = p.critic_scheduler.get_last_lr()[0]
             p.critic_scheduler.step()
+
+        if p.critic is not None and on_policy is None:
+            critic()
         if self.step > self.s.critic_warmup:
             with (timer.phase("update_actor"), p.offloader.resident("actor"),
                   profiled(p.device, overlap, measured) as micro_done):
                 metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.s.actor, micro_done,
-                                            steps["actor"]))
+                                            steps["actor"], on_policy))
+            if on_policy is not None and on_policy.action is not Action.CONTINUE:
+                return metrics
             metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]
             p.actor_scheduler.step()
+        if p.critic is not None and on_policy is not None:
+            critic()
         if measured:
             metrics.update(overlap.metrics())
         return metrics
@@ -261,20 +267,18 @@ class PPOTrainer:
         metrics.update(grad_metrics)
         return most_severe(action, after)
 
-    def _guard_validation(self, metrics: dict) -> Action:
-        """The divergence guard on a validation's training and gold reward (with ``trainer.gold_reward``);
-        both are gathered over the ranks, so every rank decides alike."""
-        if "val-gold/reward/mean" not in metrics:
-            return Action.CONTINUE
-        return self.guard.check_validation(self.step, (metrics["val-core/reward/mean"], metrics["val-core/reward/std"]),
-                                           (metrics["val-gold/reward/mean"], metrics["val-gold/reward/std"]))
-
-    def _validate(self) -> dict[str, float]:
+    def _validate(self) -> tuple[dict[str, float], Action]:
+        """Validation's metrics, and the divergence guard's action on its training and gold reward (with
+        ``trainer.gold_reward``; both are gathered over the ranks, so every rank decides alike)."""
         timer = PhaseTimer(self.progress, self.memory)
         models = ("actor", "ref", *reward_model_roles(self.p), GOLD_ROLE)  # the roles a run has
         with timer.phase("validate"), self.p.offloader.resident(*models):
-            metrics = validation_metrics(self.p)
-        return {**metrics, **timer.metrics(), **max_over_ranks(timer.peak_metrics())}
+            m = validation_metrics(self.p)
+        m = {**m, **timer.metrics(), **max_over_ranks(timer.peak_metrics())}
+        if "val-gold/reward/mean" not in m:
+            return m, Action.CONTINUE
+        return m, self.guard.check_validation(self.step, (m["val-core/reward/mean"], m["val-core/reward/std"]),
+                                              (m["val-gold/reward/mean"], m["val-gold/reward/std"]))
 
     # ---- checkpoints, resume, rollback ----
 
@@ -288,11 +292,6 @@ class PPOTrainer:
         if folder is None:
             return
         with self.p.offloader.resident("actor", "critic"):
-            self.step = run_state.restore(self.p, folder, self.guard)
-        # As after the save that wrote it (``save``): the next step's KL certifies this checkpoint, or the
-        # resumed guard would not know it good and a rollback would skip it (resume == uninterrupted).
-        self.guard.checkpoint_saved(self.step)
-        if self.guard.lr_override is not None:
-            run_state.apply_lr_override(self.p, self.guard.lr_override)
+            self.step = run_state.resume(self.p, folder, self.guard)
         self.folder.resumed_at = self.step
         self.print(f"resumed from {folder} at step {self.step}")

@@ -22,10 +22,15 @@ Each optimiser step applies only a finite gradient norm within the spike guard's
 (``OptimizerSteps.limit``, from ``RunGuard.grad_limit``): the limit is fixed for the whole update,
 so every step decides on the device, and the host reads the steps' norms once, after the update.
 FSDP2's norm is the full norm, the same on every rank, so every rank skips the same steps.
+
+An on-policy actor update (one epoch over one mini-batch of the whole step: ``OnPolicy``) is its
+own pi_old: it gives the step the old log-probs and their KL to the reference, and asks the
+guard before its one optimiser step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -34,10 +39,11 @@ from typing import Callable, Optional
 import torch
 
 from klppo.algo import agg_loss, compute_value_loss, kl_loss, masked_mean
-from klppo.data.batching import MicroBatching, RowSpans, micro_batch_plan, row_chunks, row_spans
+from klppo.data.batching import MicroBatching, RowSpans, micro_batch_plan, restore_order, row_chunks, row_spans
 from klppo.distributed import all_reduce_max_int, reduce_counts, reduce_stats
 from klppo.models.forward import response_logprobs, response_values
 from klppo.rollout.batch import RolloutBatch
+from klppo.safety.guards import Action
 from klppo.trainer.rollout_correction import policy_loss, with_rollout_correction
 from klppo.run.settings import ActorUpdateSettings, CriticUpdateSettings
 
@@ -66,6 +72,43 @@ class OptimizerSteps:
         return norms, [a > 0 for a in applied]
 
 
+# An on-policy micro-batch's share of the step's KL(pi_old || ref) per token (summed like the losses).
+KL_SHARE = "actor/kl_to_ref_share"
+
+
+def _go_on(kl: Optional[float]) -> Action:
+    return Action.CONTINUE
+
+
+@dataclass
+class OnPolicy:
+    """What an on-policy actor update (``ActorUpdateSettings.on_policy``) gives and asks.
+
+    Its forward is pi_old's (one epoch, one optimiser step, nothing moved the weights since they
+    sampled), so each micro-batch takes old = log_prob.detach() (ratio 1, as verl's dp_actor and
+    TRL's GRPOTrainer with one iteration) and keeps it with its rows, and its share of the step's
+    KL(pi_old || ref) per token is summed over micro-batches and ranks as the losses are. Before
+    the optimiser step ``decide`` gets that KL (None without a reference) and returns the step's
+    action, the guard's check before an update; the step applies only on CONTINUE.
+    """
+
+    decide: Callable[[Optional[float]], Action] = _go_on
+    action: Action = Action.CONTINUE  # what ``decide`` returned
+    rows: list[list[int]] = field(default_factory=list)  # each micro-batch's rows of the update's batch
+    log_probs: list[torch.Tensor] = field(default_factory=list)  # each micro-batch's (b, T) pi_old log-probs
+
+    def approve(self, stats: dict[str, torch.Tensor]) -> bool:
+        """Take the KL out of the step's summed ``stats`` and ask ``decide`` whether the step applies."""
+        share = stats.pop(KL_SHARE, None)
+        self.action = self.decide(None if share is None else float(share))  # host sync: the guard decides
+        return self.action is Action.CONTINUE
+
+    @property
+    def log_prob(self) -> torch.Tensor:
+        """(b, T) pi_old's log-probs of the update's rows, in the batch's order."""
+        return restore_order(torch.cat(self.log_probs), [i for rows in self.rows for i in rows])
+
+
 def step_allowed(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Whether an optimiser step applies: a finite norm no larger than ``max_norm`` (a bool tensor)."""
     return torch.isfinite(grad_norm) & (grad_norm <= max_norm)
@@ -76,10 +119,10 @@ def optimizer_step(model, optimizer, grad_clip: float, max_norm: float = math.in
     """Clip, then step unless the gradient norm is not finite or above ``max_norm`` (the step is
     skipped then); ``steps``, when given, records the norm and the verdict.
 
-    A fused AdamW (``build_optimizer`` makes one for CUDA parameters) gets the verdict as a
-    device tensor, ``found_inf``, the way torch's GradScaler hands it over: the kernel skips
-    the update and the step count stays, and the host never waits for the norm. Other
-    optimisers are checked on the host (free on CPU, and verl checks the same way).
+    A fused AdamW (``build_optimizer`` makes one for CUDA and for CPU parameters) gets the
+    verdict as a device tensor, ``found_inf``, the way torch's GradScaler hands it over: the
+    kernel skips the update and the step count stays, and the host never waits for the norm.
+    Other optimisers are checked on the host (verl checks the same way).
     """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of per-rank partial norms
@@ -115,7 +158,8 @@ def _nothing() -> None:
 def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro: MicroBatching, epochs: int,
                  grad_clip: float, micro_loss: MicroLoss, prefix: str,
                  after_micro_batch: Callable[[], None] = _nothing,
-                 steps: Optional[OptimizerSteps] = None) -> dict[str, torch.Tensor]:
+                 steps: Optional[OptimizerSteps] = None,
+                 on_policy: Optional[OnPolicy] = None) -> dict[str, torch.Tensor]:
     """ppo_epochs x mini-batches x micro-batches of ``micro_loss``, one optimiser step per mini-batch.
 
     ``micro_loss(micro, spans, tokens, seqs) -> (loss, sums, means)``: ``sums`` are the micro-batch's
@@ -124,7 +168,8 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
     (``RowSpans``) are read once for the whole update, the one host sync before the optimiser
     steps: each micro-batch's forward and backward then run without the host waiting on the device.
     ``after_micro_batch``: called after each micro-batch's backward (``monitoring.overlap.profiled``).
-    ``steps``: the optimiser steps' limit, and where their norms and verdicts go.
+    ``steps``: the optimiser steps' limit, and where their norms and verdicts go. ``on_policy``: an
+    on-policy update's record of rows, and its approval before the step (none: no metrics, no step).
     """
     model.train()
     steps = steps if steps is not None else OptimizerSteps()
@@ -138,6 +183,8 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
             stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
             for micro_idx in plan:
                 part = mini.select(micro_idx)
+                if on_policy is not None:
+                    on_policy.rows.append([mini_idx[i] for i in micro_idx])
                 loss, sums, means = micro_loss(part, mini_spans.select(micro_idx), tokens, seqs)
                 loss.backward()
                 after_micro_batch()
@@ -147,6 +194,9 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
                 for k, v in means.items():
                     stats[k] = stats[k] + v * weight
             stats = reduce_stats(stats)
+            if on_policy is not None and not on_policy.approve(stats):
+                optimizer.zero_grad(set_to_none=True)
+                return {}
             stats[f"{prefix}/grad_norm"] = optimizer_step(model, optimizer, grad_clip, steps.limit, steps)
             for k, v in stats.items():
                 per_update[k].append(v)
@@ -155,24 +205,32 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
 
 def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings,
                  after_micro_batch: Callable[[], None] = _nothing,
-                 steps: Optional[OptimizerSteps] = None) -> dict[str, torch.Tensor]:
+                 steps: Optional[OptimizerSteps] = None,
+                 on_policy: Optional[OnPolicy] = None) -> dict[str, torch.Tensor]:
     """One PPO actor update over ``batch`` (this rank's shard); returns metrics averaged over optimiser
     steps, and the step's ``rollout_corr/`` metrics when the batch carries behaviour log-probs.
-    ``steps``: the optimiser steps' gradient limit and record (``OptimizerSteps``)."""
+    ``steps``: the optimiser steps' gradient limit and record (``OptimizerSteps``). ``on_policy``
+    (with ``s.on_policy``; by default one that always steps): what the update gives, whom it asks."""
+    assert on_policy is None or s.on_policy, "only a one-step, one-epoch update is its own pi_old"
+    assert not s.on_policy or (s.ppo_epochs == 1 and len(batch) <= s.mini_batch_rows), "one optimiser step"
+    on_policy = on_policy if on_policy is not None or not s.on_policy else OnPolicy()
     batch, correction = with_rollout_correction(batch, s.rollout_correction)
     metrics = _run_updates(
         actor, optimizer, batch, mini_rows=s.mini_batch_rows, micro=s.micro, epochs=s.ppo_epochs,
-        grad_clip=s.grad_clip, prefix="actor", after_micro_batch=after_micro_batch, steps=steps,
-        micro_loss=lambda micro, spans, tokens, seqs: _actor_micro_loss(actor, micro, spans, s, tokens, seqs),
+        grad_clip=s.grad_clip, prefix="actor", after_micro_batch=after_micro_batch, steps=steps, on_policy=on_policy,
+        micro_loss=lambda micro, spans, tokens, seqs: _actor_micro_loss(actor, micro, spans, s, tokens, seqs,
+                                                                         on_policy),
     )
     return {**metrics, **correction}
 
 
-def _actor_micro_loss(actor, micro: RolloutBatch, spans: RowSpans, s: ActorUpdateSettings, tokens, seqs):
+def _actor_micro_loss(actor, micro: RolloutBatch, spans: RowSpans, s: ActorUpdateSettings, tokens, seqs,
+                      on_policy: Optional[OnPolicy] = None):
     """Clipped surrogate - entropy bonus (+ KL loss) of one micro-batch, mini-batch normalised.
 
     The losses count the tokens rollout rejection kept (``update_mask``; every response token
     without it), and the policy loss carries the rollout correction (``rollout_correction``).
+    ``on_policy``: this forward is pi_old (``OnPolicy``).
     """
     mask = micro.update_mask
     log_prob, entropy = response_logprobs(
@@ -180,6 +238,9 @@ def _actor_micro_loss(actor, micro: RolloutBatch, spans: RowSpans, s: ActorUpdat
         temperature=s.temperature, with_entropy=True, entropy_grad=bool(s.entropy_coeff), packed=s.micro.packed,
         max_tokens=s.micro.max_tokens, head=s.head, spans=spans,
     )  # (b, T), (b, T)
+    if on_policy is not None:
+        micro = dataclasses.replace(micro, old_log_prob=log_prob.detach())
+        on_policy.log_probs.append(micro.old_log_prob)
     counts = {"global_token_count": tokens, "global_seq_count": seqs}
     pg_loss, pg_stats = policy_loss(micro, log_prob, s, counts)
     loss = pg_loss
@@ -188,6 +249,8 @@ def _actor_micro_loss(actor, micro: RolloutBatch, spans: RowSpans, s: ActorUpdat
     if s.entropy_coeff:
         loss = loss - s.entropy_coeff * agg_loss(entropy, mask, s.loss_agg_mode, **counts)
     sums = {"actor/pg_loss": pg_loss.detach()}
+    if on_policy is not None and micro.ref_log_prob is not None:  # no rejection here: update_mask is response_mask
+        sums[KL_SHARE] = ((micro.old_log_prob - micro.ref_log_prob) * micro.response_mask).sum() / tokens
     means = {k: v for k, v in pg_stats.items() if k != "actor/pg_loss"}
     means["actor/entropy"] = masked_mean(entropy.detach(), mask)
     if s.use_kl_loss:

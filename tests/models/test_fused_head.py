@@ -89,6 +89,32 @@ def test_chunked_head_equals_the_naive_path_in_values_and_gradients(seed, temper
         torch.testing.assert_close(a, b, **TOL, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("uses", ["both", "log_probs"])
+def test_one_slice_keeps_its_logits_for_backward_and_gives_the_recomputed_gradients_bit_for_bit(
+        monkeypatch, dtype, temperature, uses):
+    from klppo.models import fused_head
+
+    hidden, weight, bias, labels, g, _ = _case(4, with_bias=True)
+    hidden, weight, bias = (t.detach().to(dtype).requires_grad_() for t in (hidden, weight, bias))
+    linears, linear, keeps_logits = [], F.linear, fused_head._keeps_logits
+    monkeypatch.setattr(fused_head.F, "linear", lambda *a: linears.append(1) or linear(*a))
+
+    def scores_and_grads(keeps: bool):
+        monkeypatch.setattr(fused_head, "_keeps_logits", keeps_logits if keeps else lambda *a: False)
+        linears.clear()
+        lp, ent = chunked_logprobs(hidden, weight, labels, bias=bias, temperature=temperature, with_entropy=True,
+                                   entropy_grad=uses == "both")
+        grads = torch.autograd.grad(_loss(lp, ent, g.to(dtype), uses), (hidden, weight, bias))
+        return [lp, ent, *grads], len(linears)
+
+    kept, kept_matmuls = scores_and_grads(True)
+    recomputed, recomputed_matmuls = scores_and_grads(False)
+    assert (kept_matmuls, recomputed_matmuls) == (1, 2)  # one slice (the default chunk): no second matmul
+    assert all(torch.equal(a, b) for a, b in zip(kept, recomputed))
+
+
 def test_bf16_head_runs_its_matmul_in_bf16_and_its_softmax_in_fp32():
     hidden, weight, _, labels, g, _ = _case(3, with_bias=False)
     hidden16, weight16 = (t.detach().bfloat16().requires_grad_() for t in (hidden, weight))

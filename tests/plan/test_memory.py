@@ -318,3 +318,11 @@ def test_a_no_grad_forward_holds_the_blocks_or_the_head_not_both(qwen05_dir, tas
     response = e.settings.passes.forward_response_tokens
     assert _item(naive, "ref", "LM head logits") == 3 * response * 151936 * 4 + tokens * 896 * 4
     assert _item(naive, "ref", "activations") == 0
+
+
+def test_a_run_whose_update_gives_pi_old_plans_no_old_log_prob_phase(qwen05_dir, task_dir):
+    online = ("actor_rollout_ref.rollout.name=hf", f"data.train_files={task_dir / 'train.parquet'}")
+    one_step = _plan(qwen05_dir, task_dir, *online, "actor_rollout_ref.actor.ppo_mini_batch_size=16")
+    assert "old_log_prob" not in [p.phase for p in one_step.phases]  # update_gives_old_log_prob: no forward
+    two_steps = _plan(qwen05_dir, task_dir, *online)  # two mini-batches: the second's pi_old is not its forward
+    assert "old_log_prob" in [p.phase for p in two_steps.phases]

@@ -97,3 +97,20 @@ def test_the_lm_head_settings_reach_the_actor_update_and_the_forwards():
     assert s.actor.head == s.forwards.head
     assert (s.actor.head.fused, s.actor.head.entropy_chunking, s.actor.head.entropy_chunk_rows) == (False, True, 512)
     assert compile_ppo(_config(), world_size=1).actor.head.fused is None  # on wherever the head allows it
+
+
+@pytest.mark.parametrize("changes, on_policy", [
+    ({}, True),  # GRPO-like: one epoch over one mini-batch of the whole step, sampled by the actor
+    ({"actor_rollout_ref.actor.ppo_mini_batch_size": 4}, False),  # two mini-batches: two optimiser steps
+    ({"actor_rollout_ref.actor.ppo_epochs": 2}, False),  # the second epoch's pi_old is not its forward
+    ({"algorithm.use_kl_in_reward": "true"}, False),  # the rewards read pi_old before the update
+    ({"actor_rollout_ref.rollout.name": "offline"}, False),  # recorded responses: their log-probs are compared
+    ({"algorithm.adv_estimator": "gae", "trainer.critic_warmup": 1}, False),  # the actor skips its first update
+    ({"algorithm.adv_estimator": "gae"}, True),
+])
+def test_the_update_gives_pi_old_only_where_its_one_optimiser_step_is_on_the_sampling_weights(changes, on_policy):
+    base = {"data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+            "actor_rollout_ref.rollout.name": "hf", "algorithm.use_kl_in_reward": "false",
+            "actor_rollout_ref.actor.use_kl_loss": "true"}
+    s = compile_ppo(_config(**{**base, **changes}), world_size=1)
+    assert s.actor.on_policy is on_policy and s.forwards.old_log_prob_from_update is on_policy

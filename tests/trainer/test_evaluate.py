@@ -4,6 +4,7 @@
 from contextlib import contextmanager
 from types import SimpleNamespace
 
+import pytest
 import torch
 from offload_kit import RecordingLinear
 
@@ -14,6 +15,7 @@ from klppo.rollout.hf import Decoding, SamplingParams
 from klppo.trainer import evaluate
 from klppo.run.offload import Offloader
 from klppo.run.settings import KLSettings
+from klppo.safety.guards import GuardSettings, RunGuard
 
 
 def records(n: int) -> list[PromptRecord]:
@@ -91,3 +93,26 @@ def test_the_offline_kl_probe_samples_and_scores_with_actor_and_reference_on_the
     assert (kl, metrics) == (0.25, {"actor/kl_to_ref_sampled": 0.25})
     assert where == [("cuda", "cuda")]
     assert actor.moves[-1] == ref.moves[-1] == "cpu"  # and back afterwards
+
+
+@pytest.mark.parametrize("every, saved_at, due", [
+    (1, None, [1, 2, 3, 4, 5, 6, 7, 8]),
+    (4, None, [1, 5]),  # every 4th step from the first
+    (4, 2, [1, 3, 5]),  # and the step after a checkpoint the KL guard must certify, whatever save_freq is
+    (4, 4, [1, 5]),
+])
+def test_the_offline_kl_probe_runs_on_its_cadence_and_after_each_checkpoint(every, saved_at, due):
+    guard = RunGuard(GuardSettings(early_stop_kl=0.2, rollback_kl=0.15, rollback_lr=1e-6, max_rollbacks=1,
+                                   max_nonfinite_steps=3, entropy_floor=None, clipfrac_max=None))
+    kl_settings = KLSettings(False, "kl", "fixed", 0.1, 6.0, 10000, offline_kl="sampled", probe_every=every)
+    parts = SimpleNamespace(settings=SimpleNamespace(kl=kl_settings))
+    batch = SimpleNamespace(rollout_log_probs=None)
+    measured = []
+    for step in range(1, 9):
+        if evaluate.offline_kl_due(parts, batch, step, guard):
+            measured.append(step)
+            guard.check_kl(step, 0.01)  # the measurement certifies a waiting checkpoint
+        if step == saved_at:
+            guard.checkpoint_saved(step)
+    assert measured == due
+    assert guard.good_checkpoints == ([saved_at] if saved_at else [])

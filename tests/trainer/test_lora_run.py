@@ -48,6 +48,7 @@ def lora_overrides(tiny_model_dir, task_dir):
             "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "actor_rollout_ref.actor.use_dynamic_bsz": "true",
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 128, "actor_rollout_ref.actor.optim.lr": 1e-2,
             "critic.optim.lr": 1e-3, "algorithm.use_kl_in_reward": "true", "trainer.total_training_steps": STEPS,
+            "algorithm.kl_ctrl.probe_every": 1,  # the tests read every step's sampled KL
             "trainer.save_freq": 2, "trainer.logger": "[]", "trainer.device": "cpu",
             "trainer.default_local_dir": run_dir,
         }

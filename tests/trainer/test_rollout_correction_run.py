@@ -141,5 +141,6 @@ def test_offline_kl_is_importance_weighted_when_the_data_has_behaviour_log_probs
     assert "actor/kl_to_ref_recorded" in record and "actor/kl_to_ref_sampled" not in record
     sampled = run_ppo(None, ppo_overrides(tmp_path / "sampled", **{
                                           "data.train_files": scored_file, "trainer.total_training_steps": 2,
-                                             "algorithm.kl_ctrl.offline_kl": "sampled"}), print_fn=quiet)[-1]
+                                          "algorithm.kl_ctrl.offline_kl": "sampled", "algorithm.kl_ctrl.probe_every": 1}),
+                     print_fn=quiet)[-1]
     assert sampled["actor/kl_to_ref"] == sampled["actor/kl_to_ref_sampled"]
