@@ -21,14 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+from klppo.commands.demo_recipe import last_validated
 from klppo.monitoring.logger import read_metrics
 
 VAL = "val-core/openai/gsm8k/reward/mean@1"
 KL = "val-aux/kl_to_ref"
-
-
-def last_validated(records: list[dict]) -> dict:
-    return next(r for r in reversed(records) if VAL in r)
 
 
 def online_rows(out: Path, run: str) -> list[tuple[str, float, float, float]]:
