@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     weights.add_argument("--lora", action="store_true", help="PPO trains LoRA adapters (rank 16): the default")
     parser.add_argument("--reward-hacking", action="store_true",
                         help="train on a biased grader that pays more for the answer one too many than for the right one, with "
-                             "exact match as a held-out gold reward: the divergence guard reports the gaming")
+                             "exact match as the held-out gold reward the divergence detector compares it with "
+                             "(always LoRA adapters)")
     args = parser.parse_args(argv)
     demo = run_rankings_demo if args.offline_rankings else run_demo
     if args.reward_hacking:
