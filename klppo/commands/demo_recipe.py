@@ -114,9 +114,9 @@ def summary_table(records: list[dict], reward_label: str | None = "train mean re
 
 # By default the demo's PPO actor trains rank-16 LoRA adapters only (its reference is the SFT model
 # under them, adapters off; ``klppo demo --full`` trains every weight at ppo_overrides' lr). Chosen
-# by measurement over seeds 0-4 (README, "The demo"): full fine-tuning raised the training reward
-# but moved held-out accuracy either way; adapters at lr 1e-3 gained more on some seeds but drove
-# the KL past the rollback guard's 0.15 on another.
+# by measurement (README, "The demo", all five seeds): full fine-tuning raised the training reward
+# but moved held-out accuracy either way; adapters at lr 1e-3 did no better on seed 2 and, on an
+# earlier SFT model of seed 1, drove the KL past the rollback guard's 0.15 by step 4.
 LORA = {"actor_rollout_ref.model.lora_rank": "16", "actor_rollout_ref.model.lora_alpha": "32",
         "actor_rollout_ref.actor.optim.lr": "5e-4"}
 
