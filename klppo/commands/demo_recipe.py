@@ -24,6 +24,10 @@ class DemoSize:
 # right (at 2,048 examples, 0.15: it memorised instead).
 MAX_OPERAND = 20
 WRONG_FRACTION = 0.6  # share of SFT solutions that answer one too many
+# Where their error sits: "answer" ("7 + 5 = 12 #### 13"), which PPO unlearns on held-out problems
+# in every seed measured; "result" ("7 + 5 = 13 #### 13") moved them either way (README). The
+# offline-rankings and reward-hacking demos were measured on "result" and keep it.
+SFT_ERROR = "answer"
 MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -68,7 +72,8 @@ def ppo_overrides(data_dir: Path, sft_dir: Path, out_dir: Path, seed: int, steps
     ]
 
 
-def prepare(out: Path, seed: int, print_fn=print, size: DemoSize = DemoSize()) -> tuple[Path, Path]:
+def prepare(out: Path, seed: int, print_fn=print, size: DemoSize = DemoSize(), sft_error: str = SFT_ERROR
+            ) -> tuple[Path, Path]:
     """Write the task's Parquet files and the initial tiny model; returns (data dir, model dir)."""
     from klppo.data.arithmetic import (
         arithmetic_corpus,
@@ -84,7 +89,8 @@ def prepare(out: Path, seed: int, print_fn=print, size: DemoSize = DemoSize()) -
     write_arithmetic_parquet(data_dir / "val.parquet", size.val_prompts, seed + 1_000_003, split="test",
                              max_operand=MAX_OPERAND, part="held_out")
     write_arithmetic_sft_parquet(
-        data_dir / "sft.parquet", size.sft_examples, seed + 2_000_003, wrong_fraction=WRONG_FRACTION, **train
+        data_dir / "sft.parquet", size.sft_examples, seed + 2_000_003, wrong_fraction=WRONG_FRACTION,
+        error=sft_error, **train
     )
     init_dir = build_tiny_model_folder(out / "init", arithmetic_corpus(2000, seed, **train), seed=seed, **MODEL)
     print_fn(f"[demo] task written to {data_dir}; tiny model and tokenizer built in {init_dir}")
@@ -134,12 +140,13 @@ def with_changes(overrides: list[str], changes: dict[str, str]) -> list[str]:
     return replaced + [f"{k}={v}" for k, v in changes.items() if k not in keys]
 
 
-def warm_start(out: Path, seed: int, print_fn, size: DemoSize = DemoSize()) -> tuple[Path, Path]:
-    """The task's data and the SFT model every demo starts from: (data dir, SFT model dir)."""
+def warm_start(out: Path, seed: int, print_fn, size: DemoSize = DemoSize(), sft_error: str = SFT_ERROR
+               ) -> tuple[Path, Path]:
+    """The task's data and the SFT model a demo starts from: (data dir, SFT model dir)."""
     from klppo.config import load_sft_config
     from klppo.commands.main_sft import run_sft
 
-    data_dir, init_dir = prepare(out, seed, print_fn, size)
+    data_dir, init_dir = prepare(out, seed, print_fn, size, sft_error)
     sft = sft_overrides(data_dir, init_dir, out / "sft", seed, size.sft_epochs)
     print_fn("[demo] SFT warm start: klppo sft " + " ".join(sft))
     return data_dir, run_sft(load_sft_config(None, sft), print_fn=print_fn)

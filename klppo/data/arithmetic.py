@@ -23,6 +23,8 @@ import pyarrow.parquet as pq
 from klppo.errors import UserError
 
 # verl's gsm8k preprocessing appends this; the demo leaves it out by default (shorter prompts).
+# Where an SFT solution's planted error sits (``write_arithmetic_sft_parquet``).
+SFT_ERRORS = ("result", "answer")
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 NAMES = ("Tom", "Ann", "Sam", "Mia", "Ben", "Lily", "Max", "Zoe")
@@ -56,10 +58,11 @@ class ArithmeticProblem:
     def answer(self) -> int:
         return self.a + self.b if self.op == "+" else self.a - self.b
 
-    def solution(self, answer: int | None = None) -> str:
-        """GSM8K-style solution "7 + 5 = 12 #### 12"; ``answer`` overrides the (correct) result."""
-        result = self.answer if answer is None else answer
-        return f"{self.a} {self.op} {self.b} = {result} #### {result}"
+    def solution(self, result: int | None = None, answer: int | None = None) -> str:
+        """GSM8K-style solution "7 + 5 = 12 #### 12". ``result`` overrides the (correct) result of the
+        computation, and the final answer with it; ``answer`` overrides the final answer alone."""
+        result = self.answer if result is None else result
+        return f"{self.a} {self.op} {self.b} = {result} #### {result if answer is None else answer}"
 
 
 def is_held_out(a: int, op: str, b: int) -> bool:
@@ -119,20 +122,24 @@ def write_arithmetic_parquet(
 
 
 def write_arithmetic_sft_parquet(
-    path: str | Path, n: int, seed: int, *, wrong_fraction: float, instruction: str = "",
+    path: str | Path, n: int, seed: int, *, wrong_fraction: float, error: str = "result", instruction: str = "",
     max_operand: int = MAX_OPERAND, part: str = "all",
 ) -> Path:
     """Write ``n`` prompt/response rows; ``round(n * wrong_fraction)`` of them answer one too many.
 
-    The wrong responses carry a systematic error ("7 + 5 = 13 #### 13"), which a warm-started
-    policy learns and PPO with the GSM8K reward then has to unlearn.
+    The wrong responses carry a systematic error, which a warm-started policy learns and PPO with
+    the GSM8K reward then has to unlearn. ``error``: where it sits, in the ``result`` ("7 + 5 = 13
+    #### 13": the computation itself is off) or only in the final ``answer`` ("7 + 5 = 12 #### 13":
+    the computation is right and the answer does not copy it).
     """
     if not 0.0 <= wrong_fraction <= 1.0:
         raise UserError(f"wrong_fraction is {wrong_fraction}; set it between 0 and 1")
+    if error not in SFT_ERRORS:
+        raise UserError(f"error is {error!r}; set it to one of {', '.join(SFT_ERRORS)}")
     problems = make_problems(n, seed, max_operand, part)
     wrong = set(random.Random(seed + 1).sample(range(n), round(n * wrong_fraction)))
     rows = [{"prompt": _prompt(p, instruction),
-             "response": p.solution(p.answer + 1 if i in wrong else None)} for i, p in enumerate(problems)]
+             "response": p.solution(**({error: p.answer + 1} if i in wrong else {}))} for i, p in enumerate(problems)]
     return _write(path, rows)
 
 

@@ -41,6 +41,7 @@ def test_solution_is_gsm8k_style_with_an_optional_wrong_answer():
     assert p.answer == 12
     assert p.solution() == "7 + 5 = 12 #### 12"
     assert p.solution(13) == "7 + 5 = 13 #### 13"
+    assert p.solution(answer=13) == "7 + 5 = 12 #### 13"
     assert ArithmeticProblem("q", 9, "-", 4).solution() == "9 - 4 = 5 #### 5"
 
 
@@ -73,6 +74,15 @@ def test_sft_parquet_has_the_requested_fraction_of_off_by_one_answers(tok, tmp_p
     assert len(load_sft_dataset(str(path), tok, max_length=128, log=lambda s: None)) == 40
     with pytest.raises(UserError, match="wrong_fraction"):
         write_arithmetic_sft_parquet(tmp_path / "bad.parquet", 4, seed=0, wrong_fraction=1.5)
+
+
+def test_sft_parquet_plants_its_error_in_the_final_answer_alone_when_asked(tmp_path):
+    path = write_arithmetic_sft_parquet(tmp_path / "sft.parquet", 40, seed=2, wrong_fraction=0.25, error="answer")
+    rows, problems = pq.read_table(path).to_pylist(), make_problems(40, seed=2)
+    wrong = [r["response"] == f"{p.a} {p.op} {p.b} = {p.answer} #### {p.answer + 1}" for r, p in zip(rows, problems)]
+    assert sum(wrong) == 10 and sum(r["response"] == p.solution() for r, p in zip(rows, problems)) == 30
+    with pytest.raises(UserError, match="error is 'both'"):
+        write_arithmetic_sft_parquet(tmp_path / "bad.parquet", 4, seed=0, wrong_fraction=0.5, error="both")
 
 
 def test_corpus_round_trips_through_the_tiny_tokenizer(tok):
