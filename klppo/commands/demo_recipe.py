@@ -25,8 +25,8 @@ class DemoSize:
 MAX_OPERAND = 20
 WRONG_FRACTION = 0.6  # share of SFT solutions that answer one too many
 # Where their error sits: "answer" ("7 + 5 = 12 #### 13"), which PPO unlearns on held-out problems
-# in every seed measured; "result" ("7 + 5 = 13 #### 13") moved them either way (README). The
-# offline-rankings and reward-hacking demos were measured on "result" and keep it.
+# on seeds 0-4; "result" ("7 + 5 = 13 #### 13") moved them either way (README). The offline-rankings
+# demo, measured on "result" and no better on "answer" (4 of 6 runs gain on either), keeps it.
 SFT_ERROR = "answer"
 MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 

@@ -60,7 +60,7 @@ def run_reward_hacking_demo(out: Path, seed: int, ppo_steps: int, lora: bool = T
 
     quiet_libraries()
     start = time.perf_counter()
-    data_dir, sft_dir = warm_start(out, seed, print_fn, sft_error="result")  # as measured (README)
+    data_dir, sft_dir = warm_start(out, seed, print_fn)
     run_dir = out / RUN
     ppo = reward_hacking_overrides(data_dir, sft_dir, run_dir, seed, ppo_steps)
     print_fn("[demo] PPO on a biased grader (it pays more for one too many), exact match as the gold reward: "
