@@ -30,3 +30,5 @@ def test_tiny_shape_prints_each_runs_split_of_the_step(tmp_path):
     assert "gen" in figures["ppo"]["phases_ms"] and "kl_probe" in figures["offline"]["phases_ms"]
     assert "update_critic" not in figures["grpo"]["phases_ms"]  # GRPO has no critic
     assert "overhead by function" in done.stdout
+    assert all(figures[run]["page_faults"] >= 0 for run in ("ppo", "offline", "grpo"))
+    assert "minor page faults per step" in done.stdout
