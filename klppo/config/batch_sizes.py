@@ -222,7 +222,7 @@ def _share_problem(role: UpdateSizes, prompts: int, n: int, world: int) -> tuple
             else f"do not split evenly over the {_ranks(world)}")
     fix = f"set {role.mini_key} to a multiple of {step} such as {hint}"
     if not fits:
-        fix += f" (and data.train_batch_size to a multiple of it)"
+        fix += " (and data.train_batch_size to a multiple of it)"
     return keys, (f"{role.mini_key} = {mini} x {ROLLOUT}.n {n} = {samples} samples per mini-batch {what} "
                   f"(trainer.n_gpus_per_node x trainer.nnodes); {fix}, or run on fewer ranks")
 
