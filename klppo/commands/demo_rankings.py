@@ -1,9 +1,9 @@
 """``klppo demo --offline-rankings``: learning from preferences, with no generation during training.
 
-After an SFT warm start like the main demo's, on labels with the error in the computation
-(``sft_error="result"``, as the README's table was measured): a reward model trained on rankings (``klppo rm``), then
-offline KL-PPO twice on the same recorded answers, ranked as recorded and ranked by the reward
-model, each distilled into rewards by Bradley-Terry.
+After an SFT warm start like the main demo's, but on labels with the error in the computation
+(``sft_error="result"``, as the README's table was measured): a reward model trained on rankings
+(``klppo rm``), then offline KL-PPO twice on the same recorded answers, ranked as recorded and
+ranked by the reward model, each distilled into rewards by Bradley-Terry.
 """
 
 from __future__ import annotations

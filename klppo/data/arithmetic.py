@@ -23,9 +23,9 @@ import pyarrow.parquet as pq
 from klppo.errors import UserError
 
 # verl's gsm8k preprocessing appends this; the demo leaves it out by default (shorter prompts).
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 # Where an SFT solution's planted error sits (``write_arithmetic_sft_parquet``).
 SFT_ERRORS = ("result", "answer")
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 NAMES = ("Tom", "Ann", "Sam", "Mia", "Ben", "Lily", "Max", "Zoe")
 OBJECTS = (("apple", "apples"), ("book", "books"), ("coin", "coins"), ("pen", "pens"),
