@@ -1,6 +1,7 @@
 """return_freed_memory: blocks of a step reuse resident memory, and large freed memory goes back.
 
-Each case runs in a process of its own: mallopt changes the allocator of the whole process.
+The probe runs in a process of its own (mallopt changes the allocator of the whole process), once
+for both tests.
 """
 
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
 PROBE = textwrap.dedent("""
-    import resource, sys
+    import resource
     import torch
     from klppo.run.setup import return_freed_memory
 
@@ -20,8 +21,8 @@ PROBE = textwrap.dedent("""
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
-    if sys.argv[1] == "set" and not return_freed_memory():
-        print("SKIP not glibc"); sys.exit(0)
+    if not return_freed_memory():
+        print("SKIP not glibc"); raise SystemExit
     # A first forward: blocks under 1 MiB (which grow the heap) and one of 16 MiB.
     small = [torch.ones(1 << 16) for _ in range(64)]
     torch.ones(16 << 18).sum()
@@ -37,24 +38,26 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def probe(mode: str) -> tuple[int, float, float]:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True).stdout
+@pytest.fixture(scope="module")
+def probe() -> tuple[int, float, float]:
+    """(page faults of the 20 blocks after the first, MiB the 1 GiB raised the resident set, MiB left after freeing it)."""
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout
     if out.startswith("SKIP"):
         pytest.skip(out)
     faults, grown, kept = out.split()
     return int(faults), float(grown), float(kept)
 
 
-def test_a_steps_blocks_reuse_resident_memory():
+def test_a_steps_blocks_reuse_resident_memory(probe):
     """A fixed mmap threshold alone maps each 16 MiB block afresh: 4,096 page faults a block. With
     the heap's top pad, blocks after the first come from memory already resident."""
-    faults, _, _ = probe("set")
+    faults, _, _ = probe
     assert faults < 4096, f"{faults} page faults for 20 blocks of 16 MiB after the first"
 
 
-def test_freed_memory_beyond_the_pad_goes_back_to_the_os():
+def test_freed_memory_beyond_the_pad_goes_back_to_the_os(probe):
     from klppo.run.setup import HEAP_TOP_PAD
 
-    _, grown, kept = probe("set")
+    _, grown, kept = probe
     assert grown > 900  # 1 GiB was resident
     assert kept < HEAP_TOP_PAD / 2**20 + 64, f"{kept:.0f} MiB of 1 GiB freed stayed resident"
