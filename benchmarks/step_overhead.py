@@ -52,6 +52,7 @@ import functools
 import inspect
 import json
 import random
+import resource
 import shutil
 import statistics
 import sys
@@ -220,8 +221,6 @@ class StepRecord:
 
 def minor_faults() -> int:
     """This process's minor page faults so far (a page first touched after the allocator mapped it)."""
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -582,7 +581,8 @@ def report(run: str, summary: dict, top: int) -> str:
         f"{name} {ms:.1f}" for name, ms in sorted(areas.items(), key=lambda kv: -kv[1]) if " " not in name and ms >= 0.5))
     faults = summary.get("page_faults", 0)
     by_phase = sorted(summary.get("phase_page_faults", {}).items(), key=lambda kv: -kv[1])
-    lines.append(f"minor page faults per step: {faults:.0f} ({faults * 4 / 1024:.0f} MiB mapped afresh and touched; "
+    mib = faults * resource.getpagesize() / 2**20
+    lines.append(f"minor page faults per step: {faults:.0f} ({mib:.0f} MiB mapped afresh and touched; "
                  "steady steps reuse their memory, so this stays near 0), by phase: "
                  + ", ".join(f"{name} {n:.0f}" for name, n in by_phase if n))
     lines.append(f"{'overhead by function (own time)':<60}{'ms/step':>9}{'calls':>8}")
