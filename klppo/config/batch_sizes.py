@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.schema import FSDPConfig, PPOConfig
 
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -63,9 +64,21 @@ def uses_reference(cfg: PPOConfig) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
 
 
-def update_gives_old_log_prob(cfg: PPOConfig) -> bool:
+def update_gives_old_log_prob(cfg: PPOConfig, world: int) -> bool:
     """Whether the actor's update gives pi_old's log-probs itself, so that the scoring phase runs
-    no forward for them (no ``old_log_prob`` phase).
+    no forward for them (no ``old_log_prob`` phase): either ``update_forwards_first`` or an
+    on-policy update (``on_policy_update``)."""
+    return update_forwards_first(cfg, world) or on_policy_update(cfg)
+
+
+def _one_optimizer_step(cfg: PPOConfig) -> bool:
+    """One epoch over one mini-batch holding the whole step, for every trained model."""
+    return all(role.ppo_epochs == 1 and role.mini_batch_size >= cfg.data.train_batch_size
+               for role in update_sizes(cfg))
+
+
+def on_policy_update(cfg: PPOConfig) -> bool:
+    """Whether the actor's update is its own pi_old and nothing before it reads pi_old.
 
     One epoch over one mini-batch holding the whole step is one optimiser step, and its forward
     runs on the weights that sampled: the update takes old = log_prob.detach() (ratio exactly 1),
@@ -74,12 +87,56 @@ def update_gives_old_log_prob(cfg: PPOConfig) -> bool:
     sampled the responses with HF generate (vLLM's and offline data's behaviour log-probs are
     compared with pi_old, and may correct the update), the KL is not in the reward, and the
     actor trains from the first step (no critic warm-up). The KL the guard checks before the
-    update is measured by the update's forward, before its optimiser step.
+    update is measured by the update's forward, before its optimiser step. Any number of
+    micro-batches. Where ``update_forwards_first`` holds too, it is used instead.
     """
     arf, algo = cfg.actor_rollout_ref, cfg.algorithm
     one_step = arf.actor.ppo_epochs == 1 and arf.actor.ppo_mini_batch_size >= cfg.data.train_batch_size
     return (one_step and arf.rollout.name == "hf" and not algo.use_kl_in_reward
             and not (uses_critic(cfg) and cfg.trainer.critic_warmup > 0))
+
+
+def longest_sequence(cfg: PPOConfig) -> int:
+    """The most tokens a sequence of the run may hold: the longest prompt and the longest response."""
+    return cfg.data.max_prompt_length + (cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length)
+
+
+def one_micro_batch(role: UpdateSizes, rows: int, longest: int) -> bool:
+    """Whether ``rows`` samples of up to ``longest`` tokens are always one micro-batch of ``role``'s update."""
+    if role.use_dynamic_bsz:
+        return rows * longest <= role.max_token_len_per_gpu
+    return role.micro_batch_size_per_gpu is None or role.micro_batch_size_per_gpu >= rows
+
+
+def update_forwards_first(cfg: PPOConfig, world: int) -> bool:
+    """Whether the updates' own forwards run before the step is scored and give it pi_old's
+    log-probs and the critic's values, so that the scoring phase runs no forward for either.
+
+    Where every trained model makes one optimiser step over one micro-batch per rank (one epoch,
+    one mini-batch holding the step, a rank's samples within one micro-batch however long they
+    are, decided from the maximum lengths), the forward its update runs anyway is the forward at
+    the weights that sampled: its outputs, detached, are pi_old's log-probs and the values, and
+    with their graphs kept they are the update's. The step's KL-shaped rewards and advantages
+    are computed between those forwards and the losses, with everything else as in any step
+    (the guard still acts before any weight moves). TRL's PPOTrainer takes pi_old from
+    generation and verl recomputes it; this costs neither forward, only the memory of the
+    actor's saved activations held during the critic's update (``klppo plan`` counts it).
+
+    Used where something before the update reads pi_old or the values (the KL in the reward, a
+    critic; otherwise ``on_policy_update`` needs no such hold), the responses' log-probs are not
+    compared with a behaviour policy's (HF generate, or offline data without rollout correction),
+    the actor trains from the first step, and neither model's parameters or optimiser state are
+    offloaded between phases (the graphs would hold tensors of the device the model left).
+    """
+    arf, algo, critic = cfg.actor_rollout_ref, cfg.algorithm, uses_critic(cfg)
+    if world < 1 or not (algo.use_kl_in_reward or critic) or not _one_optimizer_step(cfg):
+        return False
+    rows, longest = cfg.data.train_batch_size * arf.rollout.n // world, longest_sequence(cfg)
+    offloaded = [arf.actor.fsdp_config] + ([cfg.critic.model.fsdp_config] if critic else [])
+    return (all(one_micro_batch(role, rows, longest) for role in update_sizes(cfg))
+            and (arf.rollout.name == "hf" or (arf.rollout.name == "offline" and not rollout_correction_active(cfg)))
+            and not (critic and cfg.trainer.critic_warmup > 0)
+            and not any(f.param_offload or f.optimizer_offload for f in offloaded))
 
 
 def world_size(cfg: PPOConfig) -> int:
@@ -230,7 +287,7 @@ def _share_problem(role: UpdateSizes, prompts: int, n: int, world: int) -> tuple
 def token_budget_problems(cfg: PPOConfig) -> Found:
     """A token budget in use must hold the longest possible sequence (prompt + response)."""
     arf, out = cfg.actor_rollout_ref, []
-    longest = cfg.data.max_prompt_length + (arf.rollout.response_length or cfg.data.max_response_length)
+    longest = longest_sequence(cfg)
     ref = "actor_rollout_ref.ref"
     budgets = [(role.use_dynamic_bsz, f"{role.prefix}.use_dynamic_bsz", role.budget_key, role.max_token_len_per_gpu)
                for role in update_sizes(cfg)]

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from klppo.config import PPOConfig
-from klppo.config.batch_sizes import fsdp_sections, update_gives_old_log_prob, uses_critic, uses_reference
+from klppo.config.batch_sizes import (
+    fsdp_sections, update_forwards_first, update_gives_old_log_prob, uses_critic, uses_reference,
+)
 from klppo.config.kl_probe import probe_prompts
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_checks import engine_dtype
@@ -76,6 +78,9 @@ class PlanSettings:
     uses_reference: bool  # a KL term needs the reference (a LoRA actor is its own, with adapters off)
     device_bytes: int  # the device's memory (what vLLM's share is of)
     old_log_prob_forward: bool = True  # False where the actor's update gives pi_old (``update_gives_old_log_prob``)
+    # The updates' forwards run first (``update_forwards_first``): no values forward, and the actor's
+    # saved activations wait through the critic's update.
+    update_forwards_first: bool = False
 
     def model(self, role: str) -> Optional[ModelPlan]:
         return next((m for m in self.models if m.role == role), None)
@@ -280,4 +285,5 @@ def plan_settings(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int
         engine_bytes=engine_bytes, engine_sleeps=device == "cuda" and arf.rollout.free_cache_engine,
         whole_loads=world_size == 1 and all(f == FSDPConfig() for f in fsdp_sections(cfg).values()),
         uses_reference=uses_reference(cfg),
-        device_bytes=device_bytes, old_log_prob_forward=not update_gives_old_log_prob(cfg))
+        device_bytes=device_bytes, old_log_prob_forward=not update_gives_old_log_prob(cfg, world_size),
+        update_forwards_first=update_forwards_first(cfg, world_size))

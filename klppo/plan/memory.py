@@ -313,12 +313,15 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
     if ref is not None:
         out.append(_phase("ref", s, (ref.role,), forward_items(s, ref, p.forward_tokens, p.forward_response_tokens),
                           before))
-    if critic is not None:
+    if critic is not None and not s.update_forwards_first:
         out.append(_phase("values", s, ("critic",), forward_items(s, critic, p.forward_tokens, 0), before))
     out.append(_phase("reward", s, ("reward_model",), forward_items(s, rm, p.forward_tokens, 0) if rm else [], before))
     if critic is not None:
+        # With the forwards first, the actor's forward ran before the critic's update and its graph waits.
+        held_actor = [("actor activations awaiting its update", training_activation_bytes(actor, p.update_tokens))
+                      ] if s.update_forwards_first else []
         out.append(_phase("update_critic", s, ("critic",),
-                          update_items(s, critic, p.critic_tokens, 0, first_step), before))
+                          update_items(s, critic, p.critic_tokens, 0, first_step) + held_actor, before))
     after_critic = trained if not first_step else tuple(r for r in trained if r == "critic")
     out.append(_phase("update_actor", s, ("actor",),
                       update_items(s, actor, p.update_tokens, p.update_response_tokens, first_step), after_critic))

@@ -46,7 +46,7 @@ def step_flops(s: PlanSettings, prompts: list[int], responses: list[int], *, epo
     if s.uses_reference:
         out.append(PhaseFlops("ref", model_flops(_model(s, "ref") or actor, seqs, training=False, head_positions=resp)))
     critic, rm = _model(s, "critic"), _model(s, "reward_model")
-    if critic is not None:
+    if critic is not None and not s.update_forwards_first:
         out.append(PhaseFlops("values", model_flops(critic, seqs, training=False, head_outputs=1)))
     if rm is not None:
         out.append(PhaseFlops("reward", model_flops(rm, seqs, training=False, head_positions=len(seqs), head_outputs=1)))

@@ -17,7 +17,8 @@ import torch
 
 from klppo.config import PPOConfig
 from klppo.config.batch_sizes import (
-    batch_size_problems, shard_chunk_rows, update_gives_old_log_prob, update_sizes, uses_critic, uses_reference,
+    batch_size_problems, on_policy_update, shard_chunk_rows, update_forwards_first, update_sizes, uses_critic,
+    uses_reference,
 )
 from klppo.config.checks import GROUP_ESTIMATORS
 from klppo.config.rollout_correction import rollout_correction_active
@@ -75,7 +76,7 @@ class ActorUpdateSettings:
     head: HeadSettings = HeadSettings()  # how log-probs and entropies come out of the LM head
     rollout_correction: RolloutCorrectionSettings = RolloutCorrectionSettings()
     compute_dtype: torch.dtype = torch.float32  # fsdp_config.dtype: what forward/backward run in (MFU's peak)
-    # The update's forward is pi_old (one epoch, one mini-batch, ``update_gives_old_log_prob``): old =
+    # The update's forward is pi_old (one epoch, one mini-batch, ``on_policy_update``): old =
     # log_prob.detach(), and the scoring phase ran no old_log_prob forward (``update.OnPolicy``).
     on_policy: bool = False
 
@@ -112,6 +113,8 @@ class ForwardSettings:
     head: HeadSettings = HeadSettings()  # how log-probs come out of the LM head (actor and reference)
     old_log_prob_from_rollout: bool = False  # rollout correction's bypass mode: pi_old = the recorded mu
     old_log_prob_from_update: bool = False  # no forward: the actor's update gives pi_old (``on_policy``)
+    # Nor for the values: the updates' forwards run first and give both (``update_forwards_first``).
+    update_forwards_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
     arf, trainer = cfg.actor_rollout_ref, cfg.trainer
     check_batch_sizes(cfg, world_size)
     rows = {role.prefix: role.mini_batch_size * arf.rollout.n // world_size for role in update_sizes(cfg)}
-    actor = _actor(cfg, rows["actor_rollout_ref.actor"])
+    actor = _actor(cfg, rows["actor_rollout_ref.actor"], world_size)
     critic = _critic(cfg, rows["critic"]) if uses_critic(cfg) else None
     rm, algo, kl = cfg.reward_model, cfg.algorithm, cfg.algorithm.kl_ctrl
     return PPOSettings(
@@ -222,7 +225,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         generation_weights=arf.rollout.generation_weights, engine=engine_settings(cfg, world_size),
         hf_decoding=Decoding(arf.rollout.hf_decoding, cfg.data.max_prompt_length + arf.rollout.response_length),
         val_sampling=sampling_params(cfg, validation=True), val_batch_size=cfg.data.val_batch_size,
-        actor=actor, critic=critic, forwards=_forwards(cfg),
+        actor=actor, critic=critic, forwards=_forwards(cfg, world_size),
         advantage=AdvantageSettings(algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo,
                                     grouped=algo.adv_estimator in GROUP_ESTIMATORS),
         kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon,
@@ -301,7 +304,7 @@ def _budget(use_dynamic_bsz: bool, max_tokens: int) -> Optional[int]:
     return max_tokens if use_dynamic_bsz else None
 
 
-def _actor(cfg: PPOConfig, mini_batch_rows: int) -> ActorUpdateSettings:
+def _actor(cfg: PPOConfig, mini_batch_rows: int, world_size: int) -> ActorUpdateSettings:
     arf = cfg.actor_rollout_ref
     actor = arf.actor
     micro = MicroBatching(rows=actor.ppo_micro_batch_size_per_gpu,
@@ -314,7 +317,7 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int) -> ActorUpdateSettings:
         use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
         grad_clip=actor.grad_clip, temperature=arf.rollout.temperature, head=head_settings(cfg),
         rollout_correction=rollout_correction_settings(cfg), compute_dtype=compute_dtype(actor.fsdp_config),
-        on_policy=update_gives_old_log_prob(cfg),
+        on_policy=on_policy_update(cfg) and not update_forwards_first(cfg, world_size),
     )
 
 
@@ -355,7 +358,7 @@ def compute_dtype(fsdp: FSDPConfig) -> torch.dtype:
     return PARAM_DTYPES[fsdp.dtype] or torch.float32
 
 
-def _forwards(cfg: PPOConfig) -> ForwardSettings:
+def _forwards(cfg: PPOConfig, world_size: int) -> ForwardSettings:
     arf = cfg.actor_rollout_ref
     rollout, ref, packed = arf.rollout, arf.ref, arf.model.use_remove_padding
     return ForwardSettings(
@@ -373,7 +376,8 @@ def _forwards(cfg: PPOConfig) -> ForwardSettings:
             prompt_length=cfg.reward_model.rollout.prompt_length, response_length=cfg.reward_model.rollout.response_length),
         temperature=rollout.temperature, head=head_settings(cfg),
         old_log_prob_from_rollout=rollout_correction_settings(cfg).bypass_mode,
-        old_log_prob_from_update=update_gives_old_log_prob(cfg),
+        old_log_prob_from_update=update_forwards_first(cfg, world_size) or on_policy_update(cfg),
+        update_forwards_first=update_forwards_first(cfg, world_size),
     )
 
 

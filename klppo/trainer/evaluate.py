@@ -19,6 +19,7 @@ from klppo.distributed import SINGLE_PROCESS, DistEnv, all_gather_objects, all_r
 from klppo.models.forward import HeadSettings
 from klppo.models.rng import seeded
 from klppo.monitoring.text_metrics import bleu, rouge_l
+from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import DYNAMIC, Decoding, SamplingParams, hf_rollout
 from klppo.trainer.forwards import (
@@ -291,6 +292,19 @@ def offline_kl_due(parts: PPOParts, batch: RolloutBatch, step: int, guard: RunGu
     return there, whatever save_freq is. The importance-weighted KL costs no forward: every step.
     """
     return (step - 1) % parts.settings.kl.probe_every == 0 or guard.awaits_kl() or importance_weighted(parts, batch)
+
+
+def sampled_offline_kl(parts: PPOParts, batch: RolloutBatch, records: list[PromptRecord], step: int, guard: RunGuard,
+                       timer: PhaseTimer) -> tuple[float, dict] | None:
+    """An offline step's KL(pi_old || ref) measured on responses the policy samples (``offline_policy_kl``), on
+    the steps that measure it and have no behaviour log-probs to weight; None on the others. The trainer
+    asks before the updates' forwards (``forwards.forwards_first``): no other forward of the actor, nor
+    a LoRA actor's adapters set to the reference's, may come between those and their backward."""
+    if (parts.settings.rollout != "offline" or batch.ref_log_prob is None or importance_weighted(parts, batch)
+            or not offline_kl_due(parts, batch, step, guard)):
+        return None
+    with timer.phase("kl_probe"):
+        return offline_policy_kl(parts, batch, records, step)
 
 
 def offline_policy_kl(parts: PPOParts, batch: RolloutBatch, records: list[PromptRecord], step: int

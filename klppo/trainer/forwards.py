@@ -28,6 +28,7 @@ from klppo.rollout.batch import RolloutBatch
 from klppo.run.adapters import adapters_at
 from klppo.run.settings import RewardModelForward, RewardSettings
 from klppo.run.setup import same_on_every_rank
+from klppo.trainer.update import Forwarded, forward_first
 
 if TYPE_CHECKING:
     from klppo.run.build import PPOParts
@@ -188,8 +189,9 @@ def score_batch(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer:
 def score_log_probs(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer) -> None:
     """Fill ``batch``'s old and reference log-probs and values (``score_batch`` without the rewards).
 
-    The old log-probs stay None where the actor's update gives them (``old_log_prob_from_update``):
-    the trainer fills them in after it."""
+    The old log-probs stay None where the actor's update gives them (``old_log_prob_from_update``),
+    and the values where the updates' forwards run first (``update_forwards_first``): the trainer
+    fills them in from the update's forwards."""
     f, mine, resident = parts.settings.forwards, batch.select(shards.mine), parts.offloader.resident
     if f.old_log_prob_from_rollout:  # rollout correction's bypass mode: pi_old is the recorded mu
         assert batch.rollout_log_probs is not None, "the reader requires rollout_log_probs in bypass mode"
@@ -202,9 +204,24 @@ def score_log_probs(parts: PPOParts, batch: RolloutBatch, shards: StepShards, ti
         with timer.phase("ref"), resident(reference_role(parts)), reference_model(parts) as ref:
             batch.ref_log_prob = shards.gather(compute_log_prob(ref, mine, f.ref, temperature=f.temperature,
                                                                 head=f.head))
-    if parts.critic is not None:
+    if parts.critic is not None and not f.update_forwards_first:
         with timer.phase("values"), resident("critic"):
             batch.values = shards.gather(compute_values(parts.critic, mine, f.values))
+
+
+def forwards_first(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer) -> dict[str, Forwarded]:
+    """The updates' forwards over this rank's rows, run before the step is shaped (``update_forwards_first``):
+    pi_old's log-probs and the values, gathered into ``batch`` as ``score_log_probs`` would; their
+    graphs, by model, wait for the updates (timed as theirs)."""
+    s, mine, done = parts.settings, batch.select(shards.mine), {}
+    with timer.phase("update_actor"):
+        done["actor"] = forward_first(parts.actor, mine, s.actor)
+    batch.old_log_prob = shards.gather(done["actor"].detached())
+    if parts.critic is not None:
+        with timer.phase("update_critic"):
+            done["critic"] = forward_first(parts.critic, mine, s.critic)
+        batch.values = shards.gather(done["critic"].detached())
+    return done
 
 
 def score_rewards(parts: PPOParts, batch: RolloutBatch, shards: StepShards, timer: PhaseTimer,

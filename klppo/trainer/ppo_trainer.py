@@ -33,10 +33,10 @@ from klppo.run.collector import FrozenSetup
 from klppo.run.folder import RunFolder
 from klppo.safety.guards import GRAD_MODELS, Action, RunGuard, most_severe
 from klppo.trainer.dynamic_sampling import scored_step_batch
-from klppo.trainer.evaluate import offline_kl_due, offline_policy_kl, validation_metrics
-from klppo.trainer.forwards import reward_model_roles
+from klppo.trainer.evaluate import importance_weighted, offline_policy_kl, sampled_offline_kl, validation_metrics
+from klppo.trainer.forwards import forwards_first, reward_model_roles
 from klppo.trainer.step_metrics import data_metrics, memory_metrics, performance_metrics
-from klppo.trainer.update import OnPolicy, OptimizerSteps, update_actor, update_critic
+from klppo.trainer.update import Forwarded, OnPolicy, OptimizerSteps, update_actor, update_critic
 
 PROGRESS_KEYS = {"score": "critic/score/mean", "kl": "actor/kl_to_ref"}  # what the progress bar shows
 # Distributed runs profile the first micro-batch of the updates of step 1 and every this many steps
@@ -138,8 +138,11 @@ class PPOTrainer:
             # values and rewards; with algorithm.filter_groups drawn until enough prompts have spread.
             drawn = scored_step_batch(p, timer, self.step)
             batch, records, shards = drawn.batch, drawn.records, drawn.shards
+            # offline, the KL probe where due; then, where each update is one micro-batch a rank, the updates'
+            sampled = sampled_offline_kl(p, batch, records, self.step, self.guard, timer)  # forwards: pi_old, values
+            forwarded = forwards_first(p, batch, shards, timer) if self.s.forwards.update_forwards_first else {}
             # the sampling policy's KL to the reference
-            kl, metrics = self._policy_kl(batch, records, timer)
+            kl, metrics = self._policy_kl(batch, records, timer, sampled)
             metrics.update(drawn.metrics)
             # step 4. shape: token rewards = scores - beta * KL(old || ref)
             metrics.update(self._shape_rewards(batch, kl))
@@ -156,7 +159,7 @@ class PPOTrainer:
             # step 7. update: critic, then actor (once trainer.critic_warmup critic-only steps are done)
             if action is Action.CONTINUE:
                 steps = {m: OptimizerSteps(self.guard.grad_limit(m)) for m in GRAD_MODELS}  # spike limits
-                updated = self._update(batch.select(shards.mine), timer, steps, on_policy)
+                updated = self._update(batch.select(shards.mine), timer, steps, on_policy, forwarded)
                 if on_policy is not None:
                     batch.old_log_prob, action = shards.gather(on_policy.log_prob), on_policy.action
                 if action is Action.CONTINUE:
@@ -171,23 +174,21 @@ class PPOTrainer:
         metrics.update({"training/epoch": p.batches.epoch, "guard/rollbacks": self.guard.rollbacks})
         return metrics, action
 
-    def _policy_kl(self, batch: RolloutBatch, records, timer: PhaseTimer) -> tuple[float | None, dict]:
+    def _policy_kl(self, batch: RolloutBatch, records, timer: PhaseTimer, sampled: tuple[float, dict] | None
+                   ) -> tuple[float | None, dict]:
         """KL(pi_old || ref) per token, or None (no reference; an offline step between probes; an on-policy update).
 
         Online, the batch's own responses were sampled by pi_old: the mean log-ratio (k1) on them.
-        Offline, they were not: importance-weighted or measured on sampled responses
-        (``evaluate.offline_policy_kl``, ``algorithm.kl_ctrl.offline_kl``). The mean over ranks: the
-        guard and the controller decide by it, and each rank measures it for itself."""
+        Offline, they were not: importance-weighted on them, or ``sampled`` (``evaluate.sampled_offline_kl``;
+        ``algorithm.kl_ctrl.offline_kl``). The mean over ranks: the guard and the controller decide by it."""
         if batch.ref_log_prob is None or batch.old_log_prob is None:  # the on-policy update measures it (OnPolicy)
             return None, {}
         if self.s.rollout != "offline":
-            kl, metrics = float(masked_mean(batch.old_log_prob - batch.ref_log_prob, batch.response_mask)), {}  # sync
-        elif offline_kl_due(self.p, batch, self.step, self.guard):
+            sampled = float(masked_mean(batch.old_log_prob - batch.ref_log_prob, batch.response_mask)), {}  # sync
+        elif sampled is None and importance_weighted(self.p, batch):  # the recorded behaviour log-probs: no forward
             with timer.phase("kl_probe"):
-                kl, metrics = offline_policy_kl(self.p, batch, records, self.step)
-        else:
-            return None, {}
-        return mean_over_ranks({"kl": kl})["kl"], metrics
+                sampled = offline_policy_kl(self.p, batch, records, self.step)
+        return (None, {}) if sampled is None else (mean_over_ranks({"kl": sampled[0]})["kl"], sampled[1])
 
     def _shape_rewards(self, batch: RolloutBatch, kl_estimate: float | None) -> dict[str, torch.Tensor]:
         kl = self.s.kl
@@ -207,10 +208,11 @@ class PPOTrainer:
         return stats
 
     def _update(self, batch: RolloutBatch, timer: PhaseTimer, steps: dict[str, OptimizerSteps],
-                on_policy: OnPolicy | None = None) -> dict[str, torch.Tensor | float]:
+                on_policy: OnPolicy | None, forwarded: dict[str, Forwarded]) -> dict[str, torch.Tensor | float]:
         # Losses normalised by global counts, metric shares summed, equal micro-batch counts: the
         # ranks together make the update one process would make on the whole batch (``update``). An
         # on-policy update goes first: until its guard's check passes, no weight or schedule may move.
+        # ``forwarded``: by model, the updates' forwards that ran first (``forwards.forwards_first``).
         p, metrics = self.p, {}
         overlap = OverlapMeasure()
         measured = self.env.is_distributed and (self.step == 1 or self.step % OVERLAP_EVERY == 0)
@@ -219,7 +221,7 @@ class PPOTrainer:
             with (timer.phase("update_critic"), p.offloader.resident("critic"),
                   profiled(p.device, overlap, measured) as micro_done):
                 metrics.update(update_critic(p.critic, p.critic_optimizer, batch, self.s.critic, micro_done,
-                                             steps["critic"]))
+                                             steps["critic"], forwarded.get("critic")))
             metrics["critic/lr"] = p.critic_scheduler.get_last_lr()[0]
             p.critic_scheduler.step()
 
@@ -229,7 +231,7 @@ class PPOTrainer:
             with (timer.phase("update_actor"), p.offloader.resident("actor"),
                   profiled(p.device, overlap, measured) as micro_done):
                 metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.s.actor, micro_done,
-                                            steps["actor"], on_policy))
+                                            steps["actor"], on_policy, forwarded.get("actor")))
             if on_policy is not None and on_policy.action is not Action.CONTINUE:
                 return metrics
             metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]

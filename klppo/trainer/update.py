@@ -25,7 +25,10 @@ FSDP2's norm is the full norm, the same on every rank, so every rank skips the s
 
 An on-policy actor update (one epoch over one mini-batch of the whole step: ``OnPolicy``) is its
 own pi_old: it gives the step the old log-probs and their KL to the reference, and asks the
-guard before its one optimiser step.
+guard before its one optimiser step. Where each model's update is one micro-batch per rank
+(``update_forwards_first``), its forward runs before the step is scored (``forward_first``): its
+detached outputs are pi_old's log-probs and the values, and the update takes the outputs with
+their graphs (``Forwarded``) instead of running the forward again.
 """
 
 from __future__ import annotations
@@ -109,6 +112,19 @@ class OnPolicy:
         return restore_order(torch.cat(self.log_probs), [i for rows in self.rows for i in rows])
 
 
+@dataclass
+class Forwarded:
+    """A model's update forward, run before the step was scored (``forward_first``): one micro-batch
+    of all the update's rows, in the order its plan gave them, and its outputs with their graphs."""
+
+    rows: list[int]  # the micro-batch's rows of the update's batch
+    outputs: tuple[torch.Tensor, ...]  # (log_prob, entropy) of the actor, (values,) of the critic; (b, T) each
+
+    def detached(self) -> torch.Tensor:
+        """(b, T) the first output without its graph (pi_old's log-probs, or the values), in the batch's order."""
+        return restore_order(self.outputs[0].detach(), self.rows)
+
+
 def step_allowed(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Whether an optimiser step applies: a finite norm no larger than ``max_norm`` (a bool tensor)."""
     return torch.isfinite(grad_norm) & (grad_norm <= max_norm)
@@ -155,11 +171,32 @@ def _nothing() -> None:
     pass
 
 
+def _only_micro_batch(batch: RolloutBatch, spans: RowSpans, mini_rows: int, micro: MicroBatching) -> list[int]:
+    """The rows of the update's one micro-batch, in its plan's order (``update_forwards_first`` made sure of one)."""
+    plans = micro_plans(batch, spans, mini_rows, micro)
+    assert len(plans) == 1 and len(plans[0][1]) == 1, "update_forwards_first: one mini-batch of one micro-batch"
+    mini, [rows] = plans[0]
+    return [mini[i] for i in rows]
+
+
+def forward_first(model, batch: RolloutBatch, settings: ActorUpdateSettings | CriticUpdateSettings) -> Forwarded:
+    """The forward of ``model``'s coming update over ``batch`` (this rank's rows, one micro-batch), in
+    training mode and with its graph: the actor's log-probs and entropies, or the critic's values."""
+    model.train()
+    spans = row_spans(batch.attention_mask)  # host sync
+    rows = _only_micro_batch(batch, spans, settings.mini_batch_rows, settings.micro)
+    micro, micro_spans = batch.select(rows), spans.select(rows)
+    if isinstance(settings, ActorUpdateSettings):
+        return Forwarded(rows, _actor_forward(model, micro, micro_spans, settings))
+    return Forwarded(rows, (_critic_forward(model, micro, micro_spans, settings),))
+
+
 def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro: MicroBatching, epochs: int,
                  grad_clip: float, micro_loss: MicroLoss, prefix: str,
                  after_micro_batch: Callable[[], None] = _nothing,
                  steps: Optional[OptimizerSteps] = None,
-                 on_policy: Optional[OnPolicy] = None) -> dict[str, torch.Tensor]:
+                 on_policy: Optional[OnPolicy] = None,
+                 forwarded: Optional[Forwarded] = None) -> dict[str, torch.Tensor]:
     """ppo_epochs x mini-batches x micro-batches of ``micro_loss``, one optimiser step per mini-batch.
 
     ``micro_loss(micro, spans, tokens, seqs) -> (loss, sums, means)``: ``sums`` are the micro-batch's
@@ -170,12 +207,17 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
     ``after_micro_batch``: called after each micro-batch's backward (``monitoring.overlap.profiled``).
     ``steps``: the optimiser steps' limit, and where their norms and verdicts go. ``on_policy``: an
     on-policy update's record of rows, and its approval before the step (none: no metrics, no step).
+    ``forwarded``: the one micro-batch's forward, already run (``micro_loss`` then runs none).
     """
     model.train()
     steps = steps if steps is not None else OptimizerSteps()
     per_update: dict[str, list[torch.Tensor]] = defaultdict(list)
     spans = row_spans(batch.attention_mask)  # host sync: once per update
-    plans = micro_plans(batch, spans, mini_rows, micro)
+    if forwarded is None:
+        plans = micro_plans(batch, spans, mini_rows, micro)
+    else:
+        assert epochs == 1, "a forward run first serves one epoch"
+        plans = [(list(range(len(batch))), [forwarded.rows])]
     for _ in range(epochs):
         for mini_idx, plan in plans:
             mini, mini_spans = batch.select(mini_idx), spans.select(mini_idx)
@@ -206,11 +248,13 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
 def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings,
                  after_micro_batch: Callable[[], None] = _nothing,
                  steps: Optional[OptimizerSteps] = None,
-                 on_policy: Optional[OnPolicy] = None) -> dict[str, torch.Tensor]:
+                 on_policy: Optional[OnPolicy] = None,
+                 forwarded: Optional[Forwarded] = None) -> dict[str, torch.Tensor]:
     """One PPO actor update over ``batch`` (this rank's shard); returns metrics averaged over optimiser
     steps, and the step's ``rollout_corr/`` metrics when the batch carries behaviour log-probs.
     ``steps``: the optimiser steps' gradient limit and record (``OptimizerSteps``). ``on_policy``
-    (with ``s.on_policy``; by default one that always steps): what the update gives, whom it asks."""
+    (with ``s.on_policy``; by default one that always steps): what the update gives, whom it asks.
+    ``forwarded``: its forward over ``batch``, run first (``forward_first``)."""
     assert on_policy is None or s.on_policy, "only a one-step, one-epoch update is its own pi_old"
     assert not s.on_policy or (s.ppo_epochs == 1 and len(batch) <= s.mini_batch_rows), "one optimiser step"
     on_policy = on_policy if on_policy is not None or not s.on_policy else OnPolicy()
@@ -218,26 +262,34 @@ def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings,
     metrics = _run_updates(
         actor, optimizer, batch, mini_rows=s.mini_batch_rows, micro=s.micro, epochs=s.ppo_epochs,
         grad_clip=s.grad_clip, prefix="actor", after_micro_batch=after_micro_batch, steps=steps, on_policy=on_policy,
-        micro_loss=lambda micro, spans, tokens, seqs: _actor_micro_loss(actor, micro, spans, s, tokens, seqs,
-                                                                         on_policy),
+        forwarded=forwarded,
+        micro_loss=lambda micro, spans, tokens, seqs: _actor_micro_loss(
+            actor, micro, spans, s, tokens, seqs, on_policy, None if forwarded is None else forwarded.outputs),
     )
     return {**metrics, **correction}
 
 
+def _actor_forward(actor, micro: RolloutBatch, spans: RowSpans, s: ActorUpdateSettings
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, T) log-probs and entropies of one micro-batch, with their graphs (the entropy's only with a bonus)."""
+    return response_logprobs(
+        actor, micro.input_ids, micro.attention_mask, micro.response_length,
+        temperature=s.temperature, with_entropy=True, entropy_grad=bool(s.entropy_coeff), packed=s.micro.packed,
+        max_tokens=s.micro.max_tokens, head=s.head, spans=spans,
+    )
+
+
 def _actor_micro_loss(actor, micro: RolloutBatch, spans: RowSpans, s: ActorUpdateSettings, tokens, seqs,
-                      on_policy: Optional[OnPolicy] = None):
+                      on_policy: Optional[OnPolicy] = None, forwarded: Optional[tuple[torch.Tensor, ...]] = None):
     """Clipped surrogate - entropy bonus (+ KL loss) of one micro-batch, mini-batch normalised.
 
     The losses count the tokens rollout rejection kept (``update_mask``; every response token
     without it), and the policy loss carries the rollout correction (``rollout_correction``).
-    ``on_policy``: this forward is pi_old (``OnPolicy``).
+    ``on_policy``: this forward is pi_old (``OnPolicy``). ``forwarded``: the micro-batch's
+    log-probs and entropies, already computed (``Forwarded``).
     """
     mask = micro.update_mask
-    log_prob, entropy = response_logprobs(
-        actor, micro.input_ids, micro.attention_mask, micro.response_length,
-        temperature=s.temperature, with_entropy=True, entropy_grad=bool(s.entropy_coeff), packed=s.micro.packed,
-        max_tokens=s.micro.max_tokens, head=s.head, spans=spans,
-    )  # (b, T), (b, T)
+    log_prob, entropy = forwarded if forwarded is not None else _actor_forward(actor, micro, spans, s)  # (b, T) each
     if on_policy is not None:
         micro = dataclasses.replace(micro, old_log_prob=log_prob.detach())
         on_policy.log_probs.append(micro.old_log_prob)
@@ -262,12 +314,13 @@ def _actor_micro_loss(actor, micro: RolloutBatch, spans: RowSpans, s: ActorUpdat
 
 def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSettings,
                   after_micro_batch: Callable[[], None] = _nothing,
-                  steps: Optional[OptimizerSteps] = None) -> dict[str, torch.Tensor]:
-    """One clipped value-loss update of the critic over ``batch`` (this rank's shard)."""
+                  steps: Optional[OptimizerSteps] = None,
+                  forwarded: Optional[Forwarded] = None) -> dict[str, torch.Tensor]:
+    """One clipped value-loss update of the critic over ``batch`` (this rank's shard); ``forwarded``:
+    its forward over ``batch``, run first (``forward_first``)."""
 
     def micro_loss(micro: RolloutBatch, spans: RowSpans, tokens, seqs):
-        vpreds = response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length,
-                                 packed=s.micro.packed, max_tokens=s.micro.max_tokens, spans=spans)  # (b, T)
+        vpreds = forwarded.outputs[0] if forwarded is not None else _critic_forward(critic, micro, spans, s)  # (b, T)
         loss, stats = compute_value_loss(
             vpreds, micro.returns, micro.values, micro.response_mask,
             cliprange_value=s.cliprange_value, loss_agg_mode=s.loss_agg_mode,
@@ -278,4 +331,10 @@ def update_critic(critic, optimizer, batch: RolloutBatch, s: CriticUpdateSetting
 
     return _run_updates(critic, optimizer, batch, mini_rows=s.mini_batch_rows, micro=s.micro, epochs=s.ppo_epochs,
                         grad_clip=s.grad_clip, micro_loss=micro_loss, prefix="critic",
-                        after_micro_batch=after_micro_batch, steps=steps)
+                        after_micro_batch=after_micro_batch, steps=steps, forwarded=forwarded)
+
+
+def _critic_forward(critic, micro: RolloutBatch, spans: RowSpans, s: CriticUpdateSettings) -> torch.Tensor:
+    """(b, T) the critic's values of one micro-batch, with their graph."""
+    return response_values(critic, micro.input_ids, micro.attention_mask, micro.response_length,
+                           packed=s.micro.packed, max_tokens=s.micro.max_tokens, spans=spans)

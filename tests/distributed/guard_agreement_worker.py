@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from klppo.safety import guards
-from klppo.trainer import dynamic_sampling, ppo_trainer
+from klppo.trainer import dynamic_sampling, evaluate, ppo_trainer
 from klppo.commands.main_ppo import main
 
 RANK = int(os.environ["RANK"])
@@ -52,13 +52,14 @@ def _patch() -> None:
 
     ppo_trainer.PPOTrainer.train_step = step_and_record
 
-    offline_policy_kl = ppo_trainer.offline_policy_kl
+    offline_policy_kl = evaluate.offline_policy_kl
 
     def kl_of_this_rank(parts, batch, records, step):
         kl, metrics = offline_policy_kl(parts, batch, records, step)
         return kl + sum(float(c[3:]) for c in _perturbed() if c.startswith("kl+")), metrics
 
-    ppo_trainer.offline_policy_kl = kl_of_this_rank
+    # the trainer weights recorded log-probs itself; the sampled probe runs from evaluate.sampled_offline_kl
+    ppo_trainer.offline_policy_kl = evaluate.offline_policy_kl = kl_of_this_rank
 
     apply_kl_penalty = ppo_trainer.apply_kl_penalty
 

@@ -8,5 +8,5 @@ from klppo.commands.main_ppo import main
 from klppo.run import settings
 
 if __name__ == "__main__":
-    settings.update_gives_old_log_prob = lambda cfg: False
+    settings.on_policy_update = lambda cfg: False
     sys.exit(main(sys.argv[1:]))

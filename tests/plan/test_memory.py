@@ -326,3 +326,27 @@ def test_a_run_whose_update_gives_pi_old_plans_no_old_log_prob_phase(qwen05_dir,
     assert "old_log_prob" not in [p.phase for p in one_step.phases]  # update_gives_old_log_prob: no forward
     two_steps = _plan(qwen05_dir, task_dir, *online)  # two mini-batches: the second's pi_old is not its forward
     assert "old_log_prob" in [p.phase for p in two_steps.phases]
+
+
+def test_a_run_whose_updates_run_their_forwards_first_plans_the_actor_graph_through_the_critic_update(
+        qwen05_dir, task_dir):
+    """``update_forwards_first``: no old_log_prob or values forward; the critic's update holds the
+    actor's saved activations, which wait for the actor's update."""
+    gae = ("algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=false",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "critic.use_dynamic_bsz=true")
+    longest = 16 * 4 * (64 + 256)  # a step's samples on one rank, each at its longest
+
+    def budgets(tokens: int) -> list[str]:
+        return [f"{key}={tokens}" for key in ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                                              "critic.ppo_max_token_len_per_gpu")]
+
+    first = _plan(qwen05_dir, task_dir, *gae, *budgets(longest))
+    assert {"old_log_prob", "values"}.isdisjoint(p.phase for p in first.phases)
+    actor = first.settings.model("actor")
+    held = memory.training_activation_bytes(actor, first.settings.passes.update_tokens)
+    assert held > 0 and _item(first, "update_critic", "actor activations awaiting its update") == held
+    # one token less: two micro-batches may be needed, so the scoring forwards run and nothing waits
+    scored = _plan(qwen05_dir, task_dir, *gae, *budgets(longest - 1))
+    assert {"old_log_prob", "values"} <= {p.phase for p in scored.phases}
+    assert _item(scored, "update_critic", "actor activations awaiting its update") == 0
+    assert _phase(first, "update_critic").total - _phase(scored, "update_critic").total == held

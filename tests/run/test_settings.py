@@ -99,18 +99,44 @@ def test_the_lm_head_settings_reach_the_actor_update_and_the_forwards():
     assert compile_ppo(_config(), world_size=1).actor.head.fused is None  # on wherever the head allows it
 
 
-@pytest.mark.parametrize("changes, on_policy", [
-    ({}, True),  # GRPO-like: one epoch over one mini-batch of the whole step, sampled by the actor
-    ({"actor_rollout_ref.actor.ppo_mini_batch_size": 4}, False),  # two mini-batches: two optimiser steps
-    ({"actor_rollout_ref.actor.ppo_epochs": 2}, False),  # the second epoch's pi_old is not its forward
-    ({"algorithm.use_kl_in_reward": "true"}, False),  # the rewards read pi_old before the update
-    ({"actor_rollout_ref.rollout.name": "offline"}, False),  # recorded responses: their log-probs are compared
-    ({"algorithm.adv_estimator": "gae", "trainer.critic_warmup": 1}, False),  # the actor skips its first update
-    ({"algorithm.adv_estimator": "gae"}, True),
+@pytest.mark.parametrize("changes, source", [
+    ({}, "on_policy"),  # GRPO-like: one epoch over one mini-batch of the whole step, sampled by the actor
+    ({"actor_rollout_ref.actor.ppo_mini_batch_size": 4}, "forward"),  # two mini-batches: two optimiser steps
+    ({"actor_rollout_ref.actor.ppo_epochs": 2}, "forward"),  # the second epoch's pi_old is not its forward
+    # the rewards read pi_old before the update: from the update's forward, run first (one micro-batch)
+    ({"algorithm.use_kl_in_reward": "true"}, "update_first"),
+    ({"algorithm.use_kl_in_reward": "true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 32}, "update_first"),
+    ({"algorithm.use_kl_in_reward": "true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 16}, "forward"),
+    ({"algorithm.use_kl_in_reward": "true", "actor_rollout_ref.actor.use_dynamic_bsz": "true",  # 32 x 96 tokens
+      "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 32 * 96}, "update_first"),
+    ({"algorithm.use_kl_in_reward": "true", "actor_rollout_ref.actor.use_dynamic_bsz": "true",
+      "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 32 * 96 - 1}, "forward"),  # may need two
+    ({"algorithm.use_kl_in_reward": "true", "actor_rollout_ref.actor.fsdp_config.param_offload": "true"}, "forward"),
+    ({"algorithm.use_kl_in_reward": "true", "actor_rollout_ref.rollout.name": "vllm"}, "forward"),
+    ({"actor_rollout_ref.rollout.name": "offline"}, "forward"),  # recorded responses: their log-probs are compared
+    ({"actor_rollout_ref.rollout.name": "offline", "algorithm.use_kl_in_reward": "true"}, "update_first"),
+    ({"actor_rollout_ref.rollout.name": "offline", "algorithm.use_kl_in_reward": "true",
+      "algorithm.rollout_correction.rollout_is": "token"}, "forward"),
+    ({"algorithm.adv_estimator": "gae", "trainer.critic_warmup": 1}, "forward"),  # the actor skips its first update
+    ({"algorithm.adv_estimator": "gae"}, "update_first"),  # the values come from the critic's update forward
+    ({"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 4}, "on_policy"),  # two critic steps
+    ({"algorithm.adv_estimator": "gae", "critic.ppo_micro_batch_size_per_gpu": 16}, "on_policy"),  # two critic micros
 ])
-def test_the_update_gives_pi_old_only_where_its_one_optimiser_step_is_on_the_sampling_weights(changes, on_policy):
+def test_pi_old_comes_from_the_update_only_where_its_one_optimiser_step_is_on_the_sampling_weights(changes, source):
     base = {"data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
             "actor_rollout_ref.rollout.name": "hf", "algorithm.use_kl_in_reward": "false",
-            "actor_rollout_ref.actor.use_kl_loss": "true"}
+            "actor_rollout_ref.actor.use_kl_loss": "true", "data.max_prompt_length": 64,
+            "data.max_response_length": 32, "algorithm.adv_estimator": "grpo"}
     s = compile_ppo(_config(**{**base, **changes}), world_size=1)
-    assert s.actor.on_policy is on_policy and s.forwards.old_log_prob_from_update is on_policy
+    assert s.actor.on_policy is (source == "on_policy")
+    assert s.forwards.update_forwards_first is (source == "update_first")
+    assert s.forwards.old_log_prob_from_update is (source != "forward")
+
+
+def test_ranks_share_the_rows_one_micro_batch_must_hold():
+    changes = {"data.train_batch_size": 8, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+               "actor_rollout_ref.rollout.name": "hf", "algorithm.use_kl_in_reward": "true",
+               "data.max_prompt_length": 64, "data.max_response_length": 32,
+               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 16}  # a rank's 32 samples, or 16 on 2 ranks
+    assert not compile_ppo(_config(**changes), world_size=1).forwards.update_forwards_first
+    assert compile_ppo(_config(**changes), world_size=2).forwards.update_forwards_first

@@ -1,4 +1,4 @@
-"""Runs whose actor update gives pi_old (``update_gives_old_log_prob``) skip the old_log_prob forward.
+"""Runs whose actor update gives pi_old (``on_policy_update``) skip the old_log_prob forward.
 
 A GRPO run sampled with HF generate, one epoch over one mini-batch: the same run with pi_old
 recomputed by the scoring forward (as every other run) must log the same metrics, roll back at
@@ -40,7 +40,7 @@ def _comparable(record: dict) -> dict:
 
 def test_a_grpo_run_without_the_old_log_prob_forward_trains_as_one_with_it(grpo_overrides, tmp_path, monkeypatch):
     measured = run_ppo(None, grpo_overrides(tmp_path / "measured"), print_fn=quiet)
-    monkeypatch.setattr(settings, "update_gives_old_log_prob", lambda cfg: False)
+    monkeypatch.setattr(settings, "on_policy_update", lambda cfg: False)
     recomputed = run_ppo(None, grpo_overrides(tmp_path / "recomputed"), print_fn=quiet)
 
     assert all("timing_s/old_log_prob" in r for r in recomputed) and not any("timing_s/old_log_prob" in r for r in measured)
