@@ -17,10 +17,11 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
-from transformers import CompileConfig, GenerationConfig
+from transformers import CompileConfig, GenerationConfig, LogitsProcessorList
 
 from klppo.data.rl_dataset import PromptRecord, collate_prompts
 from klppo.rollout.batch import RolloutBatch, assemble_batch, eos_token_ids, mask_after_eos
+from klppo.rollout.sampling import with_sampling
 
 
 @dataclass(frozen=True)
@@ -120,10 +121,11 @@ def _generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config
     """
     if decoding.mode == "compiled" and type(model) in _COMPILE_FAILED:
         decoding = DYNAMIC
+    config, processors = with_sampling(config, prompt_ids.device)  # on CPU: one uniform per row and step
     rng = _rng_states(prompt_ids.device)
     try:
         with generating_with(model, with_decoding(config, decoding)):
-            return _call_generate(model, prompt_ids, prompt_mask, synced_gpus)
+            return _call_generate(model, prompt_ids, prompt_mask, synced_gpus, processors)
     except Exception as error:  # noqa: BLE001 (the fallback re-raises what it cannot handle)
         if decoding.mode != "compiled" or isinstance(error, torch.OutOfMemoryError):
             raise
@@ -134,7 +136,7 @@ def _generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config
                       stacklevel=2)
     _set_rng_states(rng)
     with generating_with(model, config):
-        return _call_generate(model, prompt_ids, prompt_mask, synced_gpus)
+        return _call_generate(model, prompt_ids, prompt_mask, synced_gpus, processors)
 
 
 # transformers warns at every generate call whose inputs are on another device type than the model's
@@ -144,11 +146,14 @@ def _generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config
 _DEVICE_TYPE_WARNING = r"You are calling \.generate\(\) with the `input_ids` being on a device type different"
 
 
-def _call_generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, synced_gpus: bool) -> torch.Tensor:
-    """``model.generate`` on the prompts' device, without transformers' device-type warning."""
+def _call_generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, synced_gpus: bool,
+                   processors: LogitsProcessorList) -> torch.Tensor:
+    """``model.generate`` on the prompts' device, with ``processors`` after its own, without transformers'
+    device-type warning."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_DEVICE_TYPE_WARNING, category=UserWarning)
-        return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), synced_gpus=synced_gpus)
+        return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), synced_gpus=synced_gpus,
+                              logits_processor=processors)
 
 
 def _root_cause(error: BaseException) -> str:
