@@ -31,7 +31,7 @@ from klppo.models.sharded_load import WeightReader, full_tensors
 
 T = TypeVar("T")
 # Freed memory glibc keeps at its heap's top for the next allocations (return_freed_memory).
-HEAP_TOP_PAD = 256 << 20
+HEAP_TOP_PAD = 512 << 20
 PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # None: no mixed precision
 
 
@@ -50,8 +50,12 @@ def return_freed_memory() -> bool:
     0.44-0.47 s in the update that way against 0.30 s without it. With a top pad, glibc grows its
     heap by ``HEAP_TOP_PAD`` more than it needs and trims back to that much, so the blocks of a
     step are carved from memory already resident (glibc maps a block only when its heap's top
-    cannot hold it). The cost is bounded by the pad: 0.5B offline GRPO peaked at 9.81 GiB on one
-    process and 5.55 per rank on 2 (9.75 and 5.35 without the pad), steps 2-3% faster.
+    cannot hold it). The pad is the trade between the two: 256 MiB left issue #33's PPO step,
+    whose actor graph waits through the critic's update (``update_forwards_first``), mapping 145
+    MiB afresh every step (update_critic 178-183 ms against 134-136 with 512, which maps none);
+    0.5B offline GRPO peaked at 9.80 GiB on one process and 5.88 per rank on 2 with 512 (9.81
+    and 5.55 with 256, 9.75 and 5.35 without a pad). CPU runs are mostly small models (tests,
+    CI, the demo), where the faults cost most: 512 MiB.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
