@@ -4,9 +4,10 @@ After the main demo's SFT warm start, PPO trains on ``biased_grader`` (the exact
 for the answer one too many, the SFT labels' planted error: ``klppo/rewards/arithmetic_demo.py``)
 while validation also scores the same held-out responses with the honest rule, ``exact_match``,
 as the gold reward (``trainer.gold_reward``). The policy learns to make the mistake the grader
-pays for, the training reward rises and the gold reward does not: the ``reward_divergence``
-event fires. The demo prints the run's
-validations as a table and writes ``klppo report``'s report of the run.
+pays for, the training reward rises and the gold reward does not, and where the held-out
+training reward rises by more than the detector's margin over a window of validations the
+``reward_divergence`` event fires (README, "Reward hacking, measured": on 2 of 5 seeds). The
+demo prints the run's validations as a table and writes ``klppo report``'s report of the run.
 """
 
 from __future__ import annotations
