@@ -138,8 +138,8 @@ class PPOTrainer:
             # values and rewards; with algorithm.filter_groups drawn until enough prompts have spread.
             drawn = scored_step_batch(p, timer, self.step)
             batch, records, shards = drawn.batch, drawn.records, drawn.shards
-            # offline, the KL probe where due; then, where each update is one micro-batch a rank, the updates'
-            sampled = sampled_offline_kl(p, batch, records, self.step, self.guard, timer)  # forwards: pi_old, values
+            # offline: the KL probe where due, before the updates' forwards (pi_old, values) hold their graphs
+            sampled = sampled_offline_kl(p, batch, records, self.step, self.guard, timer)
             forwarded = forwards_first(p, batch, shards, timer) if self.s.forwards.update_forwards_first else {}
             # the sampling policy's KL to the reference
             kl, metrics = self._policy_kl(batch, records, timer, sampled)
