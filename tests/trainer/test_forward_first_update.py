@@ -29,6 +29,15 @@ def reversed_plan(monkeypatch):
         (list(range(len(batch))), [list(reversed(range(len(batch))))])])
 
 
+def _assert_same_updates(updates: list[dict], first, second) -> None:
+    """The two updates' metrics and the two models' weights after them agree to float rounding."""
+    assert updates[0].keys() == updates[1].keys()
+    for key, value in updates[0].items():
+        torch.testing.assert_close(value, updates[1][key], rtol=1e-4, atol=1e-6, msg=key)
+    for (name, a), b in zip(first.named_parameters(), second.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("micro", [MicroBatching(), MicroBatching(max_tokens=4096, packed=True)],
                          ids=["padded", "packed"])
 def test_an_actor_update_on_its_forward_run_first_is_the_update_with_its_own(tiny_model_dir, answer_batch,
@@ -53,11 +62,7 @@ def test_an_actor_update_on_its_forward_run_first_is_the_update_with_its_own(tin
         scored = copy.copy(batch)
         scored.old_log_prob = old_log_prob
         updates.append(update_actor(model, optimizer, scored, s, forwarded=given))
-    assert updates[0].keys() == updates[1].keys()
-    for key, value in updates[0].items():
-        torch.testing.assert_close(value, updates[1][key], rtol=1e-4, atol=1e-6, msg=key)
-    for (name, a), b in zip(first.named_parameters(), second.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_updates(updates, first, second)
 
 
 def test_a_critic_update_on_its_forward_run_first_is_the_update_with_its_own(tiny_model_dir, answer_batch,
@@ -78,7 +83,4 @@ def test_a_critic_update_on_its_forward_run_first_is_the_update_with_its_own(tin
         scored = copy.copy(batch)
         scored.values = own_values
         updates.append(update_critic(model, optimizer, scored, s, forwarded=given))
-    for key, value in updates[0].items():
-        torch.testing.assert_close(value, updates[1][key], rtol=1e-4, atol=1e-6, msg=key)
-    for (name, a), b in zip(first.named_parameters(), second.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_updates(updates, first, second)
