@@ -22,7 +22,9 @@ then decoding without collectives). Prints the mean ``timing_s/gen`` of each, si
 
 ``--decoding`` measures, in this process on its device (CUDA when there is one), how HF generate
 decodes (``rollout.hf_decoding``): dynamic, static and compiled KV caches, each from a fresh
-generation copy per call as a PPO step makes it (an actor wrapped by FSDP2 over a group of one,
+generation copy and cache per call, and the static ones also as a PPO step runs them now ("kept":
+the copy refreshed in place, the cache kept; on CUDA the compiled step's graphs then replay rather
+than being recorded again at every call) (an actor wrapped by FSDP2 over a group of one,
 fp32 masters, computing in ``--dtype``; random weights of a Qwen2 shape, no EOS): the first call
 (compilation included), a call at another batch size (a validation batch: the recompilation),
 sampled tokens/s (best of ``--repeats`` further calls), and on CUDA the peak memory and what stays
@@ -270,15 +272,19 @@ def sharded_actor(shape: str, dtype, device):
     return actor
 
 
-def timed_generation(actor, records, params, decoding, dtype, device, copy: bool = True) -> dict:
-    """One generation as a PPO step runs it (a fresh generation copy, dropped afterwards): seconds,
-    response tokens, peak and left-over CUDA memory."""
+def timed_generation(actor, records, params, decoding, dtype, device, copy: bool = True, kept: dict | None = None
+                     ) -> dict:
+    """One generation as a PPO step runs it: seconds, response tokens, peak and left-over CUDA memory.
+    A fresh generation copy, dropped afterwards; or with ``kept`` (a dict this fills and reuses) the copy
+    built once and the actor's weights written into it in place, and each shape's cache kept
+    (``trainer.responses.keeps_generation_model``)."""
+    import dataclasses
     import time
 
     import torch
 
-    from klppo.rollout.hf import hf_rollout
-    from klppo.trainer.responses import generation_copy
+    from klppo.rollout.hf import StaticCaches, hf_rollout
+    from klppo.trainer.responses import generation_copy, refresh_generation_copy
 
     never = type("Tok", (), {"pad_token_id": 0, "eos_token_id": VOCAB})()  # outside the vocabulary: no EOS
     cuda = device.type == "cuda"
@@ -286,7 +292,16 @@ def timed_generation(actor, records, params, decoding, dtype, device, copy: bool
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    model = generation_copy(actor, dtype, device) if copy else actor
+    if kept is None:
+        model = generation_copy(actor, dtype, device) if copy else actor
+    elif "model" in kept:
+        model = kept["model"]
+        refresh_generation_copy(model, actor, dtype, device)
+    else:
+        model = kept["model"] = generation_copy(actor, dtype, device)
+        kept["caches"] = StaticCaches()
+    if kept is not None:
+        decoding = dataclasses.replace(decoding, caches=kept["caches"])
     batch = hf_rollout(model, records, never, params, device=device, decoding=decoding)  # CPU tensors: synced
     seconds = time.perf_counter() - start
     del model
@@ -299,7 +314,9 @@ def timed_generation(actor, records, params, decoding, dtype, device, copy: bool
 
 
 def decoding_runs(actor, records, args, dtype, device) -> dict[str, dict]:
-    """Per mode: the first call, a call at half the prompts, and the best of ``args.repeats``."""
+    """Per mode: the first call, a call at half the prompts, and the best of ``args.repeats``; each with a
+    fresh generation copy and cache (every step before), and for a static cache also as a PPO step now
+    runs it ("<mode> kept": the copy refreshed in place, each shape's cache kept)."""
     import dataclasses
 
     from klppo.rollout.hf import Decoding, SamplingParams
@@ -307,17 +324,19 @@ def decoding_runs(actor, records, args, dtype, device) -> dict[str, dict]:
     params = SamplingParams(n=args.n, max_new_tokens=args.tokens)
     cache = max(len(r.prompt_ids) for r in records) + args.tokens
     results = {}
-    for mode in ["dynamic", *(m for m in args.modes if m != "dynamic")]:  # dynamic first: the reference
+    modes = ["dynamic", *(m for m in args.modes if m != "dynamic")]  # dynamic first: the reference
+    for mode, kept in [(m, None) for m in modes] + [(m, {}) for m in modes if m != "dynamic"]:
         decoding = Decoding(mode, cache)
-        first = timed_generation(actor, records, params, decoding, dtype, device)
-        other = timed_generation(actor, records[: max(1, len(records) // 2)], params, decoding, dtype, device)
-        runs = [timed_generation(actor, records, params, decoding, dtype, device) for _ in range(args.repeats)]
+        call = lambda rows, p=params: timed_generation(actor, rows, p, decoding, dtype, device, kept=kept)  # noqa: E731
+        first = call(records)
+        other = call(records[: max(1, len(records) // 2)])
+        runs = [call(records) for _ in range(args.repeats)]
         best = min(runs, key=lambda r: r["s"])
-        greedy = timed_generation(actor, records[:4], dataclasses.replace(params, do_sample=False), decoding, dtype,
-                                  device)
-        results[mode] = {"first_call_s": first["s"], "other_batch_s": other["s"], "best_s": best["s"],
-                         "tokens_per_s": best["tokens"] / best["s"], "greedy_ids": greedy["ids"],
-                         **{k: best[k] for k in ("peak_gib", "left_gib") if k in best}}
+        greedy = call(records[:4], dataclasses.replace(params, do_sample=False))
+        results[mode if kept is None else f"{mode} kept"] = {
+            "first_call_s": first["s"], "other_batch_s": other["s"], "best_s": best["s"],
+            "tokens_per_s": best["tokens"] / best["s"], "greedy_ids": greedy["ids"],
+            **{k: best[k] for k in ("peak_gib", "left_gib") if k in best}}
     return results
 
 
@@ -372,13 +391,13 @@ def report_decoding(results: dict, args, dtype, device) -> None:
     rows = args.prompts * args.n
     print(f"HF decoding on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'} "
           f"({torch.get_num_threads()} threads), shape {args.shape} in {dtype}, {rows} rows x {args.tokens} tokens, "
-          f"a fresh generation copy per call; best of {args.repeats}:")
-    print(f"  {'mode':12s} {'tok/s':>9s} {'best s':>7s} {'first s':>8s} {'half-batch s':>13s} {'peak GiB':>9s} "
+          f"a fresh generation copy and cache per call (kept: refreshed in place); best of {args.repeats}:")
+    print(f"  {'mode':14s} {'tok/s':>9s} {'best s':>7s} {'first s':>8s} {'half-batch s':>13s} {'peak GiB':>9s} "
           f"{'left GiB':>9s}  greedy ids == dynamic's")
     dynamic_ids = results["dynamic"]["greedy_ids"]
     for mode, r in results.items():
         same = "" if "greedy_ids" not in r else f"{(r['greedy_ids'] == dynamic_ids).float().mean():.3f}"
-        print(f"  {mode:12s} {r['tokens_per_s']:9.0f} {r['best_s']:7.2f} {r.get('first_call_s', float('nan')):8.2f} "
+        print(f"  {mode:14s} {r['tokens_per_s']:9.0f} {r['best_s']:7.2f} {r.get('first_call_s', float('nan')):8.2f} "
               f"{r.get('other_batch_s', float('nan')):13.2f} {r.get('peak_gib', float('nan')):9.2f} "
               f"{r.get('left_gib', float('nan')):9.2f}  {same}"
               + (f"  ({r['pre_forward_hooks']} FSDP2 pre-forward hooks)" if "pre_forward_hooks" in r else ""))

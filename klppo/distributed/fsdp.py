@@ -8,7 +8,7 @@ per-rank gradients is the gradient of the global mini-batch, whatever the world 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -212,19 +212,55 @@ def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: to
     copied: measured on 2 ranks of a 0.5B model, 6.0 GiB per rank at generation where the plan's
     copy-plus-cache estimate was 4.2).
     """
+    params = {name: tensor if lasting else tensor.clone() for name, tensor, lasting in whole_parameters(model, dtype, device)}
+    return plain_copy(model, params, prepare)
+
+
+def whole_parameters(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device
+                     ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, whole tensor in ``dtype`` on ``device``, whether it lasts) of every parameter of a
+    (sharded) model, tied ones once; collective (every rank iterates to the end).
+
+    A lasting tensor is the rank's own parameter, held whole in ``dtype`` on ``device``, or a cast or
+    moved tensor of its own; one that does not is a gathered unit's parameter, valid only until the
+    next item, when the unit is resharded (copy it, or copy from it). The parameters this rank holds
+    whole come first, then each sharded unit's, one unit gathered at a time.
+    """
     reshard(model)  # a unit left gathered by a forward holds plain tensors in its compute dtype
-    params = {name: _local(param).detach().to(device=device, dtype=dtype or param.dtype)
-              for name, param in model.named_parameters() if whole_locally(param)}
-    gathered = [m for m in model.modules() if isinstance(m, FSDPModule)] if len(params) < _count(model) else []
-    for unit in gathered:
+    done = set()
+    for name, param in model.named_parameters():
+        if whole_locally(param):
+            done.add(name)
+            yield name, _local(param).detach().to(device=device, dtype=dtype or param.dtype), True
+    if len(done) == _count(model):
+        return
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
         unit.unshard()
         try:  # while unsharded, the unit's parameters are plain, whole tensors (in FSDP2's compute dtype)
             for name, param in model.named_parameters():  # tied parameters come once
-                if name not in params and not isinstance(param, DTensor):
-                    params[name] = param.detach().to(device=device, dtype=dtype or param.dtype, copy=True)
+                if name not in done and not isinstance(param, DTensor):
+                    done.add(name)
+                    whole = param.detach()
+                    cast = whole.to(device=device, dtype=dtype or param.dtype)
+                    yield name, cast, cast is not whole
         finally:
             unit.reshard()
-    return plain_copy(model, params, prepare)
+
+
+@torch.no_grad()
+def load_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy ``weights`` (name, whole tensor) into ``model``'s parameters of those names, each keeping its
+    storage (a CUDA graph recorded on their addresses replays on the new values); a tensor that is
+    the parameter itself is skipped. Every parameter must be given (tied ones once)."""
+    targets, filled = dict(model.named_parameters()), 0
+    for name, tensor in weights:
+        target = targets.get(name)
+        if target is None:
+            continue  # a buffer, or a name the model does not take (as in ``plain_copy``'s load)
+        if target.data_ptr() != tensor.data_ptr():
+            target.copy_(tensor)
+        filled += 1
+    assert filled == len(targets), f"{len(targets) - filled} of {len(targets)} parameters were not given"
 
 
 def inference_copy_bytes(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> int:

@@ -81,6 +81,9 @@ class PlanSettings:
     # The updates' forwards run first (``update_forwards_first``): no values forward, and the actor's
     # saved activations wait through the critic's update.
     update_forwards_first: bool = False
+    # HF generation keeps its model (the copy, where there is one) and static KV caches between
+    # generations (``kept_generation``): held through every phase after the first generation.
+    generation_kept: bool = False
 
     def model(self, role: str) -> Optional[ModelPlan]:
         return next((m for m in self.models if m.role == role), None)
@@ -174,6 +177,15 @@ def static_kv_cache(cfg: PPOConfig, device: str) -> bool:
     allocated for ``data.max_prompt_length`` + response tokens per row, whatever the prompts' lengths."""
     decoding = cfg.actor_rollout_ref.rollout.hf_decoding
     return decoding in ("static", "compiled") or (decoding == "auto" and device == "cuda")
+
+
+def kept_generation(cfg: PPOConfig, device: str) -> bool:
+    """Whether HF generation keeps its model and static KV caches from one generation to the next
+    (``trainer.responses.keeps_generation_model``): with a static cache, unless the actor is
+    offloaded between its phases."""
+    fsdp = cfg.actor_rollout_ref.actor.fsdp_config
+    return (cfg.actor_rollout_ref.rollout.name != "vllm" and static_kv_cache(cfg, device)
+            and not (fsdp.param_offload or fsdp.offload_policy))
 
 
 def passes(cfg: PPOConfig, world_size: int, lengths: Lengths, device: str = "cpu") -> Passes:
@@ -286,4 +298,4 @@ def plan_settings(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int
         whole_loads=world_size == 1 and all(f == FSDPConfig() for f in fsdp_sections(cfg).values()),
         uses_reference=uses_reference(cfg),
         device_bytes=device_bytes, old_log_prob_forward=not update_gives_old_log_prob(cfg, world_size),
-        update_forwards_first=update_forwards_first(cfg, world_size))
+        update_forwards_first=update_forwards_first(cfg, world_size), generation_kept=kept_generation(cfg, device))

@@ -221,13 +221,35 @@ def generation_items(s: PlanSettings, rows: int, tokens: int) -> list[tuple[str,
     sh = actor.shape
     if s.rollout == "vllm":
         return engine_items(s)
-    dtype = actor.compute_bytes
-    items = [("generation copy", actor.parameters * dtype if s.generation_copy else 0)]
-    items.append(("KV cache", rows * tokens * sh.num_hidden_layers * 2 * sh.num_key_value_heads * sh.head_dim * dtype))
+    items = [("generation copy", generation_copy_bytes(s)), ("KV cache", kv_cache_bytes(s, rows, tokens))]
     items.append(("last-token logits", 2 * rows * sh.vocab_size * FP32))
     if not s.generation_copy:
         items.append(("gathered units", gathered_bytes(actor)))
     return items
+
+
+def generation_copy_bytes(s: PlanSettings) -> int:
+    actor = s.model("actor")
+    return actor.parameters * actor.compute_bytes if s.generation_copy else 0
+
+
+def kv_cache_bytes(s: PlanSettings, rows: int, tokens: int) -> int:
+    """HF generate's KV cache of ``rows`` rows of ``tokens`` tokens, in the actor's compute dtype."""
+    actor = s.model("actor")
+    sh = actor.shape
+    return rows * tokens * sh.num_hidden_layers * 2 * sh.num_key_value_heads * sh.head_dim * actor.compute_bytes
+
+
+def kept_generation_items(s: PlanSettings) -> list[tuple[str, int]]:
+    """What HF generation keeps between generations (``PlanSettings.generation_kept``): the copy, and
+    the static KV cache of the step's generation (online) or of the KL probe (offline); held through
+    the phases that do not generate."""
+    if not s.generation_kept:
+        return []
+    rows = s.passes.gen_rows or s.passes.probe_rows
+    if not rows:
+        return []
+    return [("generation copy", generation_copy_bytes(s)), ("KV cache", kv_cache_bytes(s, rows, s.passes.gen_tokens))]
 
 
 def engine_items(s: PlanSettings) -> list[tuple[str, int]]:
@@ -303,7 +325,7 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
     before = () if first_step else trained
     gen = generation_items(s, p.gen_rows, p.gen_tokens)
     scoring = forward_items(s, actor, p.forward_tokens, p.forward_response_tokens)
-    held = [] if s.engine_sleeps else engine_items(s)  # a CPU engine has no sleep mode
+    held = ([] if s.engine_sleeps else engine_items(s)) + kept_generation_items(s)  # a CPU engine has no sleep mode
     out = [_phase("setup", s, (), setup_items(s) + engine_items(s), ())]
     out.append(_phase("gen", s, ("actor",), gen if s.rollout != "offline" else [], before))
     if p.probe_rows:
@@ -351,11 +373,13 @@ def _mapped_when_read(phases: list[PhaseMemory], s: PlanSettings, first_step: bo
 
 
 def _holding(phase: PhaseMemory, held: list[tuple[str, int]]) -> PhaseMemory:
-    """A phase with the vLLM engine that stays resident through it (``held``): every phase but setup,
-    which builds it, and generation and validation, which hold it already."""
-    if phase.phase in ("setup", "gen", "validate") or not held:
+    """A phase with what stays resident through it (``held``: the vLLM engine, HF generation's kept
+    model and caches): every phase but setup, which builds the engine before any generation; a
+    phase that generates counts its own (an item of the same name) already."""
+    if phase.phase == "setup":
         return phase
-    return PhaseMemory(phase.phase, phase.items + tuple((k, b) for k, b in held if b))
+    own = {name for name, _ in phase.items}
+    return PhaseMemory(phase.phase, phase.items + tuple((k, b) for k, b in held if b and k not in own))
 
 
 def _engine_share(phase: PhaseMemory, s: PlanSettings) -> PhaseMemory:

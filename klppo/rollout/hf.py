@@ -6,6 +6,13 @@ run eagerly; or a static cache, allocated once for the run's longest prompt plus
 gives every decoding step the same shapes, so that ``torch.compile`` (inductor, with CUDA graphs:
 transformers' ``CompileConfig`` default ``mode="reduce-overhead"``) can compile one step and replay
 it for every token, without the per-kernel launch cost of eager decoding.
+
+A CUDA graph replays on the addresses it was recorded with: the model's parameters and the cache's
+tensors (transformers marks them static). transformers allocates a new static cache at every
+``generate`` call, so each call would record the step's graphs again (torch 2.11 counts every such
+re-recording, and past 128 decodes that function without CUDA graphs for the rest of the process).
+``StaticCaches`` keeps one cache per shape across calls, for a model that is kept too
+(``trainer.responses``), so every call after the first replays.
 """
 
 from __future__ import annotations
@@ -13,11 +20,12 @@ from __future__ import annotations
 import copy
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 import torch
-from transformers import CompileConfig, GenerationConfig, LogitsProcessorList
+from transformers import CompileConfig, GenerationConfig, LogitsProcessorList, StaticCache
+from transformers.generation import utils as generation_utils
 
 from klppo.data.rl_dataset import PromptRecord, collate_prompts
 from klppo.rollout.batch import RolloutBatch, assemble_batch, eos_token_ids, mask_after_eos
@@ -36,18 +44,51 @@ class SamplingParams:
     ignore_eos: bool = False
 
 
+class StaticCaches:
+    """Static KV caches kept across ``generate`` calls, one per (rows, tokens per row), for one model:
+    each call after the first takes its shape's cache back, emptied in place (``reset``), so the
+    cache's tensors keep their addresses. Rows differ between training's generation, validation
+    and the offline KL probe; each keeps its own."""
+
+    def __init__(self) -> None:
+        self._caches: dict[tuple[int, int], StaticCache] = {}
+
+    def take(self, model, rows: int, length: int) -> StaticCache:
+        """The cache for ``rows`` rows of ``length`` tokens of ``model``, empty."""
+        cache = self._caches.get((rows, length))
+        if cache is None:  # its tensors are allocated at the first forward, in the model's dtype and device
+            cache = self._caches[(rows, length)] = new_static_cache(model, rows, length)
+        else:
+            cache.reset()
+        return cache
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+
+def new_static_cache(model, rows: int, length: int) -> StaticCache:
+    """An empty static cache of ``rows`` x ``length`` tokens for ``model`` (transformers 5 takes the
+    config and the length and sizes the rest at the first forward; 4.x also takes the others)."""
+    return StaticCache(config=model.config, max_cache_len=length, max_batch_size=rows,
+                       device=next(model.parameters()).device, dtype=model.dtype)
+
+
 @dataclass(frozen=True)
 class Decoding:
     """How ``generate`` decodes (``rollout.hf_decoding``): ``mode`` dynamic | static | compiled, or auto
     before ``on`` resolves it for the device.
 
     ``cache_length``: tokens a static cache holds per row, the run's longest prompt plus response
-    (``data.max_prompt_length + rollout.response_length``). transformers sizes the cache to each
-    call's own prompt otherwise, and every new length would compile the step again.
+    (``data.max_prompt_length + rollout.response_length``); without it, each call's own prompt plus
+    ``max_new_tokens`` (every new length would compile the step again).
+
+    ``caches``: where a static cache outlives the call (``StaticCaches``, for a model that is kept
+    from one generation to the next); without them each call has a cache of its own.
     """
 
     mode: str = "dynamic"
     cache_length: Optional[int] = None
+    caches: Optional[StaticCaches] = field(default=None, compare=False)
 
     def on(self, device: torch.device) -> "Decoding":
         """``auto`` resolved: compiled on CUDA; dynamic elsewhere, where a compiled step saved too little
@@ -125,7 +166,8 @@ def _generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config
     rng = _rng_states(prompt_ids.device)
     try:
         with generating_with(model, with_decoding(config, decoding)):
-            return _call_generate(model, prompt_ids, prompt_mask, synced_gpus, processors)
+            return _call_generate(model, prompt_ids, prompt_mask, synced_gpus, processors,
+                                  static_cache(model, prompt_ids.shape, config, decoding))
     except Exception as error:  # noqa: BLE001 (the fallback re-raises what it cannot handle)
         if decoding.mode != "compiled" or isinstance(error, torch.OutOfMemoryError):
             raise
@@ -147,13 +189,32 @@ _DEVICE_TYPE_WARNING = r"You are calling \.generate\(\) with the `input_ids` bei
 
 
 def _call_generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, synced_gpus: bool,
-                   processors: LogitsProcessorList) -> torch.Tensor:
-    """``model.generate`` on the prompts' device, with ``processors`` after its own, without transformers'
-    device-type warning."""
+                   processors: LogitsProcessorList, cache: Optional[StaticCache] = None) -> torch.Tensor:
+    """``model.generate`` on the prompts' device, with ``processors`` after its own and ``cache`` as its KV
+    cache (else the one its config asks for), without transformers' device-type warning."""
+    given = {CACHE_ARGUMENT: cache} if cache is not None else {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_DEVICE_TYPE_WARNING, category=UserWarning)
         return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(), synced_gpus=synced_gpus,
-                              logits_processor=processors)
+                              logits_processor=processors, **given)
+
+
+# The name ``generate`` takes a cache under: ``cache`` since transformers 5.2x (``past_key_values`` is
+# deprecated there), ``past_key_values`` before; the first of transformers' own list either way.
+CACHE_ARGUMENT = getattr(generation_utils, "ALL_CACHE_NAMES", ["past_key_values"])[0]
+
+
+def static_cache(model, prompt_shape: torch.Size, config: GenerationConfig, decoding: Decoding
+                 ) -> Optional[StaticCache]:
+    """The static KV cache a call decodes into: ``decoding.caches``' for this shape where they are kept,
+    else a new one; None for the dynamic cache. Rows of ``decoding.cache_length`` tokens, else of the
+    prompt plus ``max_new_tokens``."""
+    if decoding.mode == "dynamic":
+        return None
+    rows, length = prompt_shape[0], decoding.cache_length or prompt_shape[1] + config.max_new_tokens
+    assert length >= prompt_shape[1] + config.max_new_tokens, "the cache holds every prompt and its response"
+    return decoding.caches.take(model, rows, length) if decoding.caches is not None else new_static_cache(
+        model, rows, length)
 
 
 def _root_cause(error: BaseException) -> str:
@@ -195,21 +256,20 @@ def neutral_generation_config(params: SamplingParams, tokenizer, eos: tuple[int,
 
 
 def with_decoding(config: GenerationConfig, decoding: Decoding) -> GenerationConfig:
-    """A copy of ``config`` set to decode as ``decoding`` says (resolved: not ``auto``).
+    """A copy of ``config`` set to decode as ``decoding`` says (resolved: not ``auto``); the static cache
+    itself is given to ``generate`` (``static_cache``).
 
     transformers compiles the decoding step by itself whenever a static cache is used on CUDA
     (``_valid_auto_compile_criteria``, in 5.17 and 5.25 alike), and never on CPU unless the
     ``CompileConfig`` is flagged ``_compile_all_devices``: ``static`` switches the first off and
     ``compiled`` sets the second, so each mode means the same on any device. The compiled step is
     held by the model (``get_compiled_call``); torch.compile's cache of compiled code outlives it,
-    so each step's new generation copy (same class, shapes and flags) reuses it.
+    so a new generation copy (same class, shapes and flags) reuses it.
     """
     assert decoding.mode in ("dynamic", "static", "compiled"), decoding
     if decoding.mode == "dynamic":
         return config
     config = copy.deepcopy(config)
-    config.cache_implementation = "static"
-    config.max_cache_len = decoding.cache_length
     if decoding.mode == "static":
         config.disable_compile = True
         return config

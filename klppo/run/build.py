@@ -8,7 +8,7 @@ function. The loop in ``ppo_trainer.py`` receives the built ``PPOParts`` and rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -32,6 +32,7 @@ from klppo.monitoring.memory import available_bytes
 from klppo.plan.model_shape import GOLD_ROLE
 from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
+from klppo.rollout.hf import StaticCaches
 from klppo.rollout.vllm import VLLMEngine, require_vllm
 from klppo.run.offload import Offloader
 from klppo.run.settings import KLSettings, PPOSettings, compile_ppo, compute_dtype, uses_critic, uses_reference
@@ -74,6 +75,10 @@ class PPOParts:
     # trainer.gold_reward: scored at validation only (evaluate.gold_scorer), never trained on.
     gold_reward_fn: Optional[Callable] = None
     gold_reward_model: Optional[torch.nn.Module] = None
+    # HF generation with a static KV cache (trainer.responses.keeps_generation_model): the actor's
+    # generation copy, built once and refreshed in place, and the caches decoding writes into.
+    kept_generation_model: Optional[torch.nn.Module] = None
+    kv_caches: StaticCaches = field(default_factory=StaticCaches)
 
     @property
     def device(self) -> torch.device:

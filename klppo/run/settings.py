@@ -194,6 +194,7 @@ class PPOSettings:
     kl: KLSettings
     uses_reference: bool
     actor_lora: bool  # the actor trains LoRA adapters only (actor_rollout_ref.model.lora_rank / lora_adapter_path)
+    actor_offloaded: bool  # param_offload or offload_policy: the actor's device memory is freed between its phases
     ref_in_actor: bool  # verl's name: the reference is the LoRA actor (ref.lora_reference); no model of its own
     reward: RewardSettings
     guard: GuardSettings  # KL guards off without a reference
@@ -232,6 +233,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
                       offline_kl="sampled" if algo.rollout_correction.bypass_mode else kl.offline_kl,
                       probe_prompts=probe_prompts(cfg), probe_every=probe_every(cfg)),
         uses_reference=uses_reference(cfg), actor_lora=lora_enabled(arf.model),
+        actor_offloaded=arf.actor.fsdp_config.param_offload or arf.actor.fsdp_config.offload_policy,
         ref_in_actor=uses_reference(cfg) and lora_enabled(arf.model),
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
         guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=shard_chunk_rows(cfg), balance_batch=trainer.balance_batch,

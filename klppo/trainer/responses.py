@@ -21,20 +21,28 @@ bit): the merged weight W + dW, rounded to bf16, loses most of an early update (
 lr 1e-5 the tiny model's merged copy was as far from the actor, 1e-3 in log-prob, as the base
 model was), so the sampler would not be the pi_old whose log-probs PPO uses. With ``sharded``
 the adapters decode in place.
+
+With a static KV cache (``hf_decoding`` static or compiled: CUDA's default) the generation model and
+its caches are kept from one generation to the next (``keeps_generation_model``): the copy is built
+once and the actor's weights are written into it in place before each generation, so that compiled
+decoding replays its CUDA graphs on the same addresses rather than recording them again every step
+(``rollout.hf``). It costs the copy and the caches held through the other phases, which ``klppo
+plan`` counts; ``hf_decoding=dynamic`` frees them between generations, as does an offloaded actor.
 """
 
 from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import TYPE_CHECKING, Container, Iterator
 
 import torch
 
 from klppo.data.rl_dataset import PromptRecord
 from klppo.distributed import (
-    all_gather_groups, all_gather_padded, inference_copy, inference_copy_bytes, is_sharded, max_over_ranks, plain_copy,
-    shard_range, tied_aliases,
+    all_gather_groups, all_gather_padded, inference_copy, inference_copy_bytes, is_sharded, load_in_place, max_over_ranks,
+    plain_copy, shard_range, tied_aliases, whole_parameters,
 )
 from klppo.models.lora import add_adapters_like, has_adapters
 from klppo.monitoring.memory import available_bytes
@@ -156,7 +164,7 @@ def uses_gathered_copy(parts: PPOParts) -> bool:
     s, env = parts.settings, parts.env
     if s.generation_weights == "sharded" or not (is_sharded(parts.actor) or s.actor_lora):
         return False
-    if s.generation_weights == "gathered":
+    if s.generation_weights == "gathered" or parts.kept_generation_model is not None:
         return True
     needed = generation_copy_bytes(parts.actor, s.actor.compute_dtype, env.device)
     too_big = float(needed > available_bytes(env.device) // 2)
@@ -180,14 +188,29 @@ def generation_copy_bytes(actor: torch.nn.Module, dtype: torch.dtype, device: to
 
 
 def generation_decoding(parts: PPOParts, sharded: bool) -> Decoding:
-    """How ``generation_model``'s model decodes: as ``rollout.hf_decoding`` says, resolved for the device;
-    the sharded actor with the dynamic cache, eagerly (FSDP2's hooks cannot be compiled)."""
-    return DYNAMIC if sharded else parts.settings.hf_decoding.on(parts.env.device)
+    """How ``generation_model``'s model decodes: as ``rollout.hf_decoding`` says, resolved for the device,
+    into the run's kept caches where the model is kept (``keeps_generation_model``); the sharded actor
+    with the dynamic cache, eagerly (FSDP2's hooks cannot be compiled)."""
+    if sharded:
+        return DYNAMIC
+    decoding = parts.settings.hf_decoding.on(parts.env.device)
+    return replace(decoding, caches=parts.kv_caches) if keeps_generation_model(parts) else decoding
+
+
+def keeps_generation_model(parts: PPOParts) -> bool:
+    """Whether generation decodes into a static cache with a model kept between generations (the actor
+    itself, or its copy, refreshed in place), so that both keep their addresses: not for the dynamic
+    cache, which gains nothing from it, nor for an actor offloaded between phases (``param_offload``,
+    ``offload_policy``), whose memory on the device the copy would hold."""
+    s = parts.settings  # klppo.plan.inputs.kept_generation says the same for the plan
+    return s.hf_decoding.on(parts.env.device).mode != "dynamic" and not s.actor_offloaded
 
 
 @contextmanager
 def generation_model(parts: PPOParts) -> Iterator[tuple[torch.nn.Module, bool]]:
-    """(the model to generate with, whether it is the sharded actor); a plain copy is freed afterwards.
+    """(the model to generate with, whether it is the sharded actor): the actor, or a plain copy of its
+    weights, kept for the next generation (``keeps_generation_model``: the actor's current weights are
+    written into it each time) or else freed afterwards.
 
     Freed to PyTorch's caching allocator, not to the driver: the next phases' tensors take its
     blocks. ``torch.cuda.empty_cache`` here waited for the device and returned them, to be
@@ -197,7 +220,14 @@ def generation_model(parts: PPOParts) -> Iterator[tuple[torch.nn.Module, bool]]:
     if not uses_gathered_copy(parts):
         yield parts.actor, is_sharded(parts.actor)
         return
-    copy = generation_copy(parts.actor, parts.settings.actor.compute_dtype, parts.env.device)
+    dtype, device = parts.settings.actor.compute_dtype, parts.env.device
+    if parts.kept_generation_model is not None:
+        refresh_generation_copy(parts.kept_generation_model, parts.actor, dtype, device)
+        yield parts.kept_generation_model, False
+        return
+    copy = generation_copy(parts.actor, dtype, device)
+    if keeps_generation_model(parts):
+        parts.kept_generation_model = copy
     try:
         yield copy, False
     finally:
@@ -214,3 +244,14 @@ def generation_copy(actor: torch.nn.Module, dtype: torch.dtype, device: torch.de
     if dtype == torch.float32:
         return plain_copy(actor, dict(merged_weights(actor, dtype, device)))
     return inference_copy(actor, dtype, device, prepare=lambda copy: add_adapters_like(copy, actor))
+
+
+def refresh_generation_copy(copy: torch.nn.Module, actor: torch.nn.Module, dtype: torch.dtype,
+                            device: torch.device) -> None:
+    """Write the (sharded or LoRA) actor's current weights into ``generation_copy``'s copy, in place; as
+    ``generation_copy`` makes them (merged, or with the adapters kept); collective."""
+    if has_adapters(actor) and dtype == torch.float32:
+        weights = merged_weights(actor, dtype, device, copies=False)
+    else:
+        weights = ((name, tensor) for name, tensor, _ in whole_parameters(actor, dtype, device))
+    load_in_place(copy, weights)

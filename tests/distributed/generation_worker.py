@@ -1,5 +1,6 @@
 """One rank of the generation test: sample with the sharded actor and with its gathered copy, counting
-the collectives each decoding runs (torch profiler), and (rank 0) save both to ``<out>/generation.pt``.
+the collectives each decoding runs (torch profiler); then move every shard of the actor and write its
+weights into the copy in place (``refresh_generation_copy``); (rank 0) save all to ``<out>/generation.pt``.
 
 argv: model folder, task folder, out folder.
 """
@@ -17,6 +18,7 @@ from klppo.models.load import load_tokenizer
 from klppo.monitoring.overlap import is_communication
 from klppo.rollout.hf import SamplingParams, hf_rollout
 from klppo.run.setup import Sharder, load_model
+from klppo.trainer.responses import refresh_generation_copy
 
 
 def sample(model, records, tokenizer, sharded: bool):
@@ -37,7 +39,16 @@ if __name__ == "__main__":
     sharded = sample(actor, mine, tokenizer, sharded=True)
     copy = inference_copy(actor, None, env.device)
     gathered = sample(copy, mine, tokenizer, sharded=False)
-    results = all_gather_objects({"sharded": sharded, "gathered": gathered})
+    addresses, before = [p.data_ptr() for p in copy.parameters()], [p.clone() for p in copy.parameters()]
+    with torch.no_grad():  # as an optimiser step moves every shard
+        for param in actor.parameters():
+            param.to_local().add_(0.01)
+    refresh_generation_copy(copy, actor, torch.float32, env.device)
+    fresh = inference_copy(actor, None, env.device).state_dict()
+    refreshed = {"same_addresses": addresses == [p.data_ptr() for p in copy.parameters()],
+                 "equal": all(torch.equal(t, fresh[name]) for name, t in copy.state_dict().items()),
+                 "moved": all(not torch.equal(p, old) for p, old in zip(copy.parameters(), before))}
+    results = all_gather_objects({"sharded": sharded, "gathered": gathered, "refreshed": refreshed})
     if env.rank == 0:
         torch.save(results, out / "generation.pt")
     close(env)

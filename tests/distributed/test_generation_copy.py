@@ -1,5 +1,6 @@
 """Sharded ranks generate with a whole copy of the actor gathered once: the same samples as the
-sharded actor gives, and no collective while decoding."""
+sharded actor gives, and no collective while decoding; a kept copy takes the actor's new weights in
+place, as a new copy would have them."""
 
 import os
 import subprocess
@@ -25,6 +26,7 @@ def test_the_gathered_copy_samples_what_the_sharded_actor_samples_without_collec
         (sharded_ids, sharded_comms), (gathered_ids, gathered_comms) = rank["sharded"], rank["gathered"]
         assert gathered_ids == sharded_ids
         assert sharded_comms > 0 and gathered_comms == 0
+        assert rank["refreshed"] == {"same_addresses": True, "equal": True, "moved": True}
 
 
 def test_two_rank_ppo_trains_the_same_with_either_generation_weights(ppo_overrides, task_dir, tmp_path):

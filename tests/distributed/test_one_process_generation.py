@@ -17,7 +17,7 @@ from klppo.config.schema import FSDPConfig
 from klppo.data.rl_dataset import load_rl_dataset
 from klppo.distributed import DistEnv, inference_copy_bytes
 from klppo.models.load import load_tokenizer
-from klppo.rollout.hf import Decoding, SamplingParams, hf_rollout
+from klppo.rollout.hf import Decoding, SamplingParams, StaticCaches, hf_rollout
 from klppo.trainer import responses
 from klppo.trainer.responses import generation_decoding, generation_model
 from klppo.run.setup import Sharder, load_model
@@ -37,8 +37,9 @@ def actor_parts(group_of_one, tiny_model_dir, task_dir):
         actor = load_model("causal_lm", str(tiny_model_dir), key="k", env=ONE_PROCESS, sharder=Sharder(ONE_PROCESS),
                            fsdp=FSDPConfig(dtype=dtype))
         settings = SimpleNamespace(generation_weights=weights, actor_lora=False, hf_decoding=Decoding("dynamic"),
-                                   actor=SimpleNamespace(compute_dtype=DTYPES[dtype]))
-        return SimpleNamespace(actor=actor, env=ONE_PROCESS, settings=settings, tokenizer=tokenizer, records=records)
+                                   actor=SimpleNamespace(compute_dtype=DTYPES[dtype]), actor_offloaded=False)
+        return SimpleNamespace(actor=actor, env=ONE_PROCESS, settings=settings, tokenizer=tokenizer, records=records,
+                               kept_generation_model=None, kv_caches=StaticCaches())
 
     return parts
 

@@ -208,6 +208,31 @@ def test_a_bf16_lora_actors_vllm_engine_holds_fp32_weights(qwen05_dir, task_dir)
     assert _item(lora, "gen", "vLLM engine weights") == lora.settings.model("actor").parameters * 4
 
 
+@pytest.mark.parametrize("rollout", ["offline", "hf"])
+def test_a_static_cache_holds_the_generation_copy_and_its_cache_through_every_phase(qwen05_dir, task_dir, rollout):
+    """With a static KV cache generation keeps its copy and its cache from one generation to the next
+    (``trainer.responses.keeps_generation_model``): held beside the models in every phase after setup,
+    the update's peak included; not with the dynamic cache, nor for an offloaded actor."""
+    bf16, generating = "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16", "kl_probe" if rollout == "offline" else "gen"
+    changes = (bf16, f"actor_rollout_ref.rollout.name={rollout}", "actor_rollout_ref.rollout.response_length=256")
+    kept = _plan(qwen05_dir, task_dir, *changes, device="cuda")  # auto: compiled on CUDA
+    assert kept.settings.generation_kept
+    copy, cache = _item(kept, generating, "generation copy"), _item(kept, generating, "KV cache")
+    assert copy == 2 * P05 and cache > 0
+    for phase in kept.phases:
+        held = phase.phase != "setup"
+        assert _item(kept, phase.phase, "generation copy") == (copy if held else 0), phase.phase
+        assert _item(kept, phase.phase, "KV cache") == (cache if held else 0), phase.phase
+    for freed in ("actor_rollout_ref.rollout.hf_decoding=dynamic", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                  "actor_rollout_ref.actor.fsdp_config.offload_policy=true"):
+        e = _plan(qwen05_dir, task_dir, *changes, freed, device="cuda")
+        assert not e.settings.generation_kept
+        assert _item(e, "update_actor", "generation copy") == _item(e, "update_actor", "KV cache") == 0, freed
+    dynamic = _plan(qwen05_dir, task_dir, *changes, "actor_rollout_ref.rollout.hf_decoding=dynamic", device="cuda")
+    assert _phase(kept, "update_actor").total - _phase(dynamic, "update_actor").total == copy + cache
+
+
+
 VLLM = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.response_length=256")
 
 

@@ -95,11 +95,33 @@ def test_auto_decoding_is_compiled_on_cuda_and_dynamic_on_cpu():
 def test_each_mode_means_the_same_on_any_device():
     """transformers compiles a static cache's step by itself on CUDA, and never on CPU unless told."""
     static = hf.with_decoding(GenerationConfig(), Decoding("static", CACHE))
-    assert (static.cache_implementation, static.max_cache_len, static.disable_compile) == ("static", CACHE, True)
+    assert static.disable_compile and static.compile_config is None
     compiled = hf.with_decoding(GenerationConfig(), Decoding("compiled", CACHE))
-    assert compiled.cache_implementation == "static" and not compiled.disable_compile
-    assert compiled.compile_config._compile_all_devices
+    assert not compiled.disable_compile and compiled.compile_config._compile_all_devices
+    # the cache is klppo's to give (transformers refuses a cache_implementation beside a given cache)
+    assert {c.cache_implementation for c in (static, compiled)} == {None}
     assert hf.with_decoding(GenerationConfig(), Decoding("dynamic", CACHE)).cache_implementation is None
+
+
+def test_a_static_cache_holds_the_runs_longest_prompt_and_response_and_kept_ones_come_back_empty(model_and_records):
+    model, records, tokenizers = model_and_records
+    config = GenerationConfig(max_new_tokens=12)
+    assert hf.static_cache(model, torch.Size([4, 30]), config, Decoding("dynamic", CACHE)) is None
+    own = hf.static_cache(model, torch.Size([4, 30]), config, Decoding("static"))
+    assert own.layers[0].max_cache_len == 30 + 12  # without the run's length: this call's prompt and response
+    caches = hf.StaticCaches()
+    kept = Decoding("static", CACHE, caches=caches)
+    first = hf.static_cache(model, torch.Size([4, 30]), config, kept)
+    assert first.layers[0].max_cache_len == CACHE and hf.static_cache(model, torch.Size([4, 50]), config, kept) is first
+    assert hf.static_cache(model, torch.Size([2, 30]), config, kept) is not first and len(caches) == 2
+    response = sample(model, records, tokenizers[True], "static", True)
+    torch.manual_seed(3)
+    params = SamplingParams(n=2, max_new_tokens=12)
+    for _ in range(2):  # decoding into a kept cache, twice: what a new cache samples
+        torch.manual_seed(3)
+        again = hf_rollout(model, records, tokenizers[True], params, decoding=Decoding("static", CACHE, caches=caches))
+        assert torch.equal(again.response_ids, response.response_ids)
+    assert Decoding("static", CACHE, caches=caches) == Decoding("static", CACHE)  # the caches are state, not config
 
 
 def test_a_model_whose_compiled_decoding_fails_decodes_with_the_dynamic_cache_after_one_warning(

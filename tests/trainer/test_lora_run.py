@@ -237,10 +237,17 @@ def train_steps(parts: PPOParts, steps: int) -> None:
         trainer.train_step()
 
 
-def test_a_bf16_lora_actors_sampler_computes_the_actors_log_probs_after_updates(bf16_parts):
-    parts = bf16_parts(**{"actor_rollout_ref.actor.optim.lr": 1e-4})
-    assert parts.env.is_distributed and uses_gathered_copy(parts)
+@pytest.mark.parametrize("dtype, decoding", [("bfloat16", "dynamic"), ("bfloat16", "static"), ("float32", "static")],
+                         ids=["bf16-new-copy", "bf16-kept-copy", "fp32-kept-merged-copy"])
+def test_a_lora_actors_sampler_computes_the_actors_log_probs_after_updates(bf16_parts, dtype, decoding):
+    """The sampler is a copy built for the generation (dynamic), or built once and refreshed in place
+    (a static cache: the KL probe of each step wrote the new adapters into it, bf16 keeping them,
+    fp32 merging them)."""
+    parts = bf16_parts(**{"actor_rollout_ref.actor.optim.lr": 1e-4, "actor_rollout_ref.actor.fsdp_config.dtype": dtype,
+                          "actor_rollout_ref.rollout.hf_decoding": decoding})
+    assert parts.env.is_distributed == (dtype == "bfloat16") and uses_gathered_copy(parts)  # FSDP2 for mixed precision
     train_steps(parts, 3)
+    assert (parts.kept_generation_model is not None) == (decoding == "static")
     s = parts.settings
     with generation_model(parts) as (sampler, _):
         batch = hf_rollout(sampler, parts.train_records[:4], parts.tokenizer, s.sampling)

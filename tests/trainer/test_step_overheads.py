@@ -15,6 +15,7 @@ from offload_kit import RecordingLinear
 
 import klppo.trainer.responses as responses
 from klppo.commands.main_ppo import run_ppo
+from klppo.rollout.hf import Decoding
 from klppo.run.offload import Offloader
 from klppo.trainer.ppo_trainer import PPOTrainer
 
@@ -100,8 +101,9 @@ def test_the_generation_copy_is_dropped_without_emptying_the_cache(counted, monk
 
     monkeypatch.setattr(responses, "uses_gathered_copy", lambda parts: True)
     monkeypatch.setattr(responses, "generation_copy", lambda actor, dtype, device: Copy())
-    parts = SimpleNamespace(actor=None, env=SimpleNamespace(device=CUDA),
-                            settings=SimpleNamespace(actor=SimpleNamespace(compute_dtype=torch.bfloat16)))
+    parts = SimpleNamespace(actor=None, env=SimpleNamespace(device=CUDA), kept_generation_model=None,
+                            settings=SimpleNamespace(actor=SimpleNamespace(compute_dtype=torch.bfloat16),
+                                                     hf_decoding=Decoding("dynamic"), actor_offloaded=False))
     with responses.generation_model(parts) as (model, sharded):
         assert isinstance(model, Copy) and not sharded
         del model
