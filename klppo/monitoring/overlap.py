@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -71,10 +71,15 @@ def profiled(device: torch.device, measure: OverlapMeasure, enabled: bool = True
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else Kineto prints two lines per profile to stderr
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
-    with warnings.catch_warnings():  # no warm-up step: an update may have a single micro-batch
+    recording = ExitStack()
+    with warnings.catch_warnings():  # started here, so that its warnings about itself are not the block's
+        # no warm-up step: an update may have a single micro-batch
         warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
-        recording = profile(activities=activities, schedule=schedule(wait=0, warmup=0, active=1, repeat=1))
-    with recording as prof:
+        # torch 2.11 says at every start that a cycle's events replace the last's: there is one cycle
+        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+        prof = recording.enter_context(
+            profile(activities=activities, schedule=schedule(wait=0, warmup=0, active=1, repeat=1)))
+    with recording:
         yield prof.step
     attr = "self_device_time_total" if on_cuda else "self_cpu_time_total"
     # ProfilerStep#N is the schedule's own marker around the recorded micro-batch, not an operation.

@@ -37,6 +37,22 @@ def test_a_profiled_block_without_communication_measures_compute_only(capfd):
     assert "USDT" not in capfd.readouterr().err  # Kineto's start/stop lines are silenced
 
 
+def test_profiling_warns_nothing_about_itself_and_leaves_the_blocks_warnings_alone():
+    """torch 2.11 warns at every profiler start that one cycle's events replace the last's (once per
+    process, in the first update of every distributed run); a warning the block raises still comes."""
+    import warnings
+
+    from torch.profiler import profiler
+
+    profiler._WARNINGS_SHOWN.clear()  # what torch 2.11 warns once per process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with profiled(torch.device("cpu"), OverlapMeasure()) as micro_done:
+            warnings.warn("the block's own", UserWarning)
+            micro_done()
+    assert [str(w.message) for w in caught] == ["the block's own"]
+
+
 def test_only_the_first_micro_batch_of_a_profiled_update_is_recorded(monkeypatch):
     # Micro-batch 0 multiplies matrices, the later ones batched matrices: only aten::mm may be seen.
     recorded, real = [], overlap.comm_and_compute_seconds
