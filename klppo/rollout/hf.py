@@ -45,25 +45,32 @@ class SamplingParams:
 
 
 class StaticCaches:
-    """Static KV caches kept across ``generate`` calls, one per (rows, tokens per row), for one model:
-    each call after the first takes its shape's cache back, emptied in place (``reset``), so the
-    cache's tensors keep their addresses. Rows differ between training's generation, validation
-    and the offline KL probe; each keeps its own."""
+    """Static KV caches kept across ``generate`` calls for one model, one per number of rows (training's
+    generation, validation and the offline KL probe each have theirs): each call after the first
+    takes its rows' cache back, emptied in place (``reset``), so the cache's tensors keep their
+    addresses. A call with rows of another length replaces that cache (a run's length is fixed:
+    ``Decoding.cache_length``)."""
 
     def __init__(self) -> None:
-        self._caches: dict[tuple[int, int], StaticCache] = {}
+        self._caches: dict[int, tuple[int, StaticCache]] = {}
 
     def take(self, model, rows: int, length: int) -> StaticCache:
         """The cache for ``rows`` rows of ``length`` tokens of ``model``, empty."""
-        cache = self._caches.get((rows, length))
-        if cache is None:  # its tensors are allocated at the first forward, in the model's dtype and device
-            cache = self._caches[(rows, length)] = new_static_cache(model, rows, length)
+        kept_length, cache = self._caches.get(rows, (None, None))
+        if kept_length != length:  # its tensors are allocated at the first forward, in the model's dtype and device
+            cache = new_static_cache(model, rows, length)
+            self._caches[rows] = (length, cache)
         else:
             cache.reset()
         return cache
 
     def __len__(self) -> int:
         return len(self._caches)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every allocated key and value tensor of every kept cache."""
+        return [t for _, cache in self._caches.values() for layer in cache.layers
+                if getattr(layer, "is_initialized", False) for t in (layer.keys, layer.values)]
 
 
 def new_static_cache(model, rows: int, length: int) -> StaticCache:

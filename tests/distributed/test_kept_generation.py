@@ -61,8 +61,7 @@ def addresses(model: torch.nn.Module) -> list[int]:
 
 
 def cache_addresses(caches: StaticCaches) -> list[int]:
-    return [t.data_ptr() for cache in caches._caches.values() for layer in cache.layers
-            for t in (layer.keys, layer.values)]
+    return [t.data_ptr() for t in caches.tensors()]
 
 
 @torch.no_grad()

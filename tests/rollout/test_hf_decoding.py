@@ -114,6 +114,8 @@ def test_a_static_cache_holds_the_runs_longest_prompt_and_response_and_kept_ones
     first = hf.static_cache(model, torch.Size([4, 30]), config, kept)
     assert first.layers[0].max_cache_len == CACHE and hf.static_cache(model, torch.Size([4, 50]), config, kept) is first
     assert hf.static_cache(model, torch.Size([2, 30]), config, kept) is not first and len(caches) == 2
+    longer = hf.static_cache(model, torch.Size([4, 30]), config, Decoding("static", CACHE + 8, caches=caches))
+    assert longer is not first and len(caches) == 2  # one cache per row count: another length replaces it
     response = sample(model, records, tokenizers[True], "static", True)
     torch.manual_seed(3)
     params = SamplingParams(n=2, max_new_tokens=12)
