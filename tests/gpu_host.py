@@ -23,6 +23,10 @@ def _refused(name: str) -> Callable:
 def pretend_gpu_host(set_attr: Callable = setattr) -> None:
     """``set_attr``: ``setattr``, or pytest's ``monkeypatch.setattr`` to undo it after a test."""
     set_attr(torch.cuda, "is_available", lambda: True)
+    # What every optimiser step asks once CUDA is available (Optimizer._accelerator_graph_capture_health_check):
+    # on a GPU host it answers False without creating a context where none exists; a CUDA build of
+    # torch on a machine without a driver would raise instead.
+    set_attr(torch.cuda, "is_current_stream_capturing", lambda: False)
     for name in CUDA_CONTEXT_CALLS:
         set_attr(torch.cuda, name, _refused(f"torch.cuda.{name}"))
     set_attr(torch.Tensor, "pin_memory", _refused("Tensor.pin_memory"))
