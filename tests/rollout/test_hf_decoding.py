@@ -83,6 +83,13 @@ def test_inductor_compiled_decoding_samples_what_eager_decoding_samples_and_a_ne
     copy = plain_copy(model, {n: p.detach().clone() for n, p in model.named_parameters()})  # each step's new copy
     sample(copy, records, tokenizers[True], "compiled", True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
+    caches = hf.StaticCaches()  # a kept model's caches, emptied in place between calls
+    for _ in range(2):
+        torch.manual_seed(3)
+        kept = hf_rollout(model, records, tokenizers[True], SamplingParams(n=2, max_new_tokens=12),
+                          decoding=Decoding("compiled", CACHE, caches=caches))
+        assert torch.equal(kept.response_ids, sample(model, records, tokenizers[True], "dynamic", True).response_ids)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs and len(caches) == 1
 
 
 def test_auto_decoding_is_compiled_on_cuda_and_dynamic_on_cpu():
