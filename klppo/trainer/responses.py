@@ -182,7 +182,7 @@ def uses_gathered_copy(parts: PPOParts) -> bool:
 def generation_copy_bytes(actor: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes ``generation_copy`` allocates on this rank: a LoRA actor's merged fp32 copy is new memory
     whole; otherwise what ``inference_copy`` cannot share with the actor."""
-    if has_adapters(actor) and dtype == torch.float32:
+    if merges_adapters(actor, dtype):
         return sum(p.numel() for p in actor.parameters()) * 4
     return inference_copy_bytes(actor, dtype, device)
 
@@ -239,18 +239,24 @@ def generation_copy(actor: torch.nn.Module, dtype: torch.dtype, device: torch.de
     (``inference_copy``: it shares the parameters a rank holds whole in ``dtype``); collective. A
     LoRA actor's adapters are merged into the copy's weights in fp32, or kept under a
     half-precision ``dtype`` (see the module's docstring)."""
+    if merges_adapters(actor, dtype):
+        return plain_copy(actor, dict(merged_weights(actor, dtype, device)))
     if not has_adapters(actor):
         return inference_copy(actor, dtype, device)
-    if dtype == torch.float32:
-        return plain_copy(actor, dict(merged_weights(actor, dtype, device)))
     return inference_copy(actor, dtype, device, prepare=lambda copy: add_adapters_like(copy, actor))
+
+
+def merges_adapters(actor: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the generation copy of ``actor`` has its LoRA adapters merged into its weights (in fp32),
+    rather than kept (under a half-precision ``dtype``) or absent."""
+    return has_adapters(actor) and dtype == torch.float32
 
 
 def refresh_generation_copy(copy: torch.nn.Module, actor: torch.nn.Module, dtype: torch.dtype,
                             device: torch.device) -> None:
     """Write the (sharded or LoRA) actor's current weights into ``generation_copy``'s copy, in place; as
     ``generation_copy`` makes them (merged, or with the adapters kept); collective."""
-    if has_adapters(actor) and dtype == torch.float32:
+    if merges_adapters(actor, dtype):
         weights = merged_weights(actor, dtype, device, copies=False)
     else:
         weights = ((name, tensor) for name, tensor, _ in whole_parameters(actor, dtype, device))
