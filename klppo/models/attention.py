@@ -28,6 +28,14 @@ The candidates (``packed_attention_for`` picks one; benchmarks/README.md has the
   length of each sequence, not of the row, which is why it runs per sequence; it is slow and
   only for runs that ask for determinism.
 
+Sliding-window layers (Mistral, Gemma 2 and 3, Qwen2/3 with ``use_sliding_window``, Phi-3, ...):
+token i sees the tokens j of its own sequence with i - W < j <= i. For rows without padding or
+cache, transformers would build an (N, N) mask per forward and leave each layer one masked sdpa
+call over the whole row; instead the run's mask function (``_packed_sdpa_mask``) hands those
+layers ``SlidingWindow(W)``, and every choice applies the window itself: varlen's kernel with
+``window_size=(W - 1, 0)`` (torch 2.11+), the loop with a banded mask on the sequences longer
+than W. Chunked attention (Llama 4) and masks with overlays keep transformers' mask.
+
 Rows that are not packed (the padded path, with its attention mask) and generation (a KV
 cache: query and key lengths differ) run plain sdpa under every choice, so one choice serves
 every model of a run: actor, reference, critic, reward models and the generation copy
@@ -42,6 +50,7 @@ import functools
 import importlib.util
 import inspect
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -64,6 +73,17 @@ CPU_PACKED_ATTENTION = PACKED_SDPA
 OUR_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC)
 # The implementations that read each row's sequence bounds from ROW_BOUNDS.
 ROW_BOUNDS_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_DETERMINISTIC)
+
+
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """The mask of a sliding-window layer over rows without padding or cache, as the run's mask
+    function gives it to klppo's attention functions in place of an (N, N) tensor: token i of a
+    sequence sees its tokens j with i - ``size`` < j <= i (transformers' ``sliding_window_overlay``)."""
+
+    size: int
 
 
 # ---- the choice ----
@@ -139,14 +159,26 @@ def _varlen_api() -> tuple[Callable, frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+def varlen_takes_windows() -> bool:
+    """Whether this torch's ``varlen_attn`` takes a sliding window (2.11+; 2.10 has only ``is_causal``)."""
+    api = _varlen_api()
+    return api is not None and "window_size" in api[1]
+
+
 def torch_varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                        max_len: int, scale: float | None) -> torch.Tensor:
+                        max_len: int, scale: float | None, window: int | None = None) -> torch.Tensor:
     """(N, H, D) queries, (N, Hkv, D) keys and values -> (N, H, D): causal attention within each
-    sequence of ``cu_seqlens`` (int32, (S + 1,)), one kernel for all of them, with autograd."""
+    sequence of ``cu_seqlens`` (int32, (S + 1,)), one kernel for all of them, with autograd; with a
+    ``window`` (``varlen_takes_windows``), each token sees itself and the ``window - 1`` before it."""
     varlen_attn, params = _varlen_api()
-    # torch 2.10 says causal with is_causal; 2.11 replaced it with a window, (-1, 0) = causal.
+    # torch 2.10 says causal with is_causal; 2.11 replaced it with a window, (-1, 0) = causal and
+    # (W - 1, 0) the last W tokens (flash's window counts the tokens before the query).
     # varlen_attn compares the tuple itself to (-1, 0), so it must be a tuple, not a list.
-    extra = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if window is not None:
+        assert "window_size" in params, "this torch's varlen_attn takes no window (varlen_takes_windows)"
+        extra = {"window_size": (window - 1, 0)}
+    else:
+        extra = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if key.shape[1] != query.shape[1]:
         if "enable_gqa" in params:
             extra["enable_gqa"] = True
@@ -166,33 +198,55 @@ def _packed_row(query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs: 
             and kwargs.get("cu_seq_lens_q") is not None and kwargs.get("max_length_q") is not None)
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
-    """(N, N) bool, True where token i may attend to token j: the same sequence and j <= i."""
+def block_causal_mask(cu_seqlens: torch.Tensor, n: int, window: int | None = None) -> torch.Tensor:
+    """(N, N) bool, True where token i may attend to token j: the same sequence and j <= i (and
+    i - j < ``window``, where one is given)."""
     tokens = torch.arange(n, device=cu_seqlens.device)
     sequence = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)  # (N,) sequence of each token
-    return (sequence[:, None] == sequence[None, :]) & (tokens[:, None] >= tokens[None, :])
+    back = tokens[:, None] - tokens[None, :]
+    mask = (sequence[:, None] == sequence[None, :]) & (back >= 0)
+    return mask & (back < window) if window is not None else mask
+
+
+def _unmasked(attention_mask) -> tuple[torch.Tensor | None, int | None]:
+    """(the mask, the window): a ``SlidingWindow`` is no mask, but a window."""
+    if isinstance(attention_mask, SlidingWindow):
+        return None, attention_mask.size
+    return attention_mask, None
+
+
+def _causal_sdpa(module, query, key, value, window: int | None, dropout: float, scaling) -> torch.Tensor:
+    """sdpa over rows (B, H, L, D) that are each one sequence without padding: causal, and within
+    ``window`` where one is given and the rows are longer -> (B, L, H, D)."""
+    length = query.shape[2]
+    mask = None
+    if window is not None and length > window:
+        mask = block_causal_mask(torch.tensor([0, length], device=query.device), length, window)[None, None]
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)[0]
 
 
 def packed_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """torch's varlen kernel over a packed row (``cu_seq_lens_q``, ``max_length_q``); plain sdpa otherwise.
 
     query (1, H, N, D), key/value (1, Hkv, N, D) -> (1, N, H, D). Where the kernel cannot run
-    (fp32, dropout) a packed row gets one sdpa call with ``block_causal_mask`` instead: exact,
-    still one kernel per layer; ``packed_attention_for`` never picks this for an fp32 run.
+    (fp32, dropout, or a sliding window on torch 2.10) a packed row gets one sdpa call with
+    ``block_causal_mask`` instead: exact, still one kernel per layer; ``packed_attention_for``
+    never picks this for an fp32 run.
     """
+    attention_mask, window = _unmasked(attention_mask)
     if not _packed_row(query, key, attention_mask, kwargs):
+        if window is not None:  # rows of one sequence each, no padding (``_packed_sdpa_mask``)
+            return _causal_sdpa(module, query, key, value, window, dropout, scaling), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("packed rows with sliding-window attention; set model.use_remove_padding=false")
     assert getattr(module, "is_causal", True), "packed rows are for causal models"
     cu_seqlens = kwargs["cu_seq_lens_q"]
-    if query.dtype not in VARLEN_DTYPES or dropout:
-        mask = block_causal_mask(cu_seqlens, query.shape[2])[None, None]  # (1, 1, N, N)
+    if query.dtype not in VARLEN_DTYPES or dropout or (window is not None and not varlen_takes_windows()):
+        mask = block_causal_mask(cu_seqlens, query.shape[2], window)[None, None]  # (1, 1, N, N)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (N, H or Hkv, D)
     max_len = kwargs["max_length_q"]  # an int from klppo's forwards (a tensor here would be a host sync per layer)
-    out = torch_varlen_causal(q, k, v, cu_seqlens.to(torch.int32), int(max_len), scaling)
+    out = torch_varlen_causal(q, k, v, cu_seqlens.to(torch.int32), int(max_len), scaling, window)
     return out.unsqueeze(0), None  # (1, N, H, D)
 
 
@@ -213,29 +267,31 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     callers) they are read here from ``cu_seq_lens_q`` or the position ids: a host-device sync
     in every layer, which also stalls FSDP2's prefetch of the next layer.
     """
-    rows = query.shape[0]
+    rows, length = query.shape[0], query.shape[2]
+    attention_mask, window = _unmasked(attention_mask)
     bounds = kwargs.pop(ROW_BOUNDS, None)
     position_ids = kwargs.get("position_ids")
     cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if attention_mask is not None or query.shape[2] != key.shape[2] or (
-            bounds is None and position_ids is None and cu_seqlens is None):
+    if window is None and (attention_mask is not None or length != key.shape[2] or (
+            bounds is None and position_ids is None and cu_seqlens is None)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if bounds is None and cu_seqlens is not None and rows == 1:
         bounds = [cu_seqlens.tolist()]  # host-device sync
-    elif bounds is None:
+    elif bounds is None and position_ids is not None:
         bounds = [_segment_bounds(position_ids.expand(rows, -1)[r]) for r in range(rows)]
+    elif bounds is None:  # a window's rows without positions: one sequence each
+        bounds = [[0, length]] * rows
     if all(len(b) <= 2 for b in bounds):  # one sequence per row: nothing is packed
+        if window is not None:
+            return _causal_sdpa(module, query, key, value, window, dropout, scaling), None
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("packed rows with sliding-window attention; set model.use_remove_padding=false")
     out = []
     for r, row_bounds in enumerate(bounds):
         lengths = [b - a for a, b in zip(row_bounds[:-1], row_bounds[1:]) if b > a]
         # One split per tensor: its backward is one concatenation, where slicing per sequence
         # would add a zero-filled full-size gradient per sequence.
         splits = (t[r : r + 1].split(lengths, dim=2) for t in (query, key, value))
-        pieces = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling)[0]
-                  for q, k, v in zip(*splits)]
+        pieces = [_causal_sdpa(module, q, k, v, window, dropout, scaling) for q, k, v in zip(*splits)]
         out.append(torch.cat(pieces, dim=1))  # (1, L, H, D)
     return torch.cat(out, dim=0), None
 
@@ -250,10 +306,17 @@ def deterministic_sdpa_attention(module, query, key, value, attention_mask, drop
 
 
 def _packed_sdpa_mask(*args, **kwargs):
-    """sdpa's mask, but none for rows without padding and cache: packing is read from positions."""
-    if (kwargs.get("attention_mask") is None and kwargs.get("local_size") is None and not kwargs.get("q_offset")
-            and not kwargs.get("kv_offset") and kwargs.get("q_length") == kwargs.get("kv_length")):
+    """sdpa's mask, except for rows without padding, cache or mask overlays, whose sequences klppo's
+    attention functions read from the positions: no mask for a causal layer, ``SlidingWindow`` for a
+    sliding-window one (``local_size`` is the config's ``sliding_window``; a chunked layer's
+    ``attention_chunk_size`` keeps its mask)."""
+    plain = (kwargs.get("attention_mask") is None and not kwargs.get("use_vmap") and not kwargs.get("q_offset")
+             and not kwargs.get("kv_offset") and kwargs.get("q_length") == kwargs.get("kv_length"))
+    local, config = kwargs.get("local_size"), kwargs.get("config")
+    if plain and local is None:
         return None
+    if plain and local == getattr(config, "sliding_window", None) and local != getattr(config, "attention_chunk_size", None):
+        return SlidingWindow(local)
     return sdpa_mask(*args, **kwargs)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
+from transformers.masking_utils import sdpa_mask
 
 from klppo.models import attention
 from klppo.models.attention import (
@@ -114,22 +115,30 @@ class FakeVarlen:
     sdpa per sequence (the reference), differentiable; it counts its calls and checks its arguments."""
 
     def __init__(self, params: frozenset[str]):
-        self.params, self.calls = params, 0
+        self.params, self.calls, self.windows = params, 0, []
 
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=None, is_causal=None,
                  enable_gqa=False):
         self.calls += 1
+        left = -1
         if "window_size" in self.params:  # 2.11+: a tuple, which varlen_attn compares to (-1, 0)
-            assert window_size == (-1, 0) and isinstance(window_size, tuple) and is_causal is None
+            # (-1, 0): causal; (left, 0): causal within the left tokens before each query (flash's window)
+            assert isinstance(window_size, tuple) and window_size[1] == 0 and window_size[0] >= -1 and is_causal is None
+            left = window_size[0]
+            self.windows.append(left)
         else:  # 2.10
             assert is_causal is True and window_size is None
         assert enable_gqa == (k.shape[1] != q.shape[1]) and (enable_gqa is False or "enable_gqa" in self.params)
         assert cu_q is cu_k and cu_q.dtype == torch.int32 and isinstance(max_q, int) and max_q == max_k
         bounds = cu_q.tolist()
         assert max_q == max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        out = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
-                                              scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
-               for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        out = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                back = torch.arange(b - a)[:, None] - torch.arange(b - a)[None, :]  # query - key position
+                mask = (back >= 0) & ((back <= left) if left >= 0 else True)
+                out.append(F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), mask, scale=scale,
+                                                          enable_gqa=enable_gqa).transpose(0, 1))
         return torch.cat(out)  # (N, H, D)
 
 
@@ -140,13 +149,17 @@ TORCH_VERSIONS = {  # the parameters varlen_attn has in each (found in pytorch's
 }
 
 
-@pytest.fixture(params=list(TORCH_VERSIONS))
-def fake_varlen(request, monkeypatch) -> FakeVarlen:
+def _install_fake_varlen(monkeypatch, version: str) -> FakeVarlen:
     """torch's varlen kernel replaced by ``FakeVarlen``, and fp32 let through to it (CPU tests run fp32)."""
-    fake = FakeVarlen(TORCH_VERSIONS[request.param])
+    fake = FakeVarlen(TORCH_VERSIONS[version])
     monkeypatch.setattr(attention, "_varlen_api", lambda: (fake, fake.params))
     monkeypatch.setattr(attention, "VARLEN_DTYPES", (BF16, FP16, FP32))
     return fake
+
+
+@pytest.fixture(params=list(TORCH_VERSIONS))
+def fake_varlen(request, monkeypatch) -> FakeVarlen:
+    return _install_fake_varlen(monkeypatch, request.param)
 
 
 def _models(implementation: str):
@@ -261,7 +274,130 @@ def test_the_block_causal_mask_keeps_each_sequence_to_itself():
     assert torch.equal(mask, expected)
 
 
-# ---- (d) every model of a run ----
+# ---- (d) sliding-window layers ----
+
+WINDOW = 3  # shorter than most sequences of _batch (up to 13 tokens)
+SLIDING_MODELS = {  # model type -> its config's sliding-window keys; each hands its layers the window its own way
+    "mistral": dict(sliding_window=WINDOW),  # every layer, and the window as a keyword argument
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),  # 1 full layer, 2 sliding
+    "gemma3_text": dict(sliding_window=WINDOW, query_pre_attn_scalar=8),
+    "phi3": dict(sliding_window=WINDOW),
+    # its attention never sees the window: only the mask carries it
+    "qwen2_moe": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, num_experts=2,
+                      num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+}
+
+
+def _sliding_model(kind: str, implementation: str, window: int = WINDOW):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    keys = {**SLIDING_MODELS[kind], "sliding_window": window}
+    config = AutoConfig.for_model(kind, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.5,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0, use_cache=False, **keys)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    set_packed_attention(model, implementation)
+    return model
+
+
+def _sliding_layers(model) -> list[bool]:
+    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * LAYERS
+    return [t == "sliding_attention" for t in types]
+
+
+def _logprobs_and_grads(model, packed: bool):
+    ids, mask, width = _batch()
+    log_probs, entropy = response_logprobs(model, ids, mask, width, packed=packed, with_entropy=True)
+    (log_probs.sum() + entropy.sum()).backward()
+    return (log_probs.detach(), entropy.detach()), [p.grad for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("implementation", [PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC])
+@pytest.mark.parametrize("kind", list(SLIDING_MODELS))
+def test_sliding_window_layers_score_and_differentiate_packed_rows_as_the_padded_path_without_a_row_mask(
+        kind, implementation, monkeypatch):
+    fake = _install_fake_varlen(monkeypatch, "2.12+")
+    padded, padded_grads = _logprobs_and_grads(_sliding_model(kind, "sdpa"), packed=False)
+    far, _ = _logprobs_and_grads(_sliding_model(kind, "sdpa", window=64), packed=False)
+    assert (far[0] - padded[0]).abs().max() > 0.1  # the window changes what these rows score
+    masks = []
+    monkeypatch.setattr(attention, "sdpa_mask", lambda *a, **k: masks.append(k) or sdpa_mask(*a, **k))
+    model = _sliding_model(kind, implementation)
+    packed, packed_grads = _logprobs_and_grads(model, packed=True)
+    for a, b in zip(packed, padded):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    _assert_close_grads(packed_grads, padded_grads)
+    assert masks == []  # no (N, N) mask built for the packed row, sliding layers included
+    if implementation == PACKED_VARLEN:  # one kernel per layer, each with its layer's window
+        assert fake.windows == [WINDOW - 1 if sliding else -1 for sliding in _sliding_layers(model)]
+
+
+def test_on_torch_2_10_sliding_layers_of_a_packed_row_take_one_masked_sdpa_call_each(monkeypatch):
+    fake = _install_fake_varlen(monkeypatch, "2.10")  # varlen_attn without a window
+    calls = []
+    sdpa = attention.sdpa_attention_forward
+    monkeypatch.setattr(attention, "sdpa_attention_forward",
+                        lambda *a, **k: calls.append(a[4] is not None) or sdpa(*a, **k))  # a[4]: the mask
+    padded, _ = _logprobs_and_grads(_sliding_model("qwen2", "sdpa"), packed=False)
+    calls.clear()
+    model = _sliding_model("qwen2", PACKED_VARLEN)
+    packed, _ = _logprobs_and_grads(model, packed=True)
+    for a, b in zip(packed, padded):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    sliding = sum(_sliding_layers(model))
+    assert fake.calls == LAYERS - sliding and sum(calls) == sliding == 2
+
+
+def test_generation_and_padded_rows_of_a_sliding_window_model_keep_transformers_masks():
+    prompts = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(2))  # longer than the window
+    attention_mask = torch.ones_like(prompts)
+    attention_mask[1, :2] = 0  # left padding
+    scores = {}
+    for implementation in ("sdpa", PACKED_SDPA, PACKED_VARLEN):
+        model = _sliding_model("qwen2", implementation)
+        for cache in ("dynamic", "static"):
+            out = model.generate(input_ids=prompts, attention_mask=attention_mask, max_new_tokens=4, do_sample=False,
+                                 use_cache=True, cache_implementation=cache, output_scores=True,
+                                 return_dict_in_generate=True)
+            scores[implementation, cache] = torch.stack(out.scores)
+    for key, value in scores.items():
+        torch.testing.assert_close(value, scores["sdpa", "dynamic"], atol=1e-5, rtol=1e-5, msg=str(key))
+
+
+def test_the_mask_function_hands_over_only_plain_sliding_windows():
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import causal_mask_function
+
+    def mask(config, **changes):
+        kwargs = dict(batch_size=1, q_length=6, kv_length=6, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+                      attention_mask=None, local_size=None, allow_is_causal_skip=False, config=config, use_vmap=False,
+                      device=torch.device("cpu"))
+        return attention._packed_sdpa_mask(**{**kwargs, **changes})
+
+    sliding, chunked = SimpleNamespace(sliding_window=3), SimpleNamespace(sliding_window=None, attention_chunk_size=3)
+    assert mask(sliding) is None  # a causal layer: the attention reads the sequences from the positions
+    assert mask(sliding, local_size=3) == attention.SlidingWindow(3)
+    assert isinstance(mask(chunked, local_size=3), torch.Tensor)  # chunked attention keeps its mask
+    assert isinstance(mask(sliding, local_size=3, use_vmap=True), torch.Tensor)  # a mask with overlays too
+    assert isinstance(mask(sliding, use_vmap=True), torch.Tensor)
+    assert isinstance(mask(sliding, local_size=3, attention_mask=torch.ones(1, 6, dtype=torch.bool)), torch.Tensor)
+    assert isinstance(mask(sliding, local_size=3, q_length=1, kv_offset=5), torch.Tensor)  # a cache
+
+
+def test_the_sliding_block_causal_mask_keeps_each_token_to_its_window():
+    mask = block_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32), 5, window=2)  # lengths 2, 3
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [0, 0, 1, 0, 0],
+                             [0, 0, 1, 1, 0],
+                             [0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+# ---- (e) every model of a run ----
 
 
 def test_every_model_a_run_builds_gets_the_one_attention_chosen_for_the_run(
