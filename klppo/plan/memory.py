@@ -43,7 +43,7 @@ FUSED_FORWARD_SLICES, FUSED_TRAIN_SLICES = 2, 3.5
 # entropy (logits, their fp32 copy, log-softmax) and training (logits_memory.py: 6.6x).
 NAIVE_FORWARD_LOGITS, NAIVE_TRAIN_LOGITS = 3, 6.6
 
-PHASES = ("setup", "gen", "kl_probe", "old_log_prob", "ref", "values", "reward", "update_critic", "update_actor",
+PHASES = ("setup", "weight_sync", "gen", "kl_probe", "old_log_prob", "ref", "values", "reward", "update_critic", "update_actor",
           "validate", "export")
 
 
@@ -268,6 +268,25 @@ def engine_items(s: PlanSettings) -> list[tuple[str, int]]:
     return items
 
 
+def weight_sync_items(s: PlanSettings) -> list[tuple[str, int]]:
+    """Streaming the actor's weights into the vLLM engine (``responses.sync_engine_weights``): one
+    decoder block's whole tensors at a time, or a run of the root's (the embedding is the largest),
+    gathered in fp32 where the actor is sharded or merged with its LoRA adapters (one process's own
+    tensors otherwise), and each cast to the engine's dtype as the engine copies it in; a sleeping
+    engine wakes its weights first, not its KV cache."""
+    if s.rollout != "vllm":
+        return []
+    actor = s.model("actor")
+    sh = actor.shape
+    block = (actor.parameters - root_parameters(actor)) // sh.num_hidden_layers
+    largest = max(sh.embedding_parameters, sh.lm_head_parameters, block)
+    gathered = largest * FP32 if actor.shards > 1 or actor.lora_rank else 0
+    items = [("vLLM weights being streamed", gathered + sh.embedding_parameters * s.engine_bytes)]
+    if s.engine_sleeps:
+        items.insert(0, ("vLLM engine weights", actor.parameters * s.engine_bytes // s.engine_tp))
+    return items
+
+
 def probe_items(s: PlanSettings, p) -> list[tuple[str, int]]:
     """The offline KL probe samples with the generation copy and scores its samples with the actor
     and the reference while the copy is still held: generation plus one scoring forward."""
@@ -327,6 +346,8 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
     scoring = forward_items(s, actor, p.forward_tokens, p.forward_response_tokens)
     held = ([] if s.engine_sleeps else engine_items(s)) + kept_generation_items(s)  # a CPU engine has no sleep mode
     out = [_phase("setup", s, (), setup_items(s) + engine_items(s), ())]
+    if s.rollout == "vllm":
+        out.append(_phase("weight_sync", s, ("actor",), weight_sync_items(s), before))
     out.append(_phase("gen", s, ("actor",), gen if s.rollout != "offline" else [], before))
     if p.probe_rows:
         out.append(_phase("kl_probe", s, ("actor", "ref"), probe_items(s, p), before))
@@ -355,7 +376,7 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
 
 
 # The models whose weights each phase reads (offline, generation reads none).
-READS = {"gen": ("actor",), "kl_probe": ("actor", "ref"), "old_log_prob": ("actor",), "ref": ("ref",),
+READS = {"weight_sync": ("actor",), "gen": ("actor",), "kl_probe": ("actor", "ref"), "old_log_prob": ("actor",), "ref": ("ref",),
          "values": ("critic",), "reward": ("reward_model",), "update_critic": ("critic",), "update_actor": ("actor",),
          "validate": ("actor", "ref", "reward_model", GOLD_ROLE), "export": ("actor",)}
 

@@ -322,6 +322,10 @@ def test_in_the_first_step_mapped_weights_come_in_with_the_phase_that_first_read
     assert "actor weights" in first["old_log_prob"] and "actor weights" in first["update_actor"]
     steady = _plan(fp32, task_dir)
     assert _item(steady, "gen", "actor weights") > 0 and _item(steady, "setup", "actor weights") == 0
+    online = _cfg(fp32, task_dir, "actor_rollout_ref.rollout.name=vllm")  # the weight sync reads the actor first
+    first = {p.phase: dict(p.items) for p in estimate(online, read_shapes(online), LENGTHS, world_size=1, device="cpu",
+                                                      device_bytes=80 * 2**30, first_step=True).phases}
+    assert "actor weights" not in first["setup"] and "actor weights" in first["weight_sync"]
 
 
 def test_the_cpu_baseline_grows_with_the_tokenizer(qwen05_dir, tmp_path, task_dir):
@@ -375,3 +379,27 @@ def test_a_run_whose_updates_run_their_forwards_first_plans_the_actor_graph_thro
     assert {"old_log_prob", "values"} <= {p.phase for p in scored.phases}
     assert _item(scored, "update_critic", "actor activations awaiting its update") == 0
     assert _phase(first, "update_critic").total - _phase(scored, "update_critic").total == held
+
+
+def test_a_vllm_weight_sync_holds_the_engine_and_one_streamed_tensor_at_a_time(qwen05_dir, task_dir):
+    """Before each generation the actor's whole tensors stream into the engine: the embedding, the
+    largest (151,936 x 896), cast to the engine's dtype; gathered in fp32 first where the actor is
+    sharded; a sleeping engine (a GPU's free_cache_engine) wakes its weights, not its KV cache."""
+    embedding = 151936 * 896
+    cpu = _plan(qwen05_dir, task_dir, *VLLM)
+    assert [p.phase for p in cpu.phases][:3] == ["setup", "weight_sync", "gen"]
+    assert _item(cpu, "weight_sync", "vLLM weights being streamed") == embedding * 4  # one process: its own, cast
+    # both hold the models and the engine (a CPU engine never sleeps); generation's batch is small here
+    assert _phase(cpu, "weight_sync").total - _phase(cpu, "gen").total == embedding * 4
+    sharded = _plan(qwen05_dir, task_dir, *VLLM, world=2)
+    assert _item(sharded, "weight_sync", "vLLM weights being streamed") == embedding * (4 + 4)
+    bf16 = ("actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",)
+    asleep = _plan(qwen05_dir, task_dir, *VLLM, *bf16, device="cuda")
+    kept = _plan(qwen05_dir, task_dir, *VLLM, *bf16, "actor_rollout_ref.rollout.free_cache_engine=false", device="cuda")
+    assert _item(asleep, "weight_sync", "vLLM engine weights") == 2 * P05  # woken: the weights alone
+    assert _item(asleep, "weight_sync", "vLLM engine (gpu_memory_utilization)") == 0
+    assert _item(kept, "weight_sync", "vLLM engine (gpu_memory_utilization)") == int(0.5 * 80 * 2**30)
+    assert _item(kept, "weight_sync", "vLLM engine weights") == 0  # in its share
+    for e in (asleep, kept):
+        assert _item(e, "weight_sync", "vLLM weights being streamed") == embedding * 2
+    assert "weight_sync" not in [p.phase for p in _plan(qwen05_dir, task_dir).phases]  # offline: no engine
