@@ -4,7 +4,8 @@ Nothing is fetched from a hub: a path that is not a folder holding a config is a
 ``UserError`` naming the config key. The critic is ``AutoModelForTokenClassification`` with
 one label on the actor's backbone (verl's choice): the backbone weights come from the folder,
 the one-output value head is freshly initialised, and the result saves and loads as an
-ordinary Hugging Face model.
+ordinary Hugging Face model. A type that transformers gives no such class (nor a reward
+model's) gets one composed of transformers' own generic head and backbone (``model_class``).
 
 Loading runs no code from a folder: every ``from_pretrained`` is called with
 ``trust_remote_code=False``, and weights load with ``weights_only=True`` (safetensors, or a
@@ -16,12 +17,14 @@ weights, weights missing from the backbone, a tokenizer that cannot encode text)
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import torch
 from transformers import (
     AutoConfig,
+    AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
@@ -30,6 +33,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from klppo.errors import UserError, reading, reason
@@ -88,10 +92,11 @@ def _from_pretrained(auto_class, folder: Path, key: str, **kwargs) -> PreTrained
     check_weight_files(folder, key)
     from klppo.models.sharded_load import empty_model
 
-    check_weight_shapes(empty_model(auto_class, kwargs.get("config") or _model_config(folder, key)), folder, key)
+    config = kwargs.pop("config", None) or _model_config(folder, key)
+    check_weight_shapes(empty_model(auto_class, config), folder, key)
     with reading(folder, f"{key}: model folder", _weights_fix(folder)):
-        model, info = auto_class.from_pretrained(folder, weights_only=True, output_loading_info=True, **_SAFE,
-                                                 **kwargs)
+        model, info = model_class(auto_class, type(config)).from_pretrained(
+            folder, config=config, weights_only=True, output_loading_info=True, **_SAFE, **kwargs)
     backbone = f"{model.base_model_prefix}."
     missing = sorted(k for k in info["missing_keys"] if auto_class is AutoModelForCausalLM or k.startswith(backbone))
     if missing:
@@ -150,7 +155,54 @@ def _model_config(folder: Path, key: str):
         raise UserError(f"{key}: '{folder}' needs the Python code its config.json names (auto_map), and klppo never "
                         "runs code from a model folder; use a model whose architecture transformers ships")
     with reading(path, f"{key}: the model config", fix):
-        return AutoConfig.from_pretrained(folder, **_SAFE)
+        config = AutoConfig.from_pretrained(folder, **_SAFE)
+    return config
+
+
+def _mapped(auto_class, config_class: type):
+    """The auto class's model class for ``config_class``, or None. (Its mapping's ``in`` misses a config
+    class that several model types share, as Gemma 3's text config is: only a lookup finds it.)"""
+    try:
+        return auto_class._model_mapping[config_class]
+    except KeyError:
+        return None
+
+
+# The one-output heads of a critic and a reward model: the auto class, transformers' generic head, the class name's end.
+_HEADS = {AutoModelForTokenClassification: (GenericForTokenClassification, "ForTokenClassification"),
+          AutoModelForSequenceClassification: (GenericForSequenceClassification, "ForSequenceClassification")}
+
+
+def model_class(auto_class, config_class: type):
+    """What builds ``auto_class``'s model for a config of ``config_class``: the auto class itself, or
+    for a critic or reward model of a type transformers gives no such head, one made here.
+
+    transformers 5.25 ships a token-classification class (the critic's) for 60 of its 200 causal
+    LM types and a sequence-classification one (the reward model's) for 86: Gemma 3, OLMo 1-3,
+    Phi-MoE and DeepSeek-V2 lack the first, Granite, Cohere 1-2, ERNIE 4.5 and LFM2 both. Its own
+    heads of the others are one composition, ``class LlamaForTokenClassification(
+    GenericForTokenClassification, LlamaPreTrainedModel)``: the generic head on the type's
+    backbone (``AutoModel``) and the type's pre-trained base (weight initialisation, the blocks
+    FSDP2 wraps, the backbone's name in the weights). The missing ones are composed the same way,
+    of transformers' classes only; a type with no backbone class gets the auto class, which
+    refuses it. (Registering them with the auto class would reach fewer versions: 5.17 ignores
+    a registration for a config class of transformers.)
+    """
+    if auto_class not in _HEADS or _mapped(auto_class, config_class) is not None:
+        return auto_class
+    return _composed_head(auto_class, config_class)
+
+
+@functools.cache
+def _composed_head(auto_class, config_class: type):
+    backbone = _mapped(AutoModel, config_class)
+    if backbone is None:
+        return auto_class
+    base = next((c for c in backbone.__mro__[1:] if issubclass(c, PreTrainedModel) and c is not PreTrainedModel),
+                backbone)
+    generic, suffix = _HEADS[auto_class]
+    return type(backbone.__name__.removesuffix("Model") + suffix, (generic, base),
+                {"config_class": config_class, "base_model_prefix": base.base_model_prefix, "__module__": __name__})
 
 
 def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreTrainedTokenizerBase:

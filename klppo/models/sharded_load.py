@@ -53,9 +53,15 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def empty_model(auto_class, config) -> PreTrainedModel:
-    """``auto_class`` built from ``config`` in fp32, parameters on the meta device (tied ones stay tied)."""
+    """``auto_class``'s model (``load.model_class``) built from ``config`` in fp32, parameters on the meta
+    device (tied ones stay tied)."""
+    from klppo.models.load import model_class
+
+    cls = model_class(auto_class, type(config))
     with parameters_on_meta():
-        return auto_class.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        if cls is auto_class:
+            return auto_class.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        return cls._from_config(config, dtype=torch.float32)  # what the auto class calls on the class it picks
 
 
 class WeightReader:
