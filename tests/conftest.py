@@ -149,6 +149,24 @@ def vllm_untied_model_dir(vllm_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def vllm_olmo2_model_dir(vllm_model_dir, tmp_path_factory) -> Path:
+    """A random-init tiny OLMo 2, a type vLLM runs through its Transformers backend (transformers' own
+    classes, which vLLM changes to compile them), with the vLLM tiny model's tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_model_dir)
+    config = AutoConfig.for_model("olmo2", vocab_size=len(tokenizer), intermediate_size=128, head_dim=32,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  bos_token_id=tokenizer.eos_token_id, initializer_range=0.2, **VLLM_TINY)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("vllm_olmo2_model")
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.fixture
 def gpu_host(monkeypatch):
     """This process looks like one on a GPU host (``torch.cuda.is_available()`` is True), and any

@@ -20,12 +20,14 @@ vLLM is imported only here, lazily, so klppo runs without it.
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import importlib.util
 import os
 import random
 import struct
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -161,6 +163,70 @@ def process_state_kept(device: torch.device) -> Iterator[None]:
         torch.set_default_dtype(default_dtype)
 
 
+_MISSING = object()
+# Attributes a class always has in its own __dict__, whose identity says nothing of a change.
+_CLASS_BOOKKEEPING = frozenset({"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__"})
+
+
+def _transformers_classes() -> dict[type, tuple[tuple[type, ...], dict]]:
+    """Every module class of transformers' model modules imported so far: its bases and its own attributes."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and issubclass(value, torch.nn.Module) and value.__module__ == name:
+                found[value] = (value.__bases__, dict(vars(value)))
+    return found
+
+
+@contextmanager
+def transformers_classes_kept() -> Iterator[dict[type, type]]:
+    """transformers' model classes as they were before the block, and for each one the block changed,
+    a subclass that has the changes (filled in when the block ends: ``{class: changed subclass}``).
+
+    vLLM runs the model types it has no implementation of (OLMo 1-3, Phi-2, SmolLM3, Starcoder2,
+    GPT-NeoX, ...) through transformers' own classes, and to compile them it rewrites their
+    backbone class in place (``support_torch_compile``: a new base, ``__init__`` and ``__call__``):
+    in this process, the trainer's models of that class then called a ``__call__`` that read
+    attributes only vLLM's ``__init__`` sets (``'Olmo2Model' object has no attribute
+    'do_not_compile'``). Each such class is put back, and the engine's own instances get the
+    changed subclass (``VLLMEngine``), so vLLM's change reaches its models alone.
+    """
+    before = _transformers_classes()
+    changed: dict[type, type] = {}
+    try:
+        yield changed
+    finally:
+        for cls, (bases, attributes) in before.items():
+            now = {k: v for k, v in vars(cls).items() if k not in _CLASS_BOOKKEEPING}
+            edits = {k: v for k, v in now.items() if attributes.get(k, _MISSING) is not v}
+            gone = [k for k in attributes if k not in now and k not in _CLASS_BOOKKEEPING]
+            if cls.__bases__ == bases and not edits and not gone:
+                continue
+            added = tuple(b for b in cls.__bases__ if b not in bases)
+            cls.__bases__ = bases
+            for key in edits:
+                if key in attributes:
+                    setattr(cls, key, attributes[key])
+                else:
+                    delattr(cls, key)
+            for key in gone:
+                setattr(cls, key, attributes[key])
+            changed[cls] = type(cls.__name__, (cls, *added), {**edits, "__module__": cls.__module__})
+
+
+def _take_classes(classes: dict[type, type], model: torch.nn.Module) -> int:
+    """Give each module of ``model`` whose class is a key of ``classes`` that key's value; how many."""
+    moved = 0
+    for module in model.modules():
+        engine_class = classes.get(type(module))
+        if engine_class is not None:
+            module.__class__ = engine_class
+            moved += 1
+    return moved
+
+
 class VLLMEngine:
     """One vLLM engine in this process: built once, fed the actor's weights, asked for responses."""
 
@@ -197,11 +263,14 @@ class VLLMEngine:
             kv_bytes = cpu_kv_cache_bytes(model_config, s, free_bytes)
         if kv_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_bytes
-        with process_state_kept(device), warnings.catch_warnings():
+        with process_state_kept(device), warnings.catch_warnings(), transformers_classes_kept() as changed:
             warnings.simplefilter("ignore", FutureWarning)  # vLLM's own deprecation notices, not the user's
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
+        if changed:  # vLLM's changes to transformers' classes, for its own models only
+            self.llm.apply_model(functools.partial(_take_classes, changed))
+        self.restored_classes = tuple(changed)  # transformers' classes that building the engine changed
         self.parameter_names = frozenset(self.llm.apply_model(parameter_names)[0])  # the same on every TP rank
         self.released: set[str] = set()  # what a sleep released and no wake has brought back ("weights", "kv_cache")
         self.holds_weights = False  # the actor's weights, loaded since the last level-2 sleep (not the start-up ones)

@@ -24,10 +24,15 @@ def _run_worker(model_dir: Path, train: Path, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module", params=["tied", "untied"])
-def checked(request, vllm_model_dir, task_dir, tmp_path_factory):
-    model = vllm_model_dir if request.param == "tied" else request.getfixturevalue("vllm_untied_model_dir")
-    return _run_worker(model, task_dir / "train.parquet", tmp_path_factory.mktemp("engine") / "out.json")
+MODELS = {"tied": "vllm_model_dir", "untied": "vllm_untied_model_dir",
+          "transformers_backend": "vllm_olmo2_model_dir"}  # OLMo 2: vLLM runs transformers' own classes
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def checked(request, task_dir, tmp_path_factory):
+    model = request.getfixturevalue(MODELS[request.param])
+    result = _run_worker(model, task_dir / "train.parquet", tmp_path_factory.mktemp("engine") / "out.json")
+    return {**result, "model": request.param}
 
 
 def test_greedy_responses_equal_hf_generate_token_for_token(checked):
@@ -61,3 +66,13 @@ def test_building_the_engine_leaves_rng_threads_and_environment_as_they_were(che
     assert checked["state_after_build"]
     torch.manual_seed(7)
     assert checked["rng_draw"] == torch.rand(1).item()  # the stream continued where klppo left it
+
+
+def test_the_classes_vllm_changes_in_transformers_are_put_back_and_only_its_models_have_the_change(checked):
+    """vLLM compiles the model types it runs through transformers by rewriting their backbone class in
+    place; the trainer's models of that class (the HF generate and forwards above) then failed."""
+    assert checked["classes_after_build"]
+    if checked["model"] == "transformers_backend":
+        assert checked["restored_classes"] == ["Olmo2Model"] and checked["engine_classes"] == ["Olmo2Model"]
+    else:  # vLLM's own implementation of Qwen2 changes nothing of transformers'
+        assert checked["restored_classes"] == [] and checked["engine_classes"] == []

@@ -55,6 +55,13 @@ def process_state() -> dict:
             "local_world_size": os.environ.get("LOCAL_WORLD_SIZE")}
 
 
+def class_state() -> dict:
+    """Every module class of transformers' model modules imported so far: its bases and own attributes."""
+    return {cls: (cls.__bases__, dict(vars(cls))) for module in list(sys.modules.values())
+            if getattr(module, "__name__", "").startswith("transformers.models.")
+            for cls in list(vars(module).values()) if isinstance(cls, type) and issubclass(cls, torch.nn.Module)}
+
+
 def main(model_dir: str, train: str, out: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -63,10 +70,14 @@ def main(model_dir: str, train: str, out: str) -> None:
 
     os.environ["LOCAL_WORLD_SIZE"] = "3"
     torch.manual_seed(7), np.random.seed(7), random.seed(7)
-    before = process_state()
+    before, classes = process_state(), class_state()
     engine = VLLMEngine(model_dir, model.config, SETTINGS, torch.device("cpu"), False, 8 << 30,
                         generation_config=model.generation_config)
     results["state_after_build"] = process_state() == before
+    results["classes_after_build"] = class_state() == classes
+    results["restored_classes"] = [c.__name__ for c in engine.restored_classes]
+    results["engine_classes"] = engine.llm.apply_model(
+        lambda m: sorted({type(x).__name__ for x in m.modules() if type(x).__bases__[0] in engine.restored_classes}))[0]
     results["rng_draw"] = torch.rand(1).item()
 
     engine.load_weights(klppo_weights(model, engine))

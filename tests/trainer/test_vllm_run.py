@@ -125,3 +125,15 @@ def test_a_bf16_lora_actors_engine_samples_from_the_policy_its_small_updates_mad
     assert result["dtype"] == "torch.float32"
     assert result["change"] > 1e-4  # training moved the actor's log-probs of the sampled tokens
     assert result["gap"] < 1e-5  # and the engine samples from that actor, the moves included
+
+
+def test_a_model_type_vllm_runs_through_transformers_trains_with_a_critic_and_samples_as_the_trainer_scores(
+        overrides, vllm_olmo2_model_dir, tmp_path):
+    # OLMo 2: vLLM compiles transformers' own Olmo2Model (its Transformers backend), and transformers has no
+    # critic class for it (klppo.models.load.model_class)
+    _run(overrides(tmp_path / "olmo2", **{"actor_rollout_ref.model.path": vllm_olmo2_model_dir,
+                                          "actor_rollout_ref.model.use_remove_padding": "true",
+                                          "trainer.total_training_steps": 2, "trainer.save_freq": -1}))
+    metrics = read_metrics(tmp_path / "olmo2")
+    assert len(metrics) == 2 and all(r["training/rollout_probs_diff_max"] < 1e-4 for r in metrics)
+    assert metrics[-1]["critic/vf_loss"] > 0
