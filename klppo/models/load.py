@@ -128,6 +128,18 @@ def saved_shapes(folder: Path, key: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def as_saved(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (whole tensors of ``model``, by its own names) under the names and in the layout
+    that ``save_pretrained`` writes: transformers 5 converts some tensors as it loads a folder
+    (every layer's MoE experts, stored one by one, become one fused tensor; Mixtral's router is
+    renamed) and reverts that as it saves, and inference engines (vLLM) and other readers take the
+    saved layout. ``tensors`` must hold every tensor that a saved one comes from: one decoder
+    block's do. A model that transformers converts nothing of gets them as they are."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, tensors)
+
+
 def check_weight_shapes(model: PreTrainedModel, folder: Path, key: str) -> None:
     """Every tensor the folder holds for a parameter of ``model`` (built from its config, on the meta
     device) has that parameter's shape.

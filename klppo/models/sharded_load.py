@@ -9,7 +9,9 @@ of it (``klppo.distributed.fill_sharded``); persistent buffers (trained ones suc
 router bias) are read too and broadcast whole. A parameter the folder lacks is a new head (a
 critic's or reward model's one-output layer): rank 0 initialises it as ``from_pretrained``
 would, from the same seeded stream, so the weights are bit-identical to loading the folder with
-``from_pretrained`` in one process.
+``from_pretrained`` in one process. A folder whose tensors transformers converts as it loads them
+(MoE experts stored one by one, fused per layer in the model: ``converts_on_load``) is converted
+by ``from_pretrained`` on rank 0, which then holds it once in host memory (``ConvertedWeights``).
 """
 
 from __future__ import annotations
@@ -103,7 +105,53 @@ class WeightReader:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)[name]
 
 
-def full_tensors(model: PreTrainedModel, reader: WeightReader, *, new_heads: bool,
+def converts_on_load(model: PreTrainedModel, reader: WeightReader) -> bool:
+    """Whether ``from_pretrained`` converts this folder's tensors into the model's as it loads them:
+    the folder lacks backbone tensors by the model's names, and transformers has a conversion for
+    the model type (its ``conversion_mapping``: since transformers 5, MoE experts stored one module
+    per expert on disk are one fused tensor per layer in the model; Mixtral's router is renamed)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    backbone = f"{model.base_model_prefix}."
+    lacking = any(name.startswith(backbone) and name not in reader for name, _ in model.named_parameters())
+    return lacking and bool(get_checkpoint_conversion_mapping(model.config.model_type))
+
+
+class ConvertedWeights:
+    """A folder's tensors under the model's own names, converted as ``from_pretrained`` converts them
+    (``converts_on_load``); read as ``WeightReader`` reads (``name in``, ``read``).
+
+    Only the process that reads (``tensors``: rank 0's) loads the folder, whole, with
+    ``from_pretrained`` in the folder's own dtype: the conversions (stacking each layer's experts)
+    are transformers' own, whatever its version, at the price of rank 0 holding the model once in
+    host memory while the ranks fill their shards, as a single process holds it. The other ranks
+    get the names (``names``), to check what is missing as rank 0 does.
+    """
+
+    def __init__(self, folder: Path, key: str, names: list[str], tensors: dict[str, torch.Tensor] | None = None):
+        self.folder, self.key, self.names, self.tensors = folder, key, frozenset(names), tensors
+
+    @classmethod
+    def load(cls, auto_class, folder: Path, key: str, config) -> "ConvertedWeights":
+        """The folder loaded with the class ``auto_class`` picks for ``config``; the tensors it found."""
+        from klppo.models.load import model_class
+
+        with reading(folder, f"{key}: model folder", "copy the folder again, or save the model again with save_pretrained"):
+            model, info = model_class(auto_class, type(config)).from_pretrained(
+                folder, config=config, dtype="auto", weights_only=True, output_loading_info=True, trust_remote_code=False)
+        missing = set(info["missing_keys"])
+        tensors = {name: t.detach() for name, t in model.state_dict().items() if name not in missing}
+        return cls(folder, key, list(tensors), tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def read(self, name: str) -> torch.Tensor:
+        assert self.tensors is not None, "only the reading rank holds the converted tensors"
+        return self.tensors[name]
+
+
+def full_tensors(model: PreTrainedModel, reader: WeightReader | ConvertedWeights, *, new_heads: bool,
                  seed: int = 0) -> Callable[[str], torch.Tensor]:
     """name -> the full tensor of parameter or persistent buffer ``name`` (read, or initialised when
     the folder lacks it).

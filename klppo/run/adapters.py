@@ -26,6 +26,7 @@ import torch
 
 from klppo.checkpoint.export import export_hf
 from klppo.distributed import DistEnv, barrier, reshard, whole_tensor_groups
+from klppo.models.load import as_saved
 from klppo.models.lora import has_adapters, is_adapter, lora_merges, merged_state, save_adapter, trained_heads
 
 
@@ -37,12 +38,12 @@ def export_model(model: torch.nn.Module, tokenizer, hf_dir: Path, adapter_dir: P
     merged into its weights on the way, and kept (they are small) for the adapter folder.
     """
     if not has_adapters(model):
-        return [export_hf(model, tokenizer, hf_dir, env)]
+        return [export_hf(model, tokenizer, hf_dir, env, transform=lambda group: as_saved(model, group))]
     merges, heads, kept = lora_merges(model), set(trained_heads(model)), {}
 
     def keep_adapters_then_merge(group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kept.update({name: t for name, t in group.items() if is_adapter(name) or name in heads})
-        return merged_state(group, merges)
+        return as_saved(model, merged_state(group, merges))
 
     export_hf(model, tokenizer, hf_dir, env, transform=keep_adapters_then_merge)
     if env.rank == 0:
@@ -57,8 +58,8 @@ def export_model(model: torch.nn.Module, tokenizer, hf_dir: Path, adapter_dir: P
 
 
 @torch.no_grad()
-def merged_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, *, copies: bool = True
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, *, copies: bool = True,
+                   saved: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) of every parameter and persistent buffer of the plain model that
     ``model`` computes, for an inference engine that takes weights by name (the fp32 generation
     copy, ``trainer.responses``): each adapted weight merged, W + alpha / r * B @ A, in fp32 from
@@ -69,11 +70,14 @@ def merged_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     On every rank, on ``device``, each a tensor of its own (``copies=False``: the model's own
     where nothing changes it, for a consumer that copies them itself); collective (every rank
     iterates to the end); one decoder block's whole tensors at a time besides those already yielded.
+    ``saved``: under the names and in the layout of the model's saved folders (``load.as_saved``:
+    MoE experts one by one), as an engine that loads such folders takes them.
     """
     merges = lora_merges(model) if has_adapters(model) else {}
     buffers = set(model.state_dict()) - {name for name, _ in model.named_parameters(remove_duplicate=False)}
     for group in whole_tensor_groups(model, device, copies=copies):  # collective
-        for name, tensor in merged_state(group, merges).items():
+        state = merged_state(group, merges)
+        for name, tensor in (as_saved(model, state) if saved else state).items():
             yield name, tensor if name in buffers else tensor.to(dtype)  # buffers keep their own dtype
 
 

@@ -27,7 +27,7 @@ from klppo.errors import UserError
 from klppo.models.attention import choose_packed_attention, set_packed_attention
 from klppo.models.load import ROLES, check_model_folder, empty_model_for, load_causal_lm, load_critic, load_reward_model
 from klppo.models.lora import LoraSpec, attach_adapters, read_adapter_config, with_adapters
-from klppo.models.sharded_load import WeightReader, full_tensors
+from klppo.models.sharded_load import ConvertedWeights, WeightReader, converts_on_load, full_tensors
 
 T = TypeVar("T")
 # Freed memory glibc keeps at its heap's top for the next allocations (return_freed_memory).
@@ -230,14 +230,27 @@ def load_model(role: str, path: str, *, key: str, env: DistEnv, sharder: Sharder
         set_packed_attention(model, attention)
     # Before sharding (new heads are initialised on plain tensors), and on every rank, so a bad
     # folder fails everywhere at once (reading the names is a header read; tensors are read later).
-    tensor_of = full_tensors(model, WeightReader(check_model_folder(path, key), key), new_heads=ROLES[role][2],
-                             seed=seed)
+    tensor_of = full_tensors(model, weight_reader(role, path, key, model, env), new_heads=ROLES[role][2], seed=seed)
     if lora is not None:
         tensor_of = with_adapters(model, lora, tensor_of, seed=seed, train_head=train_head)
     model = sharder.shard(model, fsdp, keep_root_gathered=keep_root_gathered, replicate_frozen_root=lora is not None)
     materialize(model, parameter_device(env.device, fsdp.offload_policy))
     fill_sharded(model, tensor_of if env.rank == 0 else None)
     return model
+
+
+def weight_reader(role: str, path: str, key: str, model: torch.nn.Module, env: DistEnv
+                  ) -> WeightReader | ConvertedWeights:
+    """What the ranks fill ``model``'s shards from: the folder's tensors one at a time, or where
+    transformers converts them as it loads them (MoE experts, ``converts_on_load``) rank 0's
+    converted copy, whose names every rank gets (one collective, on every rank alike)."""
+    folder = check_model_folder(path, key)
+    reader = WeightReader(folder, key)
+    if not converts_on_load(model, reader):
+        return reader
+    converted = ConvertedWeights.load(ROLES[role][0], folder, key, model.config) if env.rank == 0 else None
+    names = all_gather_objects(sorted(converted.names) if converted is not None else None)[0]
+    return converted if converted is not None else ConvertedWeights(folder, key, names)
 
 
 # ---- optimiser and schedule ----

@@ -139,7 +139,7 @@ def engine_weights(actor: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     first sync would raise.
     """
     aliases = tied_aliases(actor)
-    for name, tensor in merged_weights(actor, dtype, device, copies=False):  # the engine copies them in
+    for name, tensor in merged_weights(actor, dtype, device, copies=False, saved=True):  # the engine copies them in
         yield name, tensor
         for alias in aliases.get(name, ()):
             if alias in takes:

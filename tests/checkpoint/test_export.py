@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from klppo.checkpoint.export import INDEX_FILE, SINGLE_FILE, export_hf
-from klppo.distributed import whole_tensor_groups
+from klppo.distributed import SINGLE_PROCESS, whole_tensor_groups
 
 
 @pytest.mark.parametrize("auto_class", [AutoModelForCausalLM, AutoModelForTokenClassification])
@@ -68,3 +68,29 @@ def test_the_writer_keeps_no_tensor_once_it_is_written(tmp_path):
     del tensor
     assert alive() is None
     writer.close()
+
+
+def test_a_moe_models_export_and_engine_weights_have_save_pretrained_layout(tiny_model_dir, tmp_path):
+    """transformers 5 fuses each layer's experts as it loads a folder and writes them one by one as it
+    saves; the export and the weights streamed into vLLM (which loads such folders) do the same."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from klppo.run.adapters import export_model
+    from klppo.trainer.responses import engine_weights
+
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=16)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "saved")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert any(name.endswith("experts.gate_up_proj") for name in model.state_dict())  # fused in the model
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert any(".experts.0.gate_proj." in name for name in saved)  # one by one on disk
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    export_model(model, tokenizer, tmp_path / "hf", tmp_path / "adapter", SINGLE_PROCESS)
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    streamed = dict(engine_weights(model, torch.float32, torch.device("cpu"), set()))
+    assert streamed.keys() == saved.keys() and all(torch.equal(streamed[k], saved[k]) for k in saved)

