@@ -27,6 +27,7 @@ from safetensors import safe_open
 from transformers import PreTrainedModel
 
 from klppo.errors import UserError, reading
+from klppo.models.heads import model_class
 from klppo.models.rng import seeded
 
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -55,10 +56,8 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def empty_model(auto_class, config) -> PreTrainedModel:
-    """``auto_class``'s model (``load.model_class``) built from ``config`` in fp32, parameters on the meta
+    """``auto_class``'s model (``heads.model_class``) built from ``config`` in fp32, parameters on the meta
     device (tied ones stay tied)."""
-    from klppo.models.load import model_class
-
     cls = model_class(auto_class, type(config))
     with parameters_on_meta():
         if cls is auto_class:
@@ -134,8 +133,6 @@ class ConvertedWeights:
     @classmethod
     def load(cls, auto_class, folder: Path, key: str, config) -> "ConvertedWeights":
         """The folder loaded with the class ``auto_class`` picks for ``config``; the tensors it found."""
-        from klppo.models.load import model_class
-
         with reading(folder, f"{key}: model folder", "copy the folder again, or save the model again with save_pretrained"):
             model, info = model_class(auto_class, type(config)).from_pretrained(
                 folder, config=config, dtype="auto", weights_only=True, output_loading_info=True, trust_remote_code=False)

@@ -191,7 +191,9 @@ def transformers_classes_kept() -> Iterator[dict[type, type]]:
     in this process, the trainer's models of that class then called a ``__call__`` that read
     attributes only vLLM's ``__init__`` sets (``'Olmo2Model' object has no attribute
     'do_not_compile'``). Each such class is put back, and the engine's own instances get the
-    changed subclass (``VLLMEngine``), so vLLM's change reaches its models alone.
+    changed subclass (``VLLMEngine``), so vLLM's change reaches its models alone. The classes are
+    those of modules imported before the block: the engine is built after every model of the run
+    (``run.build.build_ppo``), whose modules are imported by then.
     """
     before = _transformers_classes()
     changed: dict[type, type] = {}

@@ -73,7 +73,7 @@ def test_the_heads_made_for_a_type_are_transformers_generic_heads_on_its_own_bas
     from transformers.modeling_layers import GenericForSequenceClassification, GenericForTokenClassification
     from transformers.models.granite.modeling_granite import GranitePreTrainedModel
 
-    from klppo.models.load import model_class
+    from klppo.models.heads import model_class
 
     critic = model_class(AutoModelForTokenClassification, GraniteConfig)
     scorer = model_class(AutoModelForSequenceClassification, GraniteConfig)

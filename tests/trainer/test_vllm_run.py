@@ -130,7 +130,7 @@ def test_a_bf16_lora_actors_engine_samples_from_the_policy_its_small_updates_mad
 def test_a_model_type_vllm_runs_through_transformers_trains_with_a_critic_and_samples_as_the_trainer_scores(
         overrides, vllm_olmo2_model_dir, tmp_path):
     # OLMo 2: vLLM compiles transformers' own Olmo2Model (its Transformers backend), and transformers has no
-    # critic class for it (klppo.models.load.model_class)
+    # critic class for it (klppo.models.heads.model_class)
     _run(overrides(tmp_path / "olmo2", **{"actor_rollout_ref.model.path": vllm_olmo2_model_dir,
                                           "actor_rollout_ref.model.use_remove_padding": "true",
                                           "trainer.total_training_steps": 2, "trainer.save_freq": -1}))
