@@ -3,8 +3,9 @@
 A safetensors file starts with 8 bytes (little-endian u64: the header's length) and then a JSON
 header naming every tensor's dtype and shape (https://github.com/huggingface/safetensors), so
 the exact parameter count and the dtypes on disk come from a few kilobytes per file. A folder
-with ``config.json`` only (a shape to plan for, no weights yet) gets its count from the
-Llama / Qwen2 layout the config describes, the layout ``klppo.monitoring.flops`` counts too.
+with ``config.json`` only (a shape to plan for, no weights yet) gets its count from the model
+transformers builds from it on the meta device (the Llama / Qwen2 layout the config describes,
+the layout ``klppo.monitoring.flops`` counts, where transformers cannot build it).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def read_model_shape(path: str, key: str = "actor_rollout_ref.model.path") -> Mo
     shape = _shape_from_config(str(folder), config, key)
     counts = _disk_counts(folder, key)
     if not counts:
-        return shape
+        built = _built_count(folder)
+        return shape if built is None else ModelShape(**{**shape.__dict__, "parameters": built})
     return ModelShape(**{**shape.__dict__, "parameters": _loaded_count(counts, shape),
                          "disk_dtypes": tuple(sorted(counts.items()))})
 
@@ -114,6 +116,23 @@ def _formula_count(s: dict, *, bias: bool) -> int:
     layer = attention + 3 * h * s["intermediate_size"] + 2 * h
     head = 0 if s["tie_word_embeddings"] else s["vocab_size"] * h
     return s["vocab_size"] * h + s["num_hidden_layers"] * layer + h + head
+
+
+def _built_count(folder: Path) -> int | None:
+    """The parameters of the causal LM that transformers builds from ``folder``'s config, on the meta
+    device (no memory): exact for any type it ships, mixtures of experts included, where the Llama
+    layout of ``_formula_count`` counts one dense MLP per layer (Qwen3-30B-A3B's config: 2.5B of
+    its 30.5B). None where transformers cannot build it (a type it does not ship)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 (whatever stops transformers from building it, the formula counts instead)
+        return None
+    return sum(p.numel() for p in model.parameters())
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -62,6 +62,25 @@ def test_shape_from_config_json_alone_counts_qwen25_05b(qwen05_dir):
     assert (shape.head_dim, shape.num_key_value_heads, shape.lm_head_parameters) == (64, 2, 0)
 
 
+@pytest.mark.parametrize("kind, keys", [
+    ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24)),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    ("deepseek_v3", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                         n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=8)),
+])
+def test_a_config_alone_counts_a_mixture_of_experts_model_as_transformers_builds_it(kind, keys, tmp_path):
+    # The Llama layout counts one dense MLP per layer: Qwen3-30B-A3B's config gave 2.5B of its 30.5B parameters.
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(kind, vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, **keys)
+    config.save_pretrained(tmp_path)
+    expected = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    shape = read_model_shape(str(tmp_path))
+    assert shape.parameters == expected and shape.disk_dtypes == ()
+
+
 def test_shape_from_safetensors_headers_equals_the_loaded_models_count(tiny_model_dir, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     shape = read_model_shape(str(tiny_model_dir))
