@@ -264,13 +264,17 @@ def test_fp32_rows_on_the_varlen_path_use_one_masked_sdpa_call_and_match(monkeyp
     _assert_close_grads(packed_grads, padded_grads)
 
 
-def test_the_block_causal_mask_keeps_each_sequence_to_itself():
-    mask = block_causal_mask(torch.tensor([0, 2, 2, 5], dtype=torch.int32), 5)  # lengths 2, 0, 3
+@pytest.mark.parametrize("bounds, window, last_row", [
+    ([0, 2, 2, 5], None, [0, 0, 1, 1, 1]),  # lengths 2, 0, 3: each sequence to itself
+    ([0, 2, 5], 2, [0, 0, 0, 1, 1]),  # lengths 2, 3, a window of 2: the last token sees itself and one before
+])
+def test_the_block_causal_mask_keeps_each_token_to_its_sequence_and_window(bounds, window, last_row):
+    mask = block_causal_mask(torch.tensor(bounds, dtype=torch.int32), 5, window)
     expected = torch.tensor([[1, 0, 0, 0, 0],
                              [1, 1, 0, 0, 0],
                              [0, 0, 1, 0, 0],
                              [0, 0, 1, 1, 0],
-                             [0, 0, 1, 1, 1]], dtype=torch.bool)
+                             last_row], dtype=torch.bool)
     assert torch.equal(mask, expected)
 
 
@@ -385,16 +389,6 @@ def test_the_mask_function_hands_over_only_plain_sliding_windows():
     assert isinstance(mask(sliding, use_vmap=True), torch.Tensor)
     assert isinstance(mask(sliding, local_size=3, attention_mask=torch.ones(1, 6, dtype=torch.bool)), torch.Tensor)
     assert isinstance(mask(sliding, local_size=3, q_length=1, kv_offset=5), torch.Tensor)  # a cache
-
-
-def test_the_sliding_block_causal_mask_keeps_each_token_to_its_window():
-    mask = block_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32), 5, window=2)  # lengths 2, 3
-    expected = torch.tensor([[1, 0, 0, 0, 0],
-                             [1, 1, 0, 0, 0],
-                             [0, 0, 1, 0, 0],
-                             [0, 0, 1, 1, 0],
-                             [0, 0, 0, 1, 1]], dtype=torch.bool)
-    assert torch.equal(mask, expected)
 
 
 # ---- (e) every model of a run ----
