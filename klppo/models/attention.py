@@ -28,7 +28,7 @@ The candidates (``packed_attention_for`` picks one; benchmarks/README.md has the
   length of each sequence, not of the row, which is why it runs per sequence; it is slow and
   only for runs that ask for determinism.
 
-Sliding-window layers (Mistral, Gemma 2 and 3, Qwen2/3 with ``use_sliding_window``, Phi-3, ...):
+Sliding-window layers (Mistral, Gemma 3, Qwen2/3 with ``use_sliding_window``, Phi-3, ...):
 token i sees the tokens j of its own sequence with i - W < j <= i. For rows without padding or
 cache, transformers would build an (N, N) mask per forward and leave each layer one masked sdpa
 call over the whole row; instead the run's mask function (``_packed_sdpa_mask``) hands those
@@ -73,8 +73,6 @@ CPU_PACKED_ATTENTION = PACKED_SDPA
 OUR_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC)
 # The implementations that read each row's sequence bounds from ROW_BOUNDS.
 ROW_BOUNDS_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_DETERMINISTIC)
-
-
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,7 @@ def _model_config(folder: Path, key: str):
         raise UserError(f"{key}: '{folder}' needs the Python code its config.json names (auto_map), and klppo never "
                         "runs code from a model folder; use a model whose architecture transformers ships")
     with reading(path, f"{key}: the model config", fix):
-        config = AutoConfig.from_pretrained(folder, **_SAFE)
-    return config
+        return AutoConfig.from_pretrained(folder, **_SAFE)
 
 
 def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreTrainedTokenizerBase:
