@@ -5,6 +5,8 @@ convention (Chowdhery et al. 2022, appendix B) with two corrections to verl's Fl
 which charges the vocabulary projection twice (embedding + head) for every token and
 attention as if it were not causal:
 - each decoder layer's projections (q, k, v, o; gate, up, down): 2 FLOPs per weight per token;
+  of a mixture of experts, the experts a token is routed to (top-k of them) and the router
+  (``decoder_weights_per_token``, counted on the model itself);
 - attention scores and weighted values, causal: a sequence of n tokens has n (n + 1) / 2
   query-key pairs (flash attention and klppo's packed sdpa skip the masked half), 4 x heads
   x head_dim FLOPs per pair and layer (QK^T and AV);
@@ -38,24 +40,89 @@ DEVICE_PEAKS = (
 HALF = (torch.bfloat16, torch.float16)
 
 
+# Config keys of a mixture of experts' experts per token (top-k), by model family: most, ERNIE 4.5,
+# Hunyuan and LongCat.
+TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")
+
+
 def model_flops(config, seq_lens: list[int], *, training: bool, head_positions: int | None = None,
-                head_outputs: int | None = None) -> float:
+                head_outputs: int | None = None, layer_weights: int | None = None) -> float:
     """FLOPs of one pass over sequences of ``seq_lens`` real tokens (Llama/Qwen2-shaped config).
 
     ``head_positions``: positions whose head output is computed (default: every token);
-    ``head_outputs``: the head's outputs per position (default: the vocabulary, an LM head).
+    ``head_outputs``: the head's outputs per position (default: the vocabulary, an LM head);
+    ``layer_weights``: the weights one token multiplies through in all decoder layers
+    (``decoder_weights_per_token``; default: the dense Llama layout of ``config``).
     """
     h, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q = config.num_attention_heads * head_dim
-    kv = config.num_key_value_heads * head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size  # q, k, v, o + gate/up/down
+    if layer_weights is None:
+        layer_weights = layers * dense_layer_weights(config)
     tokens = sum(seq_lens)
     pairs = sum(n * (n + 1) // 2 for n in seq_lens)  # causal attention
     positions = tokens if head_positions is None else head_positions
     outputs = config.vocab_size if head_outputs is None else head_outputs
-    forward = 2 * layers * per_layer * tokens + 4 * q * layers * pairs + 2 * h * outputs * positions
+    forward = 2 * layer_weights * tokens + 4 * q * layers * pairs + 2 * h * outputs * positions
     return (3 if training else 1) * forward
+
+
+def attention_weights(config) -> int:
+    """Weights of one Llama/Qwen2 attention block's projections: q, k, v and o."""
+    h = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return h * q + 2 * h * kv + q * h
+
+
+def dense_layer_weights(config) -> int:
+    """Weights of one Llama/Qwen2 decoder layer's projections: attention's, and the MLP's gate, up and down."""
+    return attention_weights(config) + 3 * config.hidden_size * config.intermediate_size
+
+
+def experts_per_token(config) -> int | None:
+    """A mixture of experts' top-k, from a config object or its dict; None for a dense model."""
+    for key in TOP_K_KEYS:
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList | None:
+    """The model's stack of decoder layers: its first (outermost) list of ``num_layers`` modules."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    return None
+
+
+def decoder_weights_per_token(model: torch.nn.Module, config) -> int | None:
+    """The weights one token multiplies through in ``model``'s decoder layers, each 2 FLOPs a token:
+    every weight matrix of a layer (LoRA adapters', routers' and shared experts' included; no bias
+    or norm), and of a mixture of experts' ``experts`` (transformers' fused 3-d tensors, or a list
+    of expert modules) the top-k of their number a token is routed to. Counted on the model, so
+    any layout transformers builds (Mixtral's, Qwen-MoE's dense and sparse layers, DeepSeek's
+    latent attention) counts as it runs; parameters sharded by FSDP2 count whole. None where the
+    layer stack, or a mixture's top-k in ``config``, is not found."""
+    layers = decoder_layers(model, config.num_hidden_layers)
+    if layers is None:
+        return None
+    top_k, total = experts_per_token(config), 0
+    for name, parameter in layers.named_parameters():
+        path = name.split(".")
+        if parameter.ndim < 2 or path[-1].endswith("bias"):
+            continue
+        if "experts" not in path:
+            total += parameter.numel()
+            continue
+        if top_k is None:
+            return None
+        experts = path.index("experts")
+        listed = experts + 1 < len(path) and path[experts + 1].isdigit()
+        n_experts = len(layers.get_submodule(".".join(path[:experts + 1]))) if listed else parameter.shape[0]
+        total += parameter.numel() * min(top_k, n_experts) // n_experts
+    return total
 
 
 def peak_flops_by_name(name: str, dtype: torch.dtype) -> float | None:
@@ -89,6 +156,7 @@ class UpdateWork:
     dtype: torch.dtype  # the compute dtype (fsdp_config.dtype); FSDP2's parameters are the fp32 masters
     head_positions: int  # positions whose head output was computed: response tokens (actor), all (critic)
     head_outputs: int | None = None  # head outputs per position: None = the vocabulary; a value head's 1
+    layer_weights: int | None = None  # decoder_weights_per_token of the model; None = the config's dense layout
 
 
 def max_memory_gb(device: torch.device) -> float:
@@ -111,7 +179,7 @@ def update_efficiency_metrics(device: torch.device, seconds: dict[str, float], l
         if f"update_{role}" not in seconds:
             continue
         flops = work.epochs * model_flops(work.config, lengths, training=True, head_positions=work.head_positions,
-                                          head_outputs=work.head_outputs)
+                                          head_outputs=work.head_outputs, layer_weights=work.layer_weights)
         value = mfu(flops, seconds[f"update_{role}"], peak_flops(device, work.dtype))
         if value is not None:
             metrics[f"perf/mfu/{role}"] = value

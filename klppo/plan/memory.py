@@ -129,10 +129,11 @@ def resident_items(s: PlanSettings, active: tuple[str, ...], updated: tuple[str,
 def layer_activation_elements(m: ModelPlan) -> int:
     """Elements a decoder block saves per token for backward (transformers' Llama/Qwen2 layer): its two
     RMSNorms' inputs and outputs (4h), q, k, v with rotated q and k, the attention output and
-    o_proj's input (4q + 3kv), and the MLP's gate, up, SiLU(gate) and product (4 x intermediate)."""
+    o_proj's input (4q + 3kv), and the MLP's gate, up, SiLU(gate) and product (4 x its width: a
+    mixture of experts', the experts a token is routed to)."""
     sh = m.shape
     q, kv = sh.num_attention_heads * sh.head_dim, sh.num_key_value_heads * sh.head_dim
-    return 4 * sh.hidden_size + 4 * q + 3 * kv + 4 * sh.intermediate_size
+    return 4 * sh.hidden_size + 4 * q + 3 * kv + 4 * sh.mlp_width
 
 
 def training_activation_bytes(m: ModelPlan, tokens: int) -> int:
@@ -147,7 +148,7 @@ def training_activation_bytes(m: ModelPlan, tokens: int) -> int:
 def forward_activation_bytes(m: ModelPlan, tokens: int) -> int:
     """A no-grad forward keeps one block's intermediates at a time: the residual stream, the MLP's
     gate, up and product."""
-    return tokens * (3 * m.shape.hidden_size + 3 * m.shape.intermediate_size) * m.compute_bytes
+    return tokens * (3 * m.shape.hidden_size + 3 * m.shape.mlp_width) * m.compute_bytes
 
 
 def lm_head_bytes(s: PlanSettings, m: ModelPlan, response_tokens: int, training: bool) -> int:

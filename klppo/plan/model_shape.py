@@ -5,7 +5,9 @@ header naming every tensor's dtype and shape (https://github.com/huggingface/saf
 the exact parameter count and the dtypes on disk come from a few kilobytes per file. A folder
 with ``config.json`` only (a shape to plan for, no weights yet) gets its count from the model
 transformers builds from it on the meta device (the Llama / Qwen2 layout the config describes,
-the layout ``klppo.monitoring.flops`` counts, where transformers cannot build it).
+the layout ``klppo.monitoring.flops`` counts, where transformers cannot build it). A mixture of
+experts' model is built on the meta device too, weights or not: the weights a token multiplies
+through (its routed experts only) are counted on it, for the plan's FLOPs and activations.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import json
 import struct
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from klppo.errors import UserError
+from klppo.monitoring.flops import attention_weights, decoder_weights_per_token, experts_per_token
 
 HEADER_LIMIT = 100 * 2**20  # safetensors refuses headers above 100 MB; so do we (a corrupt file)
 
@@ -39,6 +42,18 @@ class ModelShape:
     tie_word_embeddings: bool
     parameters: int  # of the causal LM, as ``sum(p.numel() for p in model.parameters())`` counts (tied: once)
     disk_dtypes: tuple[tuple[str, int], ...] = ()  # (safetensors dtype, elements) on disk; () without weights
+    # The weights one token multiplies through in all decoder layers, counted on the model built from the
+    # config (monitoring.flops.decoder_weights_per_token); None: the dense Llama layout's.
+    layer_weights: int | None = None
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP width one token passes through per decoder layer: ``intermediate_size`` for a dense
+        model; a mixture of experts' routed experts (top-k x their width) and shared experts together."""
+        if self.layer_weights is None:
+            return self.intermediate_size
+        mlp = self.layer_weights / self.num_hidden_layers - attention_weights(self)
+        return max(1, round(mlp / (3 * self.hidden_size)))
 
     @property
     def lm_head_parameters(self) -> int:
@@ -76,11 +91,11 @@ def read_model_shape(path: str, key: str = "actor_rollout_ref.model.path") -> Mo
     config = _text_config(json.loads(config_file.read_text()))
     shape = _shape_from_config(str(folder), config, key)
     counts = _disk_counts(folder, key)
+    if not counts or experts_per_token(config) is not None:
+        shape = _counted_on_built_model(shape, folder)
     if not counts:
-        built = _built_count(folder)
-        return shape if built is None else ModelShape(**{**shape.__dict__, "parameters": built})
-    return ModelShape(**{**shape.__dict__, "parameters": _loaded_count(counts, shape),
-                         "disk_dtypes": tuple(sorted(counts.items()))})
+        return shape
+    return replace(shape, parameters=_loaded_count(counts, shape), disk_dtypes=tuple(sorted(counts.items())))
 
 
 def _text_config(config: dict) -> dict:
@@ -118,11 +133,12 @@ def _formula_count(s: dict, *, bias: bool) -> int:
     return s["vocab_size"] * h + s["num_hidden_layers"] * layer + h + head
 
 
-def _built_count(folder: Path) -> int | None:
-    """The parameters of the causal LM that transformers builds from ``folder``'s config, on the meta
-    device (no memory): exact for any type it ships, mixtures of experts included, where the Llama
-    layout of ``_formula_count`` counts one dense MLP per layer (Qwen3-30B-A3B's config: 2.5B of
-    its 30.5B). None where transformers cannot build it (a type it does not ship)."""
+def _counted_on_built_model(shape: ModelShape, folder: Path) -> ModelShape:
+    """``shape`` with the parameters and layer weights of the causal LM transformers builds from
+    ``folder``'s config, on the meta device (no memory): exact for any type it ships, mixtures of
+    experts included, where the Llama layout of ``_formula_count`` counts one dense MLP per layer
+    (Qwen3-30B-A3B's config: 2.5B of its 30.5B parameters, and every expert as if each token ran
+    through them all). ``shape`` as it is where transformers cannot build it (a type it does not ship)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -131,8 +147,9 @@ def _built_count(folder: Path) -> int | None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception:  # noqa: BLE001 (whatever stops transformers from building it, the formula counts instead)
-        return None
-    return sum(p.numel() for p in model.parameters())
+        return shape
+    return replace(shape, parameters=sum(p.numel() for p in model.parameters()),
+                   layer_weights=decoder_weights_per_token(model, config.get_text_config()))
 
 
 def _weight_files(folder: Path) -> list[Path]:

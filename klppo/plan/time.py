@@ -12,14 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from klppo.monitoring.flops import model_flops
+from klppo.monitoring import flops
 from klppo.plan.inputs import PlanSettings
+from klppo.plan.model_shape import ModelShape
 
 
 @dataclass(frozen=True)
 class PhaseFlops:
     phase: str
     flops: float  # over the whole step, all ranks
+
+
+def model_flops(shape: ModelShape, seqs: list[int], **kwargs) -> float:
+    """``flops.model_flops`` of a planned model: its config's numbers and the weights a token runs through."""
+    return flops.model_flops(shape, seqs, layer_weights=shape.layer_weights, **kwargs)
 
 
 def _model(s: PlanSettings, role: str):

@@ -14,7 +14,7 @@ import torch
 
 from klppo.data.batching import seqlen_balance_metrics
 from klppo.distributed import max_over_ranks
-from klppo.monitoring.flops import UpdateWork, update_efficiency_metrics
+from klppo.monitoring.flops import UpdateWork, decoder_weights_per_token, update_efficiency_metrics
 from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics, reward_component_metrics
 from klppo.monitoring.timer import PEAK_MEMORY, PhaseTimer
 from klppo.rollout.batch import RolloutBatch
@@ -69,8 +69,10 @@ def efficiency_metrics(parts: PPOParts, batch: RolloutBatch, seconds: dict[str, 
     lengths, responses = torch.stack([batch.prompt_mask.sum(-1) + responses, responses]).tolist()  # host sync
     s, tokens = parts.settings, sum(lengths)
     # The actor's LM head runs at the response positions only; the critic's value head everywhere.
-    updated = {"actor": UpdateWork(parts.actor.config, s.actor.ppo_epochs, s.actor.compute_dtype, sum(responses))}
-    if parts.critic is not None:
-        updated["critic"] = UpdateWork(parts.critic.config, s.critic.ppo_epochs, s.critic.compute_dtype, tokens,
-                                       head_outputs=1)
+    actor, critic = parts.actor, parts.critic
+    updated = {"actor": UpdateWork(actor.config, s.actor.ppo_epochs, s.actor.compute_dtype, sum(responses),
+                                   layer_weights=decoder_weights_per_token(actor, actor.config))}
+    if critic is not None:
+        updated["critic"] = UpdateWork(critic.config, s.critic.ppo_epochs, s.critic.compute_dtype, tokens,
+                                       head_outputs=1, layer_weights=decoder_weights_per_token(critic, critic.config))
     return update_efficiency_metrics(parts.device, seconds, lengths, updated)

@@ -76,9 +76,39 @@ def test_a_config_alone_counts_a_mixture_of_experts_model_as_transformers_builds
     config = AutoConfig.for_model(kind, vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, **keys)
     config.save_pretrained(tmp_path)
-    expected = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    from klppo.monitoring.flops import decoder_weights_per_token
+
+    model = AutoModelForCausalLM.from_config(config)
     shape = read_model_shape(str(tmp_path))
-    assert shape.parameters == expected and shape.disk_dtypes == ()
+    assert shape.parameters == sum(p.numel() for p in model.parameters()) and shape.disk_dtypes == ()
+    # the routed experts only: fewer than the layers hold
+    assert shape.layer_weights == decoder_weights_per_token(model, config) < shape.parameters - 2 * shape.embedding_parameters
+
+
+def test_a_mixture_of_experts_folder_plans_the_experts_a_token_is_routed_to(tmp_path):
+    # Mixtral, hidden 32, 4 experts 48 wide, top 2: per layer attention (q, o 32 x 32; k, v 32 x 16), the
+    # router (32 x 4) and 2 experts' gate, up and down; the dense layout charged one 48-wide MLP.
+    from transformers import AutoConfig
+
+    from klppo.plan.time import model_flops
+
+    config = AutoConfig.for_model("mixtral", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                  num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    shape = read_model_shape(str(tmp_path))
+    attention, routed = 2 * 32 * 32 + 2 * 32 * 16, 32 * 4 + 2 * 3 * 32 * 48
+    assert shape.layer_weights == 3 * (attention + routed)
+    assert shape.parameters == sum(p.numel() for p in model.parameters())
+    assert shape.mlp_width == round(routed / (3 * 32)) == 97  # two experts' 96 and the router's share
+    as_dense = dataclasses.replace(shape, intermediate_size=97, layer_weights=None)
+    plan = memory.ModelPlan("actor", shape, shape.parameters, shape.parameters, 1, 4, False, False, False, False)
+    assert memory.layer_activation_elements(plan) == memory.layer_activation_elements(
+        dataclasses.replace(plan, shape=as_dense))
+    # the plan's FLOPs (step_flops' every phase): a 12-token row, 7 response tokens; 78 causal pairs
+    update = model_flops(shape, [12], training=True, head_positions=7)
+    assert update == 3 * (2 * shape.layer_weights * 12 + 4 * 32 * 3 * 78 + 2 * 32 * 96 * 7)
 
 
 def test_shape_from_safetensors_headers_equals_the_loaded_models_count(tiny_model_dir, tmp_path):
