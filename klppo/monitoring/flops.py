@@ -9,7 +9,8 @@ attention as if it were not causal:
   (``decoder_weights_per_token``, counted on the model itself);
 - attention scores and weighted values, causal: a sequence of n tokens has n (n + 1) / 2
   query-key pairs (flash attention and klppo's packed sdpa skip the masked half), 4 x heads
-  x head_dim FLOPs per pair and layer (QK^T and AV);
+  x head_dim FLOPs per pair and layer (QK^T and AV); a sliding-window layer (Mistral, Gemma 3,
+  GPT-OSS, ...) of window W pairs each token with its last W tokens only;
 - the head: 2 x hidden x outputs per position whose head output is computed. The LM head of
   an update or log-prob forward runs only where log-probs are read (``logits_to_keep`` /
   packed reads: the response tokens), a value head (1 output) at every token;
@@ -60,11 +61,30 @@ def model_flops(config, seq_lens: list[int], *, training: bool, head_positions: 
     if layer_weights is None:
         layer_weights = layers * dense_layer_weights(config)
     tokens = sum(seq_lens)
-    pairs = sum(n * (n + 1) // 2 for n in seq_lens)  # causal attention
+    pairs = sum(causal_pairs(n, window) for window in attention_windows(config) for n in seq_lens)
     positions = tokens if head_positions is None else head_positions
     outputs = config.vocab_size if head_outputs is None else head_outputs
-    forward = 2 * layer_weights * tokens + 4 * q * layers * pairs + 2 * h * outputs * positions
+    forward = 2 * layer_weights * tokens + 4 * q * pairs + 2 * h * outputs * positions
     return (3 if training else 1) * forward
+
+
+def causal_pairs(n: int, window: int | None = None) -> int:
+    """Query-key pairs of causal attention over ``n`` tokens; with a sliding ``window``, token i sees
+    the tokens j with i - window < j <= i."""
+    if window is None or n <= window:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
+def attention_windows(config) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), as transformers' configs say it:
+    ``layer_types`` where the config has them (Gemma 3, Qwen2/3, GPT-OSS, ...), else
+    ``sliding_window`` for every layer (Mistral, Phi-3)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    return [window] * config.num_hidden_layers
 
 
 def attention_weights(config) -> int:

@@ -45,6 +45,9 @@ class ModelShape:
     # The weights one token multiplies through in all decoder layers, counted on the model built from the
     # config (monitoring.flops.decoder_weights_per_token); None: the dense Llama layout's.
     layer_weights: int | None = None
+    # Sliding-window attention, as the config says it (monitoring.flops.attention_windows).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     @property
     def mlp_width(self) -> int:
@@ -115,7 +118,24 @@ def _shape_from_config(path: str, c: dict, key: str) -> ModelShape:
                  num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
                  num_key_value_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
                  intermediate_size=c["intermediate_size"], tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
-    return ModelShape(**shape, parameters=_formula_count(shape, bias=_attention_bias(c)))
+    return ModelShape(**shape, parameters=_formula_count(shape, bias=_attention_bias(c)), **_attention_layout(c))
+
+
+def _attention_layout(c: dict) -> dict:
+    """The sliding windows config.json states: transformers' configs set ``layer_types`` from the
+    older keys as they load (Qwen2's ``use_sliding_window`` and ``max_window_layers``), so a
+    folder's config.json is read through transformers where it can be (with the raw keys otherwise)."""
+    layout = {"sliding_window": c.get("sliding_window"), "layer_types": c.get("layer_types")}
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(**c).get_text_config()
+        layout = {"sliding_window": getattr(config, "sliding_window", None),
+                  "layer_types": getattr(config, "layer_types", None)}
+    except Exception:  # noqa: BLE001 (a type transformers does not ship: the raw keys)
+        pass
+    types = layout["layer_types"]
+    return {**layout, "layer_types": None if types is None else tuple(types)}
 
 
 def _attention_bias(c: dict) -> bool:

@@ -140,3 +140,19 @@ def test_a_runs_mfu_counts_a_mixture_of_experts_actors_routed_experts(monkeypatc
     expected = flops.model_flops(config, [4], training=True, head_positions=2,
                                  layer_weights=2 * (ATTENTION + 32 + 2 * 3 * 8 * 6))
     assert metrics["perf/mfu/actor"] == pytest.approx(expected / 989e12)
+
+
+def test_a_sliding_window_pairs_each_token_with_its_last_w_tokens():
+    # 5 tokens, window 3: the tokens see 1, 2, 3, 3, 3 keys
+    assert flops.causal_pairs(5, 3) == 12 and flops.causal_pairs(5) == flops.causal_pairs(5, 5) == 15
+    assert flops.causal_pairs(2, 3) == 3
+
+
+def test_sliding_layers_charge_their_windows_pairs_only():
+    # CONFIG's one layer, sliding with window 2: 3 tokens see 1, 2, 2 keys = 5 pairs x 4 x 4 = 80, not 96
+    sliding = SimpleNamespace(**vars(CONFIG), sliding_window=2, layer_types=["sliding_attention"])
+    assert flops.model_flops(sliding, [3], training=False, head_positions=2) == 864 + 80 + 160
+    mistral = SimpleNamespace(**vars(CONFIG), sliding_window=2)  # no layer_types: every layer slides
+    assert flops.model_flops(mistral, [3], training=False, head_positions=2) == 864 + 80 + 160
+    full = SimpleNamespace(**vars(CONFIG), sliding_window=2, layer_types=["full_attention"])
+    assert flops.model_flops(full, [3], training=False, head_positions=2) == 864 + 96 + 160

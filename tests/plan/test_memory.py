@@ -111,6 +111,27 @@ def test_a_mixture_of_experts_folder_plans_the_experts_a_token_is_routed_to(tmp_
     assert update == 3 * (2 * shape.layer_weights * 12 + 4 * 32 * 3 * 78 + 2 * 32 * 96 * 7)
 
 
+@pytest.mark.parametrize("kind, keys, expected", [
+    ("qwen2", dict(use_sliding_window=False, sliding_window=32768, max_window_layers=2), [None] * 3),  # Qwen2.5's
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), [None, 16, 16]),
+    ("mistral", dict(sliding_window=16), [16] * 3),  # every layer
+    ("gemma3_text", dict(sliding_window=16, sliding_window_pattern=2), [16, None, 16]),
+    ("llama", {}, [None] * 3),
+])
+def test_the_plan_reads_each_layers_sliding_window_as_transformers_does(kind, keys, expected, tmp_path):
+    from transformers import AutoConfig
+
+    from klppo.monitoring.flops import attention_windows
+
+    config = AutoConfig.for_model(kind, vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, **keys)
+    raw = {**config.to_diff_dict(), **keys, "model_type": kind}
+    raw.pop("layer_types", None)  # as older config.json files are saved
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    windows = attention_windows(read_model_shape(str(tmp_path)))
+    assert windows == attention_windows(config) == attention_windows(AutoConfig.from_pretrained(tmp_path)) == expected
+
+
 def test_shape_from_safetensors_headers_equals_the_loaded_models_count(tiny_model_dir, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     shape = read_model_shape(str(tiny_model_dir))
