@@ -123,6 +123,122 @@ def compute_policy_loss(
     return loss, stats
 
 
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    global_seq_count: Count = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """GSPO's sequence-level clipped surrogate (Zheng et al. 2025, arXiv:2507.18071; verl's gspo).
+
+    All inputs (B, T). Each sequence's ratio is the geometric mean of its tokens' ratios,
+    s_i = exp(mean_t (log_prob - old_log_prob)), clipped as a whole; every token carries it as
+    s_i,t = sg[s_i] pi / sg[pi] (GSPO-token: the value of s_i, the gradient of its own log-prob).
+    Loss per token max(-A s_i,t, -A clip(s_i,t, 1 - low, 1 + high)), times the rollout-correction
+    weights, reduced seq-mean-token-mean whatever the run's loss_agg_mode (as verl: the paper
+    averages each sequence's tokens first); no dual clip. The paper's ranges are 3e-4 and 4e-4:
+    a sequence's ratio moves far less than a token's. Stats as ``compute_policy_loss``; the lower
+    clip fraction is 0.
+    """
+    mask = response_mask.bool()
+    negative_approx_kl = log_prob - old_log_prob
+    lengths = mask.sum(dim=-1).clamp(min=1)
+    sequence_log_ratio = masked_sum(negative_approx_kl, mask, dim=-1) / lengths  # (B,)
+    log_ratio = log_prob - log_prob.detach() + sequence_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(log_ratio, max=10.0))  # verl's bound, for numerical safety
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    loss = agg_loss(pg_losses, mask, "seq-mean-token-mean", global_seq_count=global_seq_count)
+    with torch.no_grad():
+        stats = {
+            "actor/pg_loss": loss.detach(),
+            "actor/pg_clipfrac": masked_mean((pg_losses2 > pg_losses1).float(), mask),
+            "actor/ppo_kl": masked_mean(-negative_approx_kl, mask),
+            "actor/pg_clipfrac_lower": torch.zeros((), dtype=loss.dtype, device=loss.device),
+        }
+    return loss, stats
+
+
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: Count = None,
+    global_seq_count: Count = None,
+    loss_scale_factor: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """CISPO: REINFORCE weighted by the clipped, detached importance ratio (MiniMax 2025,
+    arXiv:2506.13585; verl's cispo).
+
+    All inputs (B, T). Loss per token -sg[clip(ratio, 1 - low, 1 + high)] A log_prob, ratio =
+    exp(log_prob - old_log_prob) (clamped to +-20 in log space, as verl): every token keeps its
+    gradient, clipping bounds only its weight (PPO's clip drops the gradient of a clipped
+    token). Times the rollout-correction weights, reduced by ``loss_agg_mode``. "actor/pg_clipfrac"
+    is the fraction of tokens whose ratio was clipped on either side; the lower one is 0.
+    """
+    mask = response_mask.bool()
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    clipped = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
+    pg_losses = -clipped * advantages * log_prob
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, global_token_count, global_seq_count, loss_scale_factor)
+    with torch.no_grad():
+        stats = {
+            "actor/pg_loss": loss.detach(),
+            "actor/pg_clipfrac": masked_mean((ratio != clipped).float(), mask),
+            "actor/ppo_kl": masked_mean(-negative_approx_kl, mask),
+            "actor/pg_clipfrac_lower": torch.zeros((), dtype=loss.dtype, device=loss.device),
+        }
+    return loss, stats
+
+
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo")
+
+
+def compute_policy_loss_of_mode(
+    loss_mode: str,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    loss_agg_mode: str,
+    global_token_count: Count = None,
+    global_seq_count: Count = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The policy loss verl's ``actor.policy_loss.loss_mode`` names: vanilla (dual-clip PPO,
+    ``compute_policy_loss``), gspo or cispo, with the arguments each takes."""
+    inputs = (old_log_prob, log_prob, advantages, response_mask)
+    if loss_mode == "gspo":
+        return compute_policy_loss_gspo(*inputs, clip_ratio_low, clip_ratio_high, global_seq_count=global_seq_count,
+                                        rollout_is_weights=rollout_is_weights)
+    counts = dict(loss_agg_mode=loss_agg_mode, global_token_count=global_token_count,
+                  global_seq_count=global_seq_count, rollout_is_weights=rollout_is_weights)
+    if loss_mode == "cispo":
+        return compute_policy_loss_cispo(*inputs, clip_ratio_low, clip_ratio_high, **counts)
+    if loss_mode == "vanilla":
+        return compute_policy_loss(*inputs, clip_ratio_low, clip_ratio_high, clip_ratio_c, **counts)
+    raise ValueError(f"unknown policy loss mode {loss_mode!r}; valid modes are {', '.join(POLICY_LOSS_MODES)}")
+
+
 def compute_policy_loss_reinforce(
     rollout_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

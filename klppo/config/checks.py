@@ -466,6 +466,13 @@ def filter_groups_notes(cfg: PPOConfig) -> list[str]:
 def _check_rollout_correction(cfg: PPOConfig, out: list[Problem]) -> None:
     """Thresholds verl would accept, parsed as verl parses them (``config.rollout_correction``)."""
     rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if rc.bypass_mode and mode != "vanilla" and cfg.actor_rollout_ref.rollout.name != "hf":
+        out.append(Problem((f"{ACTOR}.policy_loss.loss_mode", f"{key}.bypass_mode"),
+                           f"{ACTOR}.policy_loss.loss_mode = '{mode}' with {key}.bypass_mode = true: bypass mode "
+                           f"trains with its own loss ({key}.loss_type: ppo_clip or reinforce, against the behaviour "
+                           f"policy), where verl replaces the loss mode without a word; set bypass_mode=false to "
+                           f"train {mode} with the correction's weights, or loss_mode=vanilla"))
     if rc.rollout_is is not None:
         try:
             parse_is_threshold(rc.rollout_is_threshold)

@@ -133,6 +133,14 @@ class OptimConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    # The policy loss: vanilla (PPO's clipped surrogate with dual clip), gspo (sequence-level
+    # ratios, Zheng et al. 2025; the paper's clip_ratio_low/high are 3e-4/4e-4) or cispo (REINFORCE
+    # weighted by the clipped, detached ratio, MiniMax 2025), as verl computes each.
+    loss_mode: Literal["vanilla", "gspo", "cispo"] = "vanilla"
+
+
+@dataclass
 class ActorConfig:
     # Training engine: FSDP2 (`fsdp` is accepted as verl's spelling of the same).
     strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
@@ -152,8 +160,9 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None
     # Dual-clip constant c > 1 bounding the loss for negative advantages (Ye et al. 2020).
     clip_ratio_c: float = 3.0
-    # How token losses are reduced to one number.
+    # How token losses are reduced to one number (GSPO's policy loss is always seq-mean-token-mean, as verl).
     loss_agg_mode: LossAggMode = "token-mean"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     # Weight of the entropy bonus (subtracted from the loss).
     entropy_coeff: float = 0.0
     # Add a KL(pi || ref) loss term to the actor loss (GRPO style).

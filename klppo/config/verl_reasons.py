@@ -37,7 +37,6 @@ _NOT_IMPLEMENTED = "not implemented in klppo"
 
 RULES: tuple[tuple, ...] = (
     # -- changes what is trained: refused when set to anything but verl's default --
-    (("*.policy_loss.loss_mode",), "klppo implements verl's vanilla (dual-clip) PPO policy loss only", REFUSE),
     (("actor_rollout_ref.rollout.multi_turn.enable",), "multi-turn / tool rollouts are not implemented in klppo", REFUSE),
     (("algorithm.use_pf_ppo",), "preference-feedback PPO reweighting is not implemented in klppo", REFUSE),
     (("algorithm.rollout_correction.rollout_token_veto_threshold",), "verl 0.6-0.7's token veto, gone from verl "
@@ -130,7 +129,8 @@ RULES: tuple[tuple, ...] = (
     (("*.optim.num_cycles",), "klppo's cosine schedule is verl's default half cycle"),
     (("*.optim.zero_indexed_step",), "klppo counts scheduler steps from 0, as verl's default"),
     (("actor_rollout_ref.actor.policy_loss.*", "actor_rollout_ref.actor.tau_pos", "actor_rollout_ref.actor.tau_neg"),
-     "parameter of one of verl's other policy losses (GSPO, SAPO, clip-cov, ...); klppo uses vanilla PPO"),
+     "parameter of one of verl's policy losses klppo does not have (SAPO, clip-cov, KL-cov, ...); klppo's "
+     "vanilla, gspo and cispo take none"),
     (("*.loss_scale_factor",), "klppo's seq-mean-token-sum-norm divides by the response length"),
     (("actor_rollout_ref.actor.calculate_entropy", "actor_rollout_ref.actor.calculate_sum_pi_squared",
       "actor_rollout_ref.actor.sum_pi_squared_checkpointing"), "klppo always computes and logs the entropy"),

@@ -23,7 +23,12 @@ import dataclasses
 
 import torch
 
-from klppo.algo import compute_policy_loss, compute_policy_loss_reinforce, compute_rollout_correction_and_rejection_mask
+from klppo.algo import (
+    compute_policy_loss,
+    compute_policy_loss_of_mode,
+    compute_policy_loss_reinforce,
+    compute_rollout_correction_and_rejection_mask,
+)
 from klppo.distributed import all_gather_rows, my_rows
 from klppo.rollout.batch import RolloutBatch
 from klppo.run.settings import ActorUpdateSettings, RolloutCorrectionSettings
@@ -61,14 +66,15 @@ def with_rollout_correction(batch: RolloutBatch, s: RolloutCorrectionSettings
 
 def policy_loss(micro: RolloutBatch, log_prob: torch.Tensor, s: ActorUpdateSettings, counts: dict
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The policy loss of one micro-batch: PPO's clipped surrogate (with the weights the decoupled
-    correction set), or in bypass mode the loss ``loss_type`` names, corrected against mu."""
+    """The policy loss of one micro-batch: the one ``policy_loss.loss_mode`` names (with the weights
+    the decoupled correction set), or in bypass mode the loss ``loss_type`` names, corrected
+    against mu (``config.checks`` refuses bypass mode with another loss mode than vanilla)."""
     rc = s.rollout_correction
     clip = dict(clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c)
     if not rc.bypass_mode:
-        return compute_policy_loss(micro.old_log_prob, log_prob, micro.advantages, micro.update_mask, **clip,
-                                   loss_agg_mode=s.loss_agg_mode, rollout_is_weights=micro.rollout_is_weights,
-                                   **counts)
+        return compute_policy_loss_of_mode(s.policy_loss_mode, micro.old_log_prob, log_prob, micro.advantages,
+                                           micro.update_mask, **clip, loss_agg_mode=s.loss_agg_mode,
+                                           rollout_is_weights=micro.rollout_is_weights, **counts)
     rollout_log_prob = micro.old_log_prob  # pi_old = mu in bypass mode
     with torch.no_grad():
         weights, keep, metrics = _correct(log_prob.detach(), rollout_log_prob, micro.response_mask, rc)
