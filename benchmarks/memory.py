@@ -47,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=4864)
     p.add_argument("--vocab-size", type=int, default=151936)
+    p.add_argument("--experts", type=int, default=0,
+                   help="a mixture of experts (Qwen3-MoE) of this many experts per layer, each "
+                        "--intermediate-size wide (default 0: the dense Qwen2 shape)")
+    p.add_argument("--experts-per-token", type=int, default=2, help="the mixture's top-k")
     p.add_argument("--untied", action="store_true", help="an LM head of its own (default: tied to the embedding)")
     p.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="the weights' dtype on disk (bfloat16, as the released 0.5B; float32: the dtype it trains in)")
@@ -98,19 +102,23 @@ def synthetic_tokenizer(vocab_size: int):
 def build_model_folder(out: Path, args) -> Path:
     """Random weights of the shape in ``args``, saved in ``args.save_dtype``, with the synthetic tokenizer."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from klppo.models.tiny import save_tokenizer
 
     tokenizer = synthetic_tokenizer(args.vocab_size)
-    config = Qwen2Config(
+    shape = dict(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=4096, tie_word_embeddings=not args.untied, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
+    if args.experts:
+        shape.update(num_experts=args.experts, num_experts_per_tok=args.experts_per_token,
+                     moe_intermediate_size=args.intermediate_size, head_dim=args.hidden_size // args.heads)
+    config = AutoConfig.for_model("qwen3_moe" if args.experts else "qwen2", **shape)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(getattr(torch, args.save_dtype))
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, args.save_dtype))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)

@@ -47,6 +47,10 @@ SHAPES = {
     "qwen05": [],
     "small": ["--layers", "4", "--hidden-size", "512", "--heads", "8", "--kv-heads", "2", "--intermediate-size", "1536",
               "--vocab-size", "32000", "--untied", "--save-dtype", "float32"],
+    # small's layout as a Qwen3 mixture of 8 experts 768 wide, 2 per token: the routed width of
+    # small's dense MLP (1536), at 4x its MLP weights
+    "moe": ["--layers", "4", "--hidden-size", "512", "--heads", "8", "--kv-heads", "2", "--intermediate-size", "768",
+            "--experts", "8", "--experts-per-token", "2", "--vocab-size", "32000", "--untied", "--save-dtype", "float32"],
 }
 # 4 prompts x 4 recorded responses of ~1,000 tokens (260 words), every row in one micro-batch of
 # ~16k tokens (packed). No KL term: its reference brings the offline KL probe, which samples
@@ -73,6 +77,7 @@ VARIANTS = {
                                              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096",
                                              "actor_rollout_ref.model.use_fused_kernels=false"], LONG_TASK),
     "vllm": ("small", "online", VLLM, []),
+    "moelong": ("moe", "offline", LONG, LONG_TASK),
 }
 DEFAULT_CONFIGS = "full-1,full-2,lora-1,ckpt-1,online-1,naive-1,lora-2,ckpt-2,online-2,long-1,longckpt-1,longnaive-1,long-2"
 # What a rank has resident before its models: the trainer's imports, a tokenizer, the data.

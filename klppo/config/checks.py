@@ -250,6 +250,30 @@ def _check_reward_model(cfg: PPOConfig, out: list[Problem]) -> None:
     if rm.rank_responses and cfg.actor_rollout_ref.rollout.n < 2:
         out.append(Problem(("reward_model.rank_responses", "actor_rollout_ref.rollout.n"), "reward_model.rank_responses "
                            "ranks each prompt's responses against each other: set actor_rollout_ref.rollout.n >= 2"))
+    _check_overlong_buffer(cfg, out)
+
+
+def _check_overlong_buffer(cfg: PPOConfig, out: list[Problem]) -> None:
+    """DAPO's overlong punishment: a buffer inside the length it ends at, on a reward function's scores."""
+    kwargs, key = cfg.reward_model.reward_kwargs, "reward_model.reward_kwargs"
+    buffer = kwargs.overlong_buffer_cfg
+    if not buffer.enable:
+        return
+    max_len = kwargs.max_resp_len if kwargs.max_resp_len is not None else cfg.data.max_response_length
+    source = f"{key}.max_resp_len" if kwargs.max_resp_len is not None else "data.max_response_length"
+    _positive(out, f"{key}.overlong_buffer_cfg.len", buffer.len, "number of tokens")
+    if 0 < max_len < buffer.len:
+        out.append(Problem((f"{key}.overlong_buffer_cfg.len", source),
+                           f"{key}.overlong_buffer_cfg.len = {buffer.len} is longer than {source} = {max_len}, where "
+                           "the buffer ends (verl's dapo reward manager refuses it too): set a shorter buffer"))
+    if buffer.penalty_factor < 0 or math.isnan(buffer.penalty_factor):
+        out.append(Problem((f"{key}.overlong_buffer_cfg.penalty_factor",),
+                           f"{key}.overlong_buffer_cfg.penalty_factor = {buffer.penalty_factor!r} must be >= 0"))
+    if cfg.reward_model.enable:
+        out.append(Problem((f"{key}.overlong_buffer_cfg.enable", "reward_model.enable"),
+                           f"{key}.overlong_buffer_cfg punishes a reward function's scores (verl's dapo reward manager); "
+                           "with reward_model.enable the scores are the reward model's, which it leaves as they are: "
+                           "disable one of the two"))
 
 
 def _check_critic_warmup(cfg: PPOConfig, out: list[Problem]) -> None:
@@ -347,9 +371,11 @@ def _check_ppo_batches(cfg: PPOConfig, out: list[Problem]) -> None:
 
 def _check_actor(actor: ActorConfig, out: list[Problem]) -> None:
     _between(out, f"{ACTOR}.clip_ratio", actor.clip_ratio, 0.0, 1.0, high_open=True)
-    for name in ("clip_ratio_low", "clip_ratio_high"):
-        if getattr(actor, name) != actor.clip_ratio:  # a copy of clip_ratio has been checked with it
-            _between(out, f"{ACTOR}.{name}", getattr(actor, name), 0.0, 1.0, high_open=True)
+    if actor.clip_ratio_high != actor.clip_ratio:  # a copy of clip_ratio has been checked with it
+        _between(out, f"{ACTOR}.clip_ratio_high", actor.clip_ratio_high, 0.0, 1.0, high_open=True)
+    # 1 or more: no lower bound (1 - low <= 0), as verl's CISPO example sets it (clip_ratio_low=10)
+    if actor.clip_ratio_low != actor.clip_ratio:
+        _between(out, f"{ACTOR}.clip_ratio_low", actor.clip_ratio_low, 0.0, math.inf)
     if actor.clip_ratio_c <= 1:
         key = f"{ACTOR}.clip_ratio_c"
         out.append(Problem((key,), f"{key} = {actor.clip_ratio_c!r} must be > 1 (dual-clip bound, Ye et al. 2020); the usual value is 3.0"))

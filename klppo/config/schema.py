@@ -289,6 +289,28 @@ class RankingRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    # DAPO's soft overlong punishment (Yu et al. 2025; verl's dapo reward manager): a response
+    # longer than max_resp_len - len tokens loses (length - (max_resp_len - len)) / len x
+    # penalty_factor from its reward function's score, the full penalty_factor at max_resp_len.
+    enable: bool = False
+    # Tokens of the buffer before max_resp_len in which the penalty grows.
+    len: int = 4096
+    # The penalty at max_resp_len.
+    penalty_factor: float = 1.0
+    # Log each response's penalty as the reward components overlong_reward and overlong (0/1).
+    log: bool = False
+
+
+@dataclass
+class RewardKwargsConfig:
+    # verl's reward_model.reward_kwargs, as its dapo reward manager takes them.
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    # The length the overlong buffer ends at; None = data.max_response_length.
+    max_resp_len: Optional[int] = None
+
+
+@dataclass
 class RewardModelConfig:
     # Score responses with the reward model at model.path instead of a reward function.
     enable: bool = False
@@ -303,6 +325,8 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: Optional[int] = None
     # Truncation lengths of the reward model's inputs (verl's reward_model.rollout section).
     rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
+    # Shaping of the reward function's scores (DAPO's overlong punishment), whatever reward_manager names.
+    reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
 
 
 @dataclass

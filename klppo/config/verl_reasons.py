@@ -31,7 +31,8 @@ _MOE = "mixture-of-experts routing setting; klppo trains dense Hugging Face mode
 _VISION = "multimodal input setting; klppo trains on text prompts"
 _SPEED = "a speed or memory option klppo does not have; the numbers are the same without it"
 _DATA_IO = "what verl's dataset hands its workers; klppo's reader keeps the columns it needs"
-_REWARD_MANAGER = "verl's reward manager; klppo scores each response with its rule function or reward model"
+_REWARD_MANAGER = ("verl's reward manager; klppo scores each response with its rule function or reward model, and "
+                   "adds DAPO's overlong punishment with reward_model.reward_kwargs.overlong_buffer_cfg.enable")
 _MICRO = "klppo sizes the critic's value forward by critic.ppo_micro_batch_size_per_gpu"
 _NOT_IMPLEMENTED = "not implemented in klppo"
 
@@ -143,7 +144,7 @@ RULES: tuple[tuple, ...] = (
     (("critic.forward_micro_batch_size", "critic.forward_micro_batch_size_per_gpu"), _MICRO),
     # -- rewards --
     (("reward_model.reward_manager", "reward_model.reward_loop_*", "reward.reward_manager.*", "reward_manager.*",
-      "reward_model.reward_kwargs*"), _REWARD_MANAGER),
+      "reward_model.reward_kwargs.*"), _REWARD_MANAGER),
     (("sandbox_fusion.*", "reward.sandbox_fusion.*", "reward_model.sandbox_fusion.*"),
      "code-execution rewards through SandboxFusion are " + _NOT_IMPLEMENTED),
     # -- data and trainer --

@@ -30,6 +30,7 @@ from klppo.config.schema import SCORE_METRICS, FSDPConfig
 from klppo.data.batching import MicroBatching
 from klppo.errors import UserError
 from klppo.models.forward import HeadSettings
+from klppo.rewards.overlong import OverlongPenalty
 from klppo.rollout.hf import Decoding, SamplingParams
 from klppo.rollout.vllm import EngineSettings
 from klppo.safety.guards import GuardSettings
@@ -165,6 +166,7 @@ class RankingSettings:
 class RewardSettings:
     rank_responses: bool  # distil reward models' rankings of each prompt's responses into rewards
     ranking: RankingSettings
+    overlong: Optional[OverlongPenalty] = None  # DAPO's punishment of the reward function's scores
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,8 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         uses_reference=uses_reference(cfg), actor_lora=lora_enabled(arf.model),
         actor_offloaded=arf.actor.fsdp_config.param_offload or arf.actor.fsdp_config.offload_policy,
         ref_in_actor=uses_reference(cfg) and lora_enabled(arf.model),
-        reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center)),
+        reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center),
+                              overlong_penalty(cfg)),
         guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=shard_chunk_rows(cfg), balance_batch=trainer.balance_batch,
         save_freq=trainer.save_freq, test_freq=trainer.test_freq, val_before_train=trainer.val_before_train,
         val_only=trainer.val_only,
@@ -323,6 +326,16 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int, world_size: int) -> ActorUpdate
         on_policy=on_policy_update(cfg) and not update_forwards_first(cfg, world_size),
         policy_loss_mode=actor.policy_loss.loss_mode,
     )
+
+
+def overlong_penalty(cfg: PPOConfig) -> Optional[OverlongPenalty]:
+    """DAPO's overlong punishment (``reward_model.reward_kwargs``), where it is enabled."""
+    kwargs = cfg.reward_model.reward_kwargs
+    buffer = kwargs.overlong_buffer_cfg
+    if not buffer.enable:
+        return None
+    max_length = kwargs.max_resp_len if kwargs.max_resp_len is not None else cfg.data.max_response_length
+    return OverlongPenalty(max_length, buffer.len, buffer.penalty_factor, buffer.log)
 
 
 def rollout_correction_settings(cfg: PPOConfig) -> RolloutCorrectionSettings:

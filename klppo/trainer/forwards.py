@@ -22,6 +22,7 @@ from klppo.distributed import all_gather_objects, all_gather_rows, all_reduce_ma
 from klppo.models.forward import HeadSettings, response_logprobs, response_values, sequence_scores
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rewards.distill import group_ranking_rewards
+from klppo.rewards.overlong import OverlongPenalty, overlong_components, overlong_rewards
 from klppo.rewards.score import score_responses_with_components
 from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
@@ -243,9 +244,24 @@ def response_scores(parts: PPOParts, batch: RolloutBatch, prompt_places: Sequenc
     if batch.recorded_scores is not None:
         return batch.recorded_scores.to(parts.env.device), None
     if not parts.reward_models:
-        return same_on_every_rank(lambda: compute_scores(batch, parts.tokenizer, parts.reward_fn, prompt_places))
+        scores, components = same_on_every_rank(
+            lambda: compute_scores(batch, parts.tokenizer, parts.reward_fn, prompt_places))
+        return with_overlong_penalty(parts.settings.reward.overlong, batch, scores, components)
     rm = parts.settings.forwards.reward_model
     return torch.stack([compute_rm_scores(model, batch, rm) for model in parts.reward_models], dim=-1), None
+
+
+def with_overlong_penalty(penalty: OverlongPenalty | None, batch: RolloutBatch, scores: torch.Tensor,
+                          components: list[dict[str, float]]) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """The reward function's scores with DAPO's overlong punishment added (``reward_kwargs``), as
+    verl's dapo reward manager adds it (a reward model's scores keep none), and with its ``log``
+    each response's penalty among the reward components."""
+    if penalty is None:
+        return scores, components
+    rewards = overlong_rewards(batch.response_mask.sum(-1), penalty)
+    if penalty.log:
+        components = [{**mine, **punished} for mine, punished in zip(components, overlong_components(rewards))]
+    return scores + rewards, components
 
 
 def token_scores(reward: RewardSettings, batch: RolloutBatch, scores: torch.Tensor,
