@@ -16,7 +16,8 @@ from typing import Optional
 
 from klppo.config.batch_sizes import batch_size_problems, divisor_below, launch_mismatch, world_size
 from klppo.config.lora import lora_enabled, lora_problems
-from klppo.config.problems import Problem
+from klppo.config.problems import Problem, check_positive
+from klppo.config.reward_checks import reward_problems
 from klppo.config.rollout_checks import engine_problems, resolve_rollout_engine, rollout_notes
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs, rollout_correction_active
 from klppo.config.schema import (
@@ -121,12 +122,6 @@ def _resolve_output_dir(trainer: TrainerConfig | SFTTrainerConfig) -> None:
 # ---- small check helpers (each appends at most one Problem) ----
 
 
-def _positive(out: list[Problem], key: str, value: Optional[float], what: str = "value") -> None:
-    """``value`` must be > 0 (``None`` means unset and passes)."""
-    if value is not None and value <= 0:
-        out.append(Problem((key,), f"{key} = {value!r} must be > 0; set it to a positive {what}"))
-
-
 def _at_least(out: list[Problem], key: str, value: Optional[int], low: int) -> None:
     if value is not None and value < low:
         out.append(Problem((key,), f"{key} = {value!r} must be >= {low}; set it to {low} or more"))
@@ -181,11 +176,9 @@ def check_ppo(cfg: PPOConfig, launched: Optional[int] = None) -> list[Problem]:
     out += [Problem(keys, message) for keys, message in engine_problems(cfg)]
     _check_trainer(cfg.trainer, out)
     _check_guard(cfg.trainer.guard, out)
-    _check_gold_reward(cfg, out)
-    _positive(out, "reward_model.ranking.scale", cfg.reward_model.ranking.scale)
-    _check_reward_model(cfg, out)
+    out += reward_problems(cfg)
     _check_critic_warmup(cfg, out)
-    _positive(out, f"{ARF}.nccl_timeout", cfg.actor_rollout_ref.nccl_timeout, "number of seconds")
+    check_positive(out, f"{ARF}.nccl_timeout", cfg.actor_rollout_ref.nccl_timeout, "number of seconds")
     for prefix, fsdp in ((f"{ACTOR}.fsdp_config", cfg.actor_rollout_ref.actor.fsdp_config),
                          (f"{ARF}.ref.fsdp_config", cfg.actor_rollout_ref.ref.fsdp_config),
                          ("critic.model.fsdp_config", cfg.critic.model.fsdp_config)):
@@ -232,50 +225,6 @@ def _refuse_fp16_training(out: list[Problem], prefix: str, fsdp) -> None:
                            "no scaler needed) or float32"))
 
 
-def _check_reward_model(cfg: PPOConfig, out: list[Problem]) -> None:
-    rm = cfg.reward_model
-    if rm.enable and not rm.model.path:
-        out.append(Problem(("reward_model.model.path",), "reward_model.enable = true needs reward_model.model.path: "
-                           "a local folder written by `klppo rm` (or any one-label sequence-classification model)"))
-    if rm.model.extra_paths and not rm.enable:
-        out.append(Problem(("reward_model.model.extra_paths",), "reward_model.model.extra_paths are further reward "
-                           "models: set reward_model.enable = true and reward_model.model.path"))
-    if rm.rank_responses and not rm.enable:
-        out.append(Problem(("reward_model.rank_responses",), "reward_model.rank_responses = true ranks responses by a "
-                           "reward model: set reward_model.enable = true and reward_model.model.path"))
-    sources = {"prompt_length": cfg.data.max_prompt_length, "response_length": cfg.actor_rollout_ref.rollout.response_length}
-    for name, source in sources.items():
-        if getattr(rm.rollout, name) != source:  # a copy of its source has been checked there
-            _positive(out, f"reward_model.rollout.{name}", getattr(rm.rollout, name), "number of tokens")
-    if rm.rank_responses and cfg.actor_rollout_ref.rollout.n < 2:
-        out.append(Problem(("reward_model.rank_responses", "actor_rollout_ref.rollout.n"), "reward_model.rank_responses "
-                           "ranks each prompt's responses against each other: set actor_rollout_ref.rollout.n >= 2"))
-    _check_overlong_buffer(cfg, out)
-
-
-def _check_overlong_buffer(cfg: PPOConfig, out: list[Problem]) -> None:
-    """DAPO's overlong punishment: a buffer inside the length it ends at, on a reward function's scores."""
-    kwargs, key = cfg.reward_model.reward_kwargs, "reward_model.reward_kwargs"
-    buffer = kwargs.overlong_buffer_cfg
-    if not buffer.enable:
-        return
-    max_len = kwargs.max_resp_len if kwargs.max_resp_len is not None else cfg.data.max_response_length
-    source = f"{key}.max_resp_len" if kwargs.max_resp_len is not None else "data.max_response_length"
-    _positive(out, f"{key}.overlong_buffer_cfg.len", buffer.len, "number of tokens")
-    if 0 < max_len < buffer.len:
-        out.append(Problem((f"{key}.overlong_buffer_cfg.len", source),
-                           f"{key}.overlong_buffer_cfg.len = {buffer.len} is longer than {source} = {max_len}, where "
-                           "the buffer ends (verl's dapo reward manager refuses it too): set a shorter buffer"))
-    if buffer.penalty_factor < 0 or math.isnan(buffer.penalty_factor):
-        out.append(Problem((f"{key}.overlong_buffer_cfg.penalty_factor",),
-                           f"{key}.overlong_buffer_cfg.penalty_factor = {buffer.penalty_factor!r} must be >= 0"))
-    if cfg.reward_model.enable:
-        out.append(Problem((f"{key}.overlong_buffer_cfg.enable", "reward_model.enable"),
-                           f"{key}.overlong_buffer_cfg punishes a reward function's scores (verl's dapo reward manager); "
-                           "with reward_model.enable the scores are the reward model's, which it leaves as they are: "
-                           "disable one of the two"))
-
-
 def _check_critic_warmup(cfg: PPOConfig, out: list[Problem]) -> None:
     warmup = cfg.trainer.critic_warmup
     _at_least(out, "trainer.critic_warmup", warmup, 0)
@@ -294,7 +243,7 @@ MIN_GUARD_WINDOW = 6
 def _check_guard(guard, out: list[Problem]) -> None:
     key = "trainer.guard"
     for name in ("early_stop_kl", "rollback_kl", "rollback_lr", "entropy_floor", "clipfrac_max"):
-        _positive(out, f"{key}.{name}", getattr(guard, name))
+        check_positive(out, f"{key}.{name}", getattr(guard, name))
     _at_least(out, f"{key}.max_rollbacks", guard.max_rollbacks, 0)
     _at_least(out, f"{key}.max_nonfinite_steps", guard.max_nonfinite_steps, 1)
     for name, low in (("grad_spike", 1), ("entropy_collapse", 0), ("entropy_surge", 0)):
@@ -309,24 +258,13 @@ def _check_guard(guard, out: list[Problem]) -> None:
                            f"compares its newest 3 steps with at least 3 earlier ones; set it to {MIN_GUARD_WINDOW} "
                            "or more (default 20)"))
     _at_least(out, f"{key}.divergence_validations", guard.divergence_validations, 2)
-    _positive(out, f"{key}.divergence_margin", guard.divergence_margin)
+    check_positive(out, f"{key}.divergence_margin", guard.divergence_margin)
     if guard.rollback_kl is not None and guard.early_stop_kl is not None and guard.rollback_kl > guard.early_stop_kl:
         out.append(Problem(
             (f"{key}.rollback_kl", f"{key}.early_stop_kl"),
             f"{key}.rollback_kl = {guard.rollback_kl} is above {key}.early_stop_kl = {guard.early_stop_kl}: "
             "a run would stop before it could roll back; set rollback_kl <= early_stop_kl",
         ))
-
-
-def _check_gold_reward(cfg: PPOConfig, out: list[Problem]) -> None:
-    gold, key = cfg.trainer.gold_reward, "trainer.gold_reward"
-    if gold.path and gold.model_path:
-        out.append(Problem((f"{key}.path", f"{key}.model_path"), f"{key} takes a reward function ({key}.path) or a "
-                           f"reward model ({key}.model_path), not both; set one of them to null"))
-    if (gold.path or gold.model_path) and not cfg.data.val_files:
-        out.append(Problem((f"{key}", "data.val_files"), f"{key} is scored at validation on held-out prompts only, "
-                           "but data.val_files is not set; set data.val_files (and trainer.test_freq) or "
-                           f"{key}=null"))
 
 
 def _check_files(out: list[Problem], key: str, files: str | list[str] | None, required: bool) -> None:
@@ -354,14 +292,14 @@ def _check_ppo_paths(cfg: PPOConfig, out: list[Problem]) -> None:
 
 
 def _check_data_lengths(cfg: PPOConfig, out: list[Problem]) -> None:
-    _positive(out, "data.max_prompt_length", cfg.data.max_prompt_length, "number of tokens")
-    _positive(out, "data.max_response_length", cfg.data.max_response_length, "number of tokens")
-    _positive(out, f"{ROLLOUT}.response_length", cfg.actor_rollout_ref.rollout.response_length, "number of tokens")
+    check_positive(out, "data.max_prompt_length", cfg.data.max_prompt_length, "number of tokens")
+    check_positive(out, "data.max_response_length", cfg.data.max_response_length, "number of tokens")
+    check_positive(out, f"{ROLLOUT}.response_length", cfg.actor_rollout_ref.rollout.response_length, "number of tokens")
     rollout, ref = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref
-    _positive(out, f"{ACTOR}.ppo_max_token_len_per_gpu", cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu, "number of tokens")
-    _positive(out, f"{ROLLOUT}.log_prob_max_token_len_per_gpu", rollout.log_prob_max_token_len_per_gpu, "number of tokens")
-    _positive(out, f"{ARF}.ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu, "number of tokens")
-    _positive(out, "critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu, "number of tokens")
+    check_positive(out, f"{ACTOR}.ppo_max_token_len_per_gpu", cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu, "number of tokens")
+    check_positive(out, f"{ROLLOUT}.log_prob_max_token_len_per_gpu", rollout.log_prob_max_token_len_per_gpu, "number of tokens")
+    check_positive(out, f"{ARF}.ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu, "number of tokens")
+    check_positive(out, "critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu, "number of tokens")
 
 
 def _check_ppo_batches(cfg: PPOConfig, out: list[Problem]) -> None:
@@ -382,8 +320,8 @@ def _check_actor(actor: ActorConfig, out: list[Problem]) -> None:
     if actor.kl_loss_coef < 0:
         out.append(Problem((f"{ACTOR}.kl_loss_coef",), f"{ACTOR}.kl_loss_coef = {actor.kl_loss_coef!r} must be >= 0"))
     _at_least(out, f"{ACTOR}.ppo_epochs", actor.ppo_epochs, 1)
-    _positive(out, f"{ACTOR}.grad_clip", actor.grad_clip, "max gradient norm")
-    _positive(out, f"{ACTOR}.entropy_from_logits_chunk_size", actor.entropy_from_logits_chunk_size, "number of tokens")
+    check_positive(out, f"{ACTOR}.grad_clip", actor.grad_clip, "max gradient norm")
+    check_positive(out, f"{ACTOR}.entropy_from_logits_chunk_size", actor.entropy_from_logits_chunk_size, "number of tokens")
 
 
 def _check_sampling(sampling: RolloutConfig | ValKwargsConfig, prefix: str, out: list[Problem]) -> None:
@@ -399,7 +337,7 @@ def _check_sampling(sampling: RolloutConfig | ValKwargsConfig, prefix: str, out:
 
 
 def _check_optim(optim: OptimConfig, prefix: str, out: list[Problem]) -> None:
-    _positive(out, f"{prefix}.lr", optim.lr, "learning rate such as 1e-6")
+    check_positive(out, f"{prefix}.lr", optim.lr, "learning rate such as 1e-6")
     if optim.weight_decay < 0:
         out.append(Problem((f"{prefix}.weight_decay",), f"{prefix}.weight_decay = {optim.weight_decay!r} must be >= 0"))
     if len(optim.betas) != 2 or any(not 0 <= b < 1 for b in optim.betas):
@@ -415,8 +353,8 @@ def _check_critic(critic: CriticConfig, actor: ActorConfig, out: list[Problem]) 
     assert critic.ppo_mini_batch_size is not None and critic.ppo_epochs is not None
     if critic.ppo_epochs != actor.ppo_epochs:  # a copy of the actor's has been checked there
         _at_least(out, "critic.ppo_epochs", critic.ppo_epochs, 1)
-    _positive(out, "critic.grad_clip", critic.grad_clip, "max gradient norm")
-    _positive(out, "critic.cliprange_value", critic.cliprange_value, "clip range such as 0.5")
+    check_positive(out, "critic.grad_clip", critic.grad_clip, "max gradient norm")
+    check_positive(out, "critic.cliprange_value", critic.cliprange_value, "clip range such as 0.5")
 
 
 def _check_algorithm(cfg: PPOConfig, out: list[Problem]) -> None:
@@ -432,8 +370,8 @@ def _check_algorithm(cfg: PPOConfig, out: list[Problem]) -> None:
                            "algorithm.kl_ctrl.offline_kl = 'importance_weighted' needs the policy's log-probs, which "
                            "rollout_correction.bypass_mode skips (pi_old = mu); use offline_kl=sampled"))
     if algo.kl_ctrl.type == "adaptive":
-        _positive(out, "algorithm.kl_ctrl.horizon", algo.kl_ctrl.horizon, "number of steps (adaptive KL control)")
-        _positive(out, "algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, "KL per token (adaptive KL control)")
+        check_positive(out, "algorithm.kl_ctrl.horizon", algo.kl_ctrl.horizon, "number of steps (adaptive KL control)")
+        check_positive(out, "algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, "KL per token (adaptive KL control)")
     if algo.adv_estimator in GROUP_ESTIMATORS and n == 1:
         out.append(Problem(
             ("algorithm.adv_estimator", f"{ROLLOUT}.n"),
@@ -449,7 +387,7 @@ FILTER = "algorithm.filter_groups"
 def _check_filter_groups(cfg: PPOConfig, out: list[Problem]) -> None:
     """Dynamic sampling needs groups, a metric klppo computes, and a generation batch of prompts."""
     fg, data, algo = cfg.algorithm.filter_groups, cfg.data, cfg.algorithm
-    _positive(out, "data.gen_batch_size", data.gen_batch_size, "number of prompts")
+    check_positive(out, "data.gen_batch_size", data.gen_batch_size, "number of prompts")
     _at_least(out, f"{FILTER}.max_inflight_gen_batches", fg.max_inflight_gen_batches, 1)
     if not fg.enable:
         if data.gen_batch_size != data.train_batch_size:
@@ -556,13 +494,13 @@ def check_sft(cfg: SFTConfig) -> list[Problem]:
     out: list[Problem] = []
     data = cfg.data
     _check_supervised_inputs(cfg, out)
-    _positive(out, "data.max_length", data.max_length, "number of tokens")
-    _positive(out, "data.train_batch_size", data.train_batch_size, "number of examples")
-    _positive(out, "data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu, "number of examples")
+    check_positive(out, "data.max_length", data.max_length, "number of tokens")
+    check_positive(out, "data.train_batch_size", data.train_batch_size, "number of examples")
+    check_positive(out, "data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu, "number of examples")
     whole_text = f"data.train_batch_size = {data.train_batch_size}"
     _divides(out, "data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu, data.train_batch_size, whole_text, ("data.train_batch_size",))
     _check_optim(cfg.optim, "optim", out)
-    _positive(out, "optim.clip_grad", cfg.optim.clip_grad, "max gradient norm")
+    check_positive(out, "optim.clip_grad", cfg.optim.clip_grad, "max gradient norm")
     _check_trainer_common(cfg.trainer, out)
     _refuse_fp16_training(out, "model.fsdp_config", cfg.model.fsdp_config)
     _check_lora(out, cfg.model, "model")
@@ -592,7 +530,7 @@ def check_rm(cfg: RMConfig) -> list[Problem]:
     data = cfg.data
     _check_supervised_inputs(cfg, out)
     for key in ("max_prompt_length", "max_response_length", "train_batch_size", "micro_batch_size_per_gpu"):
-        _positive(out, f"data.{key}", getattr(data, key))
+        check_positive(out, f"data.{key}", getattr(data, key))
     if data.micro_batch_size_per_gpu and data.train_batch_size % data.micro_batch_size_per_gpu:
         out.append(Problem(("data.micro_batch_size_per_gpu",), f"data.micro_batch_size_per_gpu = "
                            f"{data.micro_batch_size_per_gpu} does not divide data.train_batch_size = "

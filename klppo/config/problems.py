@@ -4,6 +4,7 @@ user sees all of a config's problems at once)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -12,3 +13,9 @@ class Problem:
 
     keys: tuple[str, ...]
     message: str
+
+
+def check_positive(out: list[Problem], key: str, value: Optional[float], what: str = "value") -> None:
+    """``value`` must be > 0 (``None`` means unset and passes)."""
+    if value is not None and value <= 0:
+        out.append(Problem((key,), f"{key} = {value!r} must be > 0; set it to a positive {what}"))

@@ -1,0 +1,71 @@
+"""The checks of how responses are rewarded: ``reward_model.*`` (its models, the ranking of
+responses, DAPO's overlong punishment in ``reward_kwargs``) and ``trainer.gold_reward``."""
+
+from __future__ import annotations
+
+import math
+from klppo.config.problems import Problem, check_positive
+from klppo.config.schema import PPOConfig
+
+
+def reward_problems(cfg: PPOConfig) -> list[Problem]:
+    out: list[Problem] = []
+    check_positive(out, "reward_model.ranking.scale", cfg.reward_model.ranking.scale)
+    _check_reward_model(cfg, out)
+    _check_overlong_buffer(cfg, out)
+    _check_gold_reward(cfg, out)
+    return out
+
+
+def _check_reward_model(cfg: PPOConfig, out: list[Problem]) -> None:
+    rm = cfg.reward_model
+    if rm.enable and not rm.model.path:
+        out.append(Problem(("reward_model.model.path",), "reward_model.enable = true needs reward_model.model.path: "
+                           "a local folder written by `klppo rm` (or any one-label sequence-classification model)"))
+    if rm.model.extra_paths and not rm.enable:
+        out.append(Problem(("reward_model.model.extra_paths",), "reward_model.model.extra_paths are further reward "
+                           "models: set reward_model.enable = true and reward_model.model.path"))
+    if rm.rank_responses and not rm.enable:
+        out.append(Problem(("reward_model.rank_responses",), "reward_model.rank_responses = true ranks responses by a "
+                           "reward model: set reward_model.enable = true and reward_model.model.path"))
+    sources = {"prompt_length": cfg.data.max_prompt_length, "response_length": cfg.actor_rollout_ref.rollout.response_length}
+    for name, source in sources.items():
+        if getattr(rm.rollout, name) != source:  # a copy of its source has been checked there
+            check_positive(out, f"reward_model.rollout.{name}", getattr(rm.rollout, name), "number of tokens")
+    if rm.rank_responses and cfg.actor_rollout_ref.rollout.n < 2:
+        out.append(Problem(("reward_model.rank_responses", "actor_rollout_ref.rollout.n"), "reward_model.rank_responses "
+                           "ranks each prompt's responses against each other: set actor_rollout_ref.rollout.n >= 2"))
+
+
+def _check_overlong_buffer(cfg: PPOConfig, out: list[Problem]) -> None:
+    """DAPO's overlong punishment: a buffer inside the length it ends at, on a reward function's scores."""
+    kwargs, key = cfg.reward_model.reward_kwargs, "reward_model.reward_kwargs"
+    buffer = kwargs.overlong_buffer_cfg
+    if not buffer.enable:
+        return
+    max_len = kwargs.max_resp_len if kwargs.max_resp_len is not None else cfg.data.max_response_length
+    source = f"{key}.max_resp_len" if kwargs.max_resp_len is not None else "data.max_response_length"
+    check_positive(out, f"{key}.overlong_buffer_cfg.len", buffer.len, "number of tokens")
+    if 0 < max_len < buffer.len:
+        out.append(Problem((f"{key}.overlong_buffer_cfg.len", source),
+                           f"{key}.overlong_buffer_cfg.len = {buffer.len} is longer than {source} = {max_len}, where "
+                           "the buffer ends (verl's dapo reward manager refuses it too): set a shorter buffer"))
+    if buffer.penalty_factor < 0 or math.isnan(buffer.penalty_factor):
+        out.append(Problem((f"{key}.overlong_buffer_cfg.penalty_factor",),
+                           f"{key}.overlong_buffer_cfg.penalty_factor = {buffer.penalty_factor!r} must be >= 0"))
+    if cfg.reward_model.enable:
+        out.append(Problem((f"{key}.overlong_buffer_cfg.enable", "reward_model.enable"),
+                           f"{key}.overlong_buffer_cfg punishes a reward function's scores (verl's dapo reward manager); "
+                           "with reward_model.enable the scores are the reward model's, which it leaves as they are: "
+                           "disable one of the two"))
+
+
+def _check_gold_reward(cfg: PPOConfig, out: list[Problem]) -> None:
+    gold, key = cfg.trainer.gold_reward, "trainer.gold_reward"
+    if gold.path and gold.model_path:
+        out.append(Problem((f"{key}.path", f"{key}.model_path"), f"{key} takes a reward function ({key}.path) or a "
+                           f"reward model ({key}.model_path), not both; set one of them to null"))
+    if (gold.path or gold.model_path) and not cfg.data.val_files:
+        out.append(Problem((f"{key}", "data.val_files"), f"{key} is scored at validation on held-out prompts only, "
+                           "but data.val_files is not set; set data.val_files (and trainer.test_freq) or "
+                           f"{key}=null"))
