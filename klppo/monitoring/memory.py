@@ -18,6 +18,9 @@ import torch
 
 STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 GB = 2**30
+# Freed memory glibc keeps at its heap's top for the next allocations (``run.setup.return_freed_memory``
+# sets it in every run): a CPU phase's resident set holds it once the run has allocated it.
+HEAP_TOP_PAD = 512 << 20
 
 
 def _vm_hwm_bytes() -> int | None:

@@ -19,6 +19,7 @@ from klppo.monitoring.flops import peak_flops_by_name
 from klppo.plan.batches import format_batches, plan_batches
 from klppo.plan.check import length_sample, lengths_of, plan_run
 from klppo.plan.estimate import GiB, device_bytes_from, parse_size
+from klppo.plan.memory import converted_load_bytes
 from klppo.plan.inputs import Lengths
 from klppo.plan.tables import format_memory, format_time, format_verdict
 from klppo.plan.time import step_flops
@@ -86,7 +87,8 @@ def host_lines(e, per_node: int, host: int) -> str:
     actor = e.settings.model("actor")
     offloaded = sum(m.parameters * 4 // m.shards for m in e.settings.models
                     if e.settings.device == "cuda" and (m.param_offload or m.offload_policy))
-    load = per_node * (int(0.5 * GiB) + offloaded) + actor.shape.embedding_parameters * 4
+    converted = 0 if e.settings.whole_loads else converted_load_bytes(e.settings)  # rank 0's, while shards fill
+    load = per_node * (int(0.5 * GiB) + offloaded) + actor.shape.embedding_parameters * 4 + converted
     export = load + actor.parameters * 4 // actor.shards + 2 * actor.shape.embedding_parameters * 4
     return (f"host RAM per node: load {load / GiB:.1f} GiB, export {export / GiB:.1f} GiB "
             f"of {host / GiB:.1f} GiB ({per_node} rank(s) a node)")

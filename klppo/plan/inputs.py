@@ -84,6 +84,9 @@ class PlanSettings:
     # HF generation keeps its model (the copy, where there is one) and static KV caches between
     # generations (``kept_generation``): held through every phase after the first generation.
     generation_kept: bool = False
+    # The actor's entropy bonus is in its loss (actor.entropy_coeff != 0): backward then runs
+    # through the entropy too, which the unfused head pays in whole logits.
+    entropy_in_loss: bool = False
 
     def model(self, role: str) -> Optional[ModelPlan]:
         return next((m for m in self.models if m.role == role), None)
@@ -298,4 +301,5 @@ def plan_settings(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int
         whole_loads=world_size == 1 and all(f == FSDPConfig() for f in fsdp_sections(cfg).values()),
         uses_reference=uses_reference(cfg),
         device_bytes=device_bytes, old_log_prob_forward=not update_gives_old_log_prob(cfg, world_size),
+        entropy_in_loss=arf.actor.entropy_coeff != 0,
         update_forwards_first=update_forwards_first(cfg, world_size), generation_kept=kept_generation(cfg, device))

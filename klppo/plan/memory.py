@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from klppo.monitoring.memory import HEAP_TOP_PAD
 from klppo.plan.inputs import ModelPlan, PlanSettings
 from klppo.plan.model_shape import GOLD_ROLE
 
@@ -40,8 +41,10 @@ FUSED_CHUNK_LOGITS = 2**24
 # benchmarks/README.md "logits_memory.py" measured 3.4x for forward + backward without grads.
 FUSED_FORWARD_SLICES, FUSED_TRAIN_SLICES = 2, 3.5
 # Multiples of the (tokens x vocab) fp32 logits the unfused head holds: no-grad log-probs and
-# entropy (logits, their fp32 copy, log-softmax) and training (logits_memory.py: 6.6x).
-NAIVE_FORWARD_LOGITS, NAIVE_TRAIN_LOGITS = 3, 6.6
+# entropy (logits, their fp32 copy, log-softmax) and training with the entropy in the loss
+# (logits_memory.py: 6.6x); without it (entropy_coeff 0, the entropy measured without a
+# gradient), 4.8x (longnaive-1 of plan_accuracy.py, 2026-12-05: its update 3.48 GiB measured).
+NAIVE_FORWARD_LOGITS, NAIVE_TRAIN_LOGITS, NAIVE_TRAIN_LOGITS_NO_ENTROPY = 3, 6.6, 4.8
 
 PHASES = ("setup", "weight_sync", "gen", "kl_probe", "old_log_prob", "ref", "values", "reward", "update_critic", "update_actor",
           "validate", "export")
@@ -130,10 +133,19 @@ def layer_activation_elements(m: ModelPlan) -> int:
     """Elements a decoder block saves per token for backward (transformers' Llama/Qwen2 layer): its two
     RMSNorms' inputs and outputs (4h), q, k, v with rotated q and k, the attention output and
     o_proj's input (4q + 3kv), and the MLP's gate, up, SiLU(gate) and product (4 x its width: a
-    mixture of experts', the experts a token is routed to)."""
+    mixture of experts', the experts a token is routed to, and ``routed_copies``)."""
     sh = m.shape
     q, kv = sh.num_attention_heads * sh.head_dim, sh.num_key_value_heads * sh.head_dim
-    return 4 * sh.hidden_size + 4 * q + 3 * kv + 4 * sh.mlp_width
+    return 4 * sh.hidden_size + 4 * q + 3 * kv + 4 * sh.mlp_width + routed_copies(sh)
+
+
+def routed_copies(sh) -> int:
+    """Elements a mixture of experts' layer holds per token beyond its experts' MLPs, averaged over
+    the decoder layers: each routed expert's copy of the token's hidden state and its output, 2 x
+    hidden per expert a token goes to, on the layers that route. Measured on transformers' grouped
+    experts (Qwen3-MoE, saved tensors of one layer's backward: k x (4 x expert width + 2 x hidden)
+    within 0.3% for top-k 1 to 4, hidden 512 and 1024, widths 768 and 1536, 8 and 16 experts)."""
+    return 2 * sh.hidden_size * sh.routed_experts * sh.sparse_layers // max(sh.num_hidden_layers, 1)
 
 
 def training_activation_bytes(m: ModelPlan, tokens: int) -> int:
@@ -148,7 +160,7 @@ def training_activation_bytes(m: ModelPlan, tokens: int) -> int:
 def forward_activation_bytes(m: ModelPlan, tokens: int) -> int:
     """A no-grad forward keeps one block's intermediates at a time: the residual stream, the MLP's
     gate, up and product."""
-    return tokens * (3 * m.shape.hidden_size + 3 * m.shape.mlp_width) * m.compute_bytes
+    return tokens * (3 * m.shape.hidden_size + 3 * m.shape.mlp_width + routed_copies(m.shape)) * m.compute_bytes
 
 
 def lm_head_bytes(s: PlanSettings, m: ModelPlan, response_tokens: int, training: bool) -> int:
@@ -157,7 +169,10 @@ def lm_head_bytes(s: PlanSettings, m: ModelPlan, response_tokens: int, training:
         slices = FUSED_TRAIN_SLICES if training else FUSED_FORWARD_SLICES
         hidden = response_tokens * m.shape.hidden_size * FP32 if training else 0
         return int(slices * min(FUSED_CHUNK_LOGITS, response_tokens * m.shape.vocab_size) * FP32) + hidden
-    scale = NAIVE_TRAIN_LOGITS if training else NAIVE_FORWARD_LOGITS
+    if not training:
+        scale = NAIVE_FORWARD_LOGITS
+    else:
+        scale = NAIVE_TRAIN_LOGITS if s.entropy_in_loss else NAIVE_TRAIN_LOGITS_NO_ENTROPY
     return int(scale * response_tokens * m.shape.vocab_size * FP32)
 
 
@@ -300,23 +315,37 @@ def mapped(s: PlanSettings, m: ModelPlan) -> bool:
     loads with ``from_pretrained``, which, when the file holds every tensor in the fp32 the model
     trains in, maps the file and keeps its tensors instead of copying them; the kernel reads a
     page in on first use. A CPU process's resident set holds none of it until then (a GPU copies
-    the weights to the device)."""
-    return s.whole_loads and s.device != "cuda" and bool(m.shape.disk_dtypes) and all(
-        d == "F32" for d, _ in m.shape.disk_dtypes)
+    the weights to the device). A folder converted as it loads (``converts_on_load``) is copied."""
+    return s.whole_loads and s.device != "cuda" and _fp32_file(m) and not m.shape.converts_on_load
+
+
+def _fp32_file(m: ModelPlan) -> bool:
+    """The model's files hold every tensor in fp32, the dtype it trains in."""
+    return bool(m.shape.disk_dtypes) and all(d == "F32" for d, _ in m.shape.disk_dtypes)
 
 
 def setup_items(s: PlanSettings) -> list[tuple[str, int]]:
     """Loading beyond the weights that stay: one process converts a file in another dtype with its
     pages read (the largest such file, on CPU) and maps an fp32 one (``mapped``: nothing read
-    yet); sharded ranks fill their shards one tensor at a time, the largest (the embedding)
-    gathered in fp32 at most."""
+    yet; one converted as it loads, its fused experts copied, is read no further: moelong-1 of
+    ``benchmarks/plan_accuracy.py``); sharded ranks fill their shards one tensor at a time, the
+    largest (the embedding) gathered in fp32 at most."""
     actor = s.model("actor")
     if not s.whole_loads:
-        return [("largest tensor being filled", actor.shape.embedding_parameters * FP32 // actor.shards)]
+        items = [("largest tensor being filled", actor.shape.embedding_parameters * FP32 // actor.shards)]
+        if s.device != "cuda":  # rank 0 converts such a folder whole (models.sharded_load.ConvertedWeights)
+            items.append(("converted folder (rank 0)", converted_load_bytes(s)))
+        return items
     if s.device == "cuda":
         return []  # the file is read in host memory; the device holds the weights
-    read = [_disk_bytes(m) for m in s.models if not mapped(s, m)]
+    read = [_disk_bytes(m) for m in s.models if not _fp32_file(m)]
     return [("weights file being read", max(read, default=0))]
+
+
+def converted_load_bytes(s: PlanSettings) -> int:
+    """Host memory rank 0 holds while the ranks fill their shards from a folder converted as it loads
+    (``converts_on_load``): the model whole in the folder's dtype, the largest such model's."""
+    return max((_disk_bytes(m) for m in s.models if m.shape.converts_on_load), default=0)
 
 
 def _disk_bytes(m: ModelPlan) -> int:
@@ -329,9 +358,36 @@ def _dtype_bytes(safetensors_dtype: str) -> int:
 
 
 def _phase(name: str, s: PlanSettings, active: tuple[str, ...], extra: list[tuple[str, int]],
-           updated: tuple[str, ...]) -> PhaseMemory:
-    items = _base(s) + resident_items(s, active, updated) + [(k, b) for k, b in extra if b]
-    return PhaseMemory(name, tuple(items))
+           updated: tuple[str, ...], heap: "KeptHeap | None" = None) -> PhaseMemory:
+    extra = [(k, b) for k, b in extra if b]
+    kept = heap.items(name, extra) if heap is not None else []
+    return PhaseMemory(name, tuple(_base(s) + resident_items(s, active, updated) + extra + kept))
+
+
+class KeptHeap:
+    """Freed memory glibc keeps resident at its heap's top for reuse on CPU (``HEAP_TOP_PAD``, which
+    ``run.setup.return_freed_memory`` sets in every run), from the first phase that allocates
+    transients on (in the first step; the steady state has it from the start): that phase grows
+    it about halfway, and each later phase holds it beside its own transients, but an update,
+    whose many mid-size blocks (saved activations, gradients) are carved from it. Measured on
+    ``benchmarks/plan_accuracy.py``'s long-1, moelong-1 and full-2 (2026-12-05): the first forward
+    +0.22 to +0.41 GiB, later forwards and the reward phase +0.45 to +0.60, updates -0.2 to +0.08
+    against the same runs before the pad. A run with a CPU vLLM engine measured +0.07 to +0.15 in
+    every phase (vllm-1; why it keeps so little is not known): none is planned there."""
+
+    def __init__(self, s: PlanSettings, first_step: bool):
+        # In the steady state, the first step has grown it.
+        self.pad = HEAP_TOP_PAD if s.device != "cuda" and s.rollout != "vllm" else 0
+        self.grown = not first_step
+
+    def items(self, phase: str, extra: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        transient = sum(b for _, b in extra)
+        if not self.grown:
+            self.grown = transient > 0
+            kept = self.pad // 2 if self.grown else 0
+        else:
+            kept = max(0, self.pad - transient) if phase.startswith("update") else self.pad
+        return [("freed heap glibc keeps", kept)] if kept else []
 
 
 def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemory]:
@@ -346,33 +402,35 @@ def phase_estimates(s: PlanSettings, first_step: bool = False) -> list[PhaseMemo
     gen = generation_items(s, p.gen_rows, p.gen_tokens)
     scoring = forward_items(s, actor, p.forward_tokens, p.forward_response_tokens)
     held = ([] if s.engine_sleeps else engine_items(s)) + kept_generation_items(s)  # a CPU engine has no sleep mode
+    heap = KeptHeap(s, first_step)  # every phase after setup's loading
     out = [_phase("setup", s, (), setup_items(s) + engine_items(s), ())]
     if s.rollout == "vllm":
-        out.append(_phase("weight_sync", s, ("actor",), weight_sync_items(s), before))
-    out.append(_phase("gen", s, ("actor",), gen if s.rollout != "offline" else [], before))
+        out.append(_phase("weight_sync", s, ("actor",), weight_sync_items(s), before, heap))
+    out.append(_phase("gen", s, ("actor",), gen if s.rollout != "offline" else [], before, heap))
     if p.probe_rows:
-        out.append(_phase("kl_probe", s, ("actor", "ref"), probe_items(s, p), before))
+        out.append(_phase("kl_probe", s, ("actor", "ref"), probe_items(s, p), before, heap))
     if s.old_log_prob_forward:
-        out.append(_phase("old_log_prob", s, ("actor",), scoring, before))
+        out.append(_phase("old_log_prob", s, ("actor",), scoring, before, heap))
     if ref is not None:
         out.append(_phase("ref", s, (ref.role,), forward_items(s, ref, p.forward_tokens, p.forward_response_tokens),
-                          before))
+                          before, heap))
     if critic is not None and not s.update_forwards_first:
-        out.append(_phase("values", s, ("critic",), forward_items(s, critic, p.forward_tokens, 0), before))
-    out.append(_phase("reward", s, ("reward_model",), forward_items(s, rm, p.forward_tokens, 0) if rm else [], before))
+        out.append(_phase("values", s, ("critic",), forward_items(s, critic, p.forward_tokens, 0), before, heap))
+    out.append(_phase("reward", s, ("reward_model",), forward_items(s, rm, p.forward_tokens, 0) if rm else [], before,
+                      heap))
     if critic is not None:
         # With the forwards first, the actor's forward ran before the critic's update and its graph waits.
         held_actor = [("actor activations awaiting its update", training_activation_bytes(actor, p.update_tokens))
                       ] if s.update_forwards_first else []
         out.append(_phase("update_critic", s, ("critic",),
-                          update_items(s, critic, p.critic_tokens, 0, first_step) + held_actor, before))
+                          update_items(s, critic, p.critic_tokens, 0, first_step) + held_actor, before, heap))
     after_critic = trained if not first_step else tuple(r for r in trained if r == "critic")
     out.append(_phase("update_actor", s, ("actor",),
-                      update_items(s, actor, p.update_tokens, p.update_response_tokens, first_step), after_critic))
+                      update_items(s, actor, p.update_tokens, p.update_response_tokens, first_step), after_critic, heap))
     out.append(_phase("validate", s, ("actor", "ref", "reward_model", GOLD_ROLE), gen if s.rollout != "offline" else scoring,
-                      trained))
+                      trained, heap))
     out.append(_phase("export", s, ("actor",), [("tensor being exported", 2 * actor.shape.embedding_parameters * FP32)],
-                      trained))
+                      trained, heap))
     return [_engine_share(_holding(phase, held), s) for phase in _mapped_when_read(out, s, first_step)]
 
 

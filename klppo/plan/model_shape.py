@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from klppo.errors import UserError
-from klppo.monitoring.flops import attention_weights, decoder_weights_per_token, experts_per_token
+from klppo.monitoring.flops import attention_weights, decoder_layers, decoder_weights_per_token, experts_per_token
 
 HEADER_LIMIT = 100 * 2**20  # safetensors refuses headers above 100 MB; so do we (a corrupt file)
 
@@ -48,6 +48,14 @@ class ModelShape:
     # Sliding-window attention, as the config says it (monitoring.flops.attention_windows).
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    # A mixture of experts (counted on the built model): experts a token is routed to, and the
+    # decoder layers that route (the others are dense); 0 and 0 for a dense model.
+    routed_experts: int = 0
+    sparse_layers: int = 0
+    # The folder's tensors are converted as they load (MoE experts stored one by one, fused by
+    # transformers 5: ``models.sharded_load.converts_on_load``): no file stays mapped, and a
+    # sharded load holds the converted model whole on rank 0.
+    converts_on_load: bool = False
 
     @property
     def mlp_width(self) -> int:
@@ -93,9 +101,10 @@ def read_model_shape(path: str, key: str = "actor_rollout_ref.model.path") -> Mo
         raise UserError(f"{key} = '{path}' has no config.json; point {key} at a Hugging Face model folder")
     config = _text_config(json.loads(config_file.read_text()))
     shape = _shape_from_config(str(folder), config, key)
-    counts = _disk_counts(folder, key)
+    tensors = _disk_tensors(folder, key)
+    counts = _dtype_counts(tensors)
     if not counts or experts_per_token(config) is not None:
-        shape = _counted_on_built_model(shape, folder)
+        shape = _counted_on_built_model(shape, folder, frozenset(tensors) if tensors else None)
     if not counts:
         return shape
     return replace(shape, parameters=_loaded_count(counts, shape), disk_dtypes=tuple(sorted(counts.items())))
@@ -153,12 +162,14 @@ def _formula_count(s: dict, *, bias: bool) -> int:
     return s["vocab_size"] * h + s["num_hidden_layers"] * layer + h + head
 
 
-def _counted_on_built_model(shape: ModelShape, folder: Path) -> ModelShape:
-    """``shape`` with the parameters and layer weights of the causal LM transformers builds from
-    ``folder``'s config, on the meta device (no memory): exact for any type it ships, mixtures of
-    experts included, where the Llama layout of ``_formula_count`` counts one dense MLP per layer
+def _counted_on_built_model(shape: ModelShape, folder: Path, saved: frozenset[str] | None) -> ModelShape:
+    """``shape`` with the parameters, layer weights and experts of the causal LM transformers builds
+    from ``folder``'s config, on the meta device (no memory): exact for any type it ships, mixtures
+    of experts included, where the Llama layout of ``_formula_count`` counts one dense MLP per layer
     (Qwen3-30B-A3B's config: 2.5B of its 30.5B parameters, and every expert as if each token ran
-    through them all). ``shape`` as it is where transformers cannot build it (a type it does not ship)."""
+    through them all). ``saved``: the tensor names in the folder's files (None: no weights), which
+    tell whether it converts as it loads. ``shape`` as it is where transformers cannot build it
+    (a type it does not ship)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -168,8 +179,24 @@ def _counted_on_built_model(shape: ModelShape, folder: Path) -> ModelShape:
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception:  # noqa: BLE001 (whatever stops transformers from building it, the formula counts instead)
         return shape
+    text = config.get_text_config()
+    layers = decoder_layers(model, text.num_hidden_layers) or []
+    sparse = sum(any("experts" in name.split(".") for name, _ in layer.named_parameters()) for layer in layers)
     return replace(shape, parameters=sum(p.numel() for p in model.parameters()),
-                   layer_weights=decoder_weights_per_token(model, config.get_text_config()))
+                   layer_weights=decoder_weights_per_token(model, text),
+                   routed_experts=(experts_per_token(text) or 0) if sparse else 0, sparse_layers=sparse,
+                   converts_on_load=saved is not None and _converts_on_load(model, saved))
+
+
+def _converts_on_load(model, saved: frozenset[str]) -> bool:
+    """Whether ``from_pretrained`` converts the saved tensors into ``model``'s: the backbone's names are
+    not all on disk and transformers has a conversion for the type (the rule of
+    ``models.sharded_load.converts_on_load``, which the run's loading follows, on names only)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    backbone = f"{model.base_model_prefix}."
+    lacking = any(name.startswith(backbone) and name not in saved for name, _ in model.named_parameters())
+    return lacking and bool(get_checkpoint_conversion_mapping(model.config.model_type))
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -194,15 +221,22 @@ def read_safetensors_header(path: Path, key: str = "model.path") -> dict:
     return header
 
 
-def _disk_counts(folder: Path, key: str) -> Counter:
-    """Elements on disk by safetensors dtype (BF16, F32, ...), over every weight file."""
-    counts: Counter = Counter()
+def _disk_tensors(folder: Path, key: str) -> dict[str, dict]:
+    """Every tensor of the folder's weight files: name -> its header entry (dtype, shape, offsets)."""
+    tensors: dict[str, dict] = {}
     for file in _weight_files(folder):
-        for entry in read_safetensors_header(file, key).values():
-            n = 1
-            for dim in entry["shape"]:
-                n *= dim
-            counts[entry["dtype"]] += n
+        tensors.update(read_safetensors_header(file, key))
+    return tensors
+
+
+def _dtype_counts(tensors: dict[str, dict]) -> Counter:
+    """Elements on disk by safetensors dtype (BF16, F32, ...)."""
+    counts: Counter = Counter()
+    for entry in tensors.values():
+        n = 1
+        for dim in entry["shape"]:
+            n *= dim
+        counts[entry["dtype"]] += n
     return counts
 
 

@@ -28,10 +28,9 @@ from klppo.models.attention import choose_packed_attention, set_packed_attention
 from klppo.models.load import ROLES, check_model_folder, empty_model_for, load_causal_lm, load_critic, load_reward_model
 from klppo.models.lora import LoraSpec, attach_adapters, read_adapter_config, with_adapters
 from klppo.models.sharded_load import ConvertedWeights, WeightReader, converts_on_load, full_tensors
+from klppo.monitoring.memory import HEAP_TOP_PAD
 
 T = TypeVar("T")
-# Freed memory glibc keeps at its heap's top for the next allocations (return_freed_memory).
-HEAP_TOP_PAD = 512 << 20
 PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # None: no mixed precision
 
 

@@ -4,7 +4,7 @@ import torch
 
 from klppo.monitoring.memory import PeakMemory
 from klppo.monitoring.timer import PhaseTimer
-from klppo.run.setup import HEAP_TOP_PAD
+from klppo.monitoring.memory import HEAP_TOP_PAD
 
 
 class ScriptedMemory:

@@ -109,6 +109,49 @@ def test_a_mixture_of_experts_folder_plans_the_experts_a_token_is_routed_to(tmp_
     # the plan's FLOPs (step_flops' every phase): a 12-token row, 7 response tokens; 78 causal pairs
     update = model_flops(shape, [12], training=True, head_positions=7)
     assert update == 3 * (2 * shape.layer_weights * 12 + 4 * 32 * 3 * 78 + 2 * 32 * 96 * 7)
+    # every layer routes each token to 2 experts; save_pretrained stored them one by one, so the folder is
+    # converted as it loads: copied, never mapped, and held whole by rank 0 of a sharded load
+    assert (shape.routed_experts, shape.sparse_layers, shape.converts_on_load) == (2, 3, True)
+    assert memory.routed_copies(shape) == 2 * 32 * 2
+
+
+def _saved_elements_per_token(model, tokens: int = 256) -> float:
+    """Elements of the tensors autograd saves in one forward (parameters left out), per token."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=torch.randint(0, 96, (1, tokens)))
+    return sum(saved.values()) / tokens
+
+
+def test_a_mixture_of_experts_layer_holds_what_the_plan_charges_beyond_a_dense_mlp_of_its_routed_width(tmp_path):
+    # transformers' grouped experts keep each routed expert's input and output besides the experts' MLPs:
+    # measured as the saved tensors of one Qwen3-MoE layer against a dense Qwen3 layer of the routed width
+    from transformers import AutoConfig
+
+    from klppo.plan.inputs import ModelPlan
+
+    base = dict(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16)
+    moe = AutoConfig.for_model("qwen3_moe", **base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                               intermediate_size=96)
+    dense = AutoConfig.for_model("qwen3", **base, intermediate_size=96)  # 2 experts x 48
+    measured = [_saved_elements_per_token(AutoModelForCausalLM.from_config(c)) for c in (moe, dense)]
+    planned = []
+    for name, config in (("moe", moe), ("dense", dense)):
+        config.save_pretrained(tmp_path / name)
+        shape = read_model_shape(str(tmp_path / name))
+        planned.append(memory.layer_activation_elements(ModelPlan("actor", shape, 0, 0, 1, 4, False, False, False, False)))
+    extra_measured, extra_planned = measured[0] - measured[1], planned[0] - planned[1]
+    # the copies (2 x hidden per routed expert), and the router's share of the MLP width (97 against 96)
+    assert extra_planned == 2 * 64 * 2 + 4 * (97 - 96)
+    assert extra_measured == pytest.approx(extra_planned, rel=0.1)
 
 
 @pytest.mark.parametrize("kind, keys, expected", [
@@ -473,3 +516,31 @@ def test_a_vllm_weight_sync_holds_the_engine_and_one_streamed_tensor_at_a_time(q
     for e in (asleep, kept):
         assert _item(e, "weight_sync", "vLLM weights being streamed") == embedding * 2
     assert "weight_sync" not in [p.phase for p in _plan(qwen05_dir, task_dir).phases]  # offline: no engine
+
+
+def test_a_cpu_run_holds_the_heap_glibc_keeps_from_its_first_forward_on(qwen05_dir, task_dir):
+    # the first step: none before the first phase with transients, half the pad in it, the whole pad in
+    # each later forward and the reward phase, and an update's transients carved from it; CUDA: none
+    from klppo.monitoring.memory import HEAP_TOP_PAD
+
+    def kept(phases):
+        return {p.phase: sum(b for k, b in p.items if k == "freed heap glibc keeps") for p in phases}
+
+    e = _plan(qwen05_dir, task_dir, "actor_rollout_ref.actor.use_kl_loss=false")
+    first = kept(memory.phase_estimates(e.settings, first_step=True))
+    assert first["setup"] == first["gen"] == 0  # offline: nothing generated
+    assert first["old_log_prob"] == HEAP_TOP_PAD // 2 and first["reward"] == HEAP_TOP_PAD
+    assert first["update_actor"] == 0  # its transients exceed the pad
+    steady = kept(memory.phase_estimates(e.settings))
+    assert steady["gen"] == steady["old_log_prob"] == HEAP_TOP_PAD and steady["setup"] == 0
+    cuda = _plan(qwen05_dir, task_dir, "actor_rollout_ref.actor.use_kl_loss=false", device="cuda")
+    assert set(kept(memory.phase_estimates(cuda.settings, first_step=True)).values()) == {0}
+
+
+def test_the_unfused_heads_update_holds_fewer_logits_without_the_entropy_in_the_loss(qwen05_dir, task_dir):
+    # entropy_coeff 0 (the default): the entropy is measured without a gradient, and backward skips it
+    naive = "actor_rollout_ref.model.use_fused_kernels=false"
+    without = _item(_plan(qwen05_dir, task_dir, naive), "update_actor", "LM head logits")
+    with_bonus = _item(_plan(qwen05_dir, task_dir, naive, "actor_rollout_ref.actor.entropy_coeff=0.01"),
+                       "update_actor", "LM head logits")
+    assert with_bonus / without == pytest.approx(memory.NAIVE_TRAIN_LOGITS / memory.NAIVE_TRAIN_LOGITS_NO_ENTROPY)

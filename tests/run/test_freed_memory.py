@@ -59,7 +59,7 @@ def test_a_steps_blocks_reuse_resident_memory(probe):
 
 
 def test_freed_memory_beyond_the_pad_goes_back_to_the_os(probe):
-    from klppo.run.setup import HEAP_TOP_PAD
+    from klppo.monitoring.memory import HEAP_TOP_PAD
 
     _, grown, kept = probe
     assert grown > 900  # 1 GiB was resident
