@@ -17,9 +17,16 @@ import struct
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from klppo.errors import UserError
-from klppo.monitoring.flops import attention_weights, decoder_layers, decoder_weights_per_token, experts_per_token
+from klppo.monitoring.flops import (
+    attention_weights,
+    decoder_layers,
+    decoder_weights_per_token,
+    dense_layer_weights,
+    experts_per_token,
+)
 
 HEADER_LIMIT = 100 * 2**20  # safetensors refuses headers above 100 MB; so do we (a corrupt file)
 
@@ -100,11 +107,12 @@ def read_model_shape(path: str, key: str = "actor_rollout_ref.model.path") -> Mo
     if not config_file.is_file():
         raise UserError(f"{key} = '{path}' has no config.json; point {key} at a Hugging Face model folder")
     config = _text_config(json.loads(config_file.read_text()))
-    shape = _shape_from_config(str(folder), config, key)
+    hf_config = _transformers_config(folder)
+    shape = replace(_shape_from_config(str(folder), config, key), **_attention_layout(config, hf_config))
     tensors = _disk_tensors(folder, key)
     counts = _dtype_counts(tensors)
-    if not counts or experts_per_token(config) is not None:
-        shape = _counted_on_built_model(shape, folder, frozenset(tensors) if tensors else None)
+    if hf_config is not None and (not counts or experts_per_token(config) is not None):
+        shape = _counted_on_built_model(shape, hf_config, frozenset(tensors) if tensors else None)
     if not counts:
         return shape
     return replace(shape, parameters=_loaded_count(counts, shape), disk_dtypes=tuple(sorted(counts.items())))
@@ -127,24 +135,27 @@ def _shape_from_config(path: str, c: dict, key: str) -> ModelShape:
                  num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
                  num_key_value_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
                  intermediate_size=c["intermediate_size"], tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
-    return ModelShape(**shape, parameters=_formula_count(shape, bias=_attention_bias(c)), **_attention_layout(c))
+    return ModelShape(**shape, parameters=_formula_count(shape, bias=_attention_bias(c)))
 
 
-def _attention_layout(c: dict) -> dict:
-    """The sliding windows config.json states: transformers' configs set ``layer_types`` from the
-    older keys as they load (Qwen2's ``use_sliding_window`` and ``max_window_layers``), so a
-    folder's config.json is read through transformers where it can be (with the raw keys otherwise)."""
-    layout = {"sliding_window": c.get("sliding_window"), "layer_types": c.get("layer_types")}
+def _transformers_config(folder: Path):
+    """The folder's config as transformers reads it (never running the folder's code), or None
+    where transformers cannot (a type it does not ship)."""
+    from transformers import AutoConfig
+
     try:
-        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 (whatever stops transformers, the raw keys count instead)
+        return None
 
-        config = AutoConfig.for_model(**c).get_text_config()
-        layout = {"sliding_window": getattr(config, "sliding_window", None),
-                  "layer_types": getattr(config, "layer_types", None)}
-    except Exception:  # noqa: BLE001 (a type transformers does not ship: the raw keys)
-        pass
-    types = layout["layer_types"]
-    return {**layout, "layer_types": None if types is None else tuple(types)}
+
+def _attention_layout(c: dict, hf_config) -> dict:
+    """The sliding windows config.json states: transformers' configs set ``layer_types`` from the
+    older keys as they load (Qwen2's ``use_sliding_window`` and ``max_window_layers``), so they are
+    read from ``hf_config`` where transformers could read the folder (the raw keys otherwise)."""
+    text = c if hf_config is None else vars(hf_config.get_text_config())
+    types = text.get("layer_types")
+    return {"sliding_window": text.get("sliding_window"), "layer_types": None if types is None else tuple(types)}
 
 
 def _attention_bias(c: dict) -> bool:
@@ -156,25 +167,23 @@ def _formula_count(s: dict, *, bias: bool) -> int:
     """Parameters of a Llama/Qwen2 decoder: embedding, per layer q/k/v/o + gate/up/down + 2 RMSNorms,
     the final norm, and the LM head unless tied."""
     h, q, kv = s["hidden_size"], s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
-    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if bias else 0)
-    layer = attention + 3 * h * s["intermediate_size"] + 2 * h
+    layer = dense_layer_weights(SimpleNamespace(**s)) + ((q + 2 * kv) if bias else 0) + 2 * h
     head = 0 if s["tie_word_embeddings"] else s["vocab_size"] * h
     return s["vocab_size"] * h + s["num_hidden_layers"] * layer + h + head
 
 
-def _counted_on_built_model(shape: ModelShape, folder: Path, saved: frozenset[str] | None) -> ModelShape:
+def _counted_on_built_model(shape: ModelShape, config, saved: frozenset[str] | None) -> ModelShape:
     """``shape`` with the parameters, layer weights and experts of the causal LM transformers builds
-    from ``folder``'s config, on the meta device (no memory): exact for any type it ships, mixtures
+    from the folder's ``config`` (``_transformers_config``), on the meta device (no memory): exact for any type it ships, mixtures
     of experts included, where the Llama layout of ``_formula_count`` counts one dense MLP per layer
     (Qwen3-30B-A3B's config: 2.5B of its 30.5B parameters, and every expert as if each token ran
     through them all). ``saved``: the tensor names in the folder's files (None: no weights), which
     tell whether it converts as it loads. ``shape`` as it is where transformers cannot build it
     (a type it does not ship)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception:  # noqa: BLE001 (whatever stops transformers from building it, the formula counts instead)
