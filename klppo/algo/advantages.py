@@ -82,18 +82,19 @@ def _group_ids(index: GroupIndex, batch_size: int, device: torch.device) -> Tupl
 
 
 def _group_stats(
-    scores: torch.Tensor, ids: torch.Tensor, num_groups: int
+    scores: torch.Tensor, ids: torch.Tensor, num_groups: int, var_floor: float = 0.0
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sequence (mean, std, size) of its group's scores, each (B,).
 
-    scores: (B,), ids: (B,) in [0, G). std is unbiased (as torch.std). Groups of one
-    sequence get mean 0 and std 1, as verl, so a lone answer keeps its raw score.
+    scores: (B,), ids: (B,) in [0, G). std is unbiased (as torch.std), from a variance of at
+    least ``var_floor``. Groups of one sequence get mean 0 and std 1, as verl, so a lone
+    answer keeps its raw score.
     """
     zeros = scores.new_zeros(num_groups)  # (G,)
     size = zeros.index_add(0, ids, torch.ones_like(scores))  # (G,)
     mean = zeros.index_add(0, ids, scores) / size
     sq_dev = zeros.index_add(0, ids, (scores - mean[ids]) ** 2)
-    std = torch.sqrt(sq_dev / (size - 1).clamp(min=1))
+    std = torch.sqrt((sq_dev / (size - 1).clamp(min=1)).clamp(min=var_floor))
     single = size < 2
     mean = torch.where(single, torch.zeros_like(mean), mean)
     std = torch.where(single, torch.ones_like(std), std)
@@ -115,14 +116,36 @@ def compute_grpo_outcome_advantage(
     `norm_adv_by_std_in_grpo` is False (Dr. GRPO, arXiv:2503.20783). Broadcast over real
     tokens. Returns (advantages, returns), identical, (B, T).
     """
+    return _grpo(token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, var_floor=0.0)
+
+
+@torch.no_grad()
+def compute_grpo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """verl's grpo_vectorized: GRPO with the group variance floored at ``epsilon`` (so a group
+    whose scores nearly agree is divided by at least sqrt(epsilon), not by almost 0)."""
+    return _grpo(token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, var_floor=epsilon)
+
+
+def _grpo(token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, var_floor):
     mask = response_mask.bool()
     scores = token_level_rewards.sum(dim=-1)  # (B,)
     ids, num_groups = _group_ids(index, scores.shape[0], scores.device)
-    mean, std, _ = _group_stats(scores, ids, num_groups)
+    mean, std, _ = _group_stats(scores, ids, num_groups, var_floor)
     adv = scores - mean
     if norm_adv_by_std_in_grpo:
         adv = adv / (std + epsilon)
-    advantages = _zero_padding(adv.unsqueeze(-1).expand_as(token_level_rewards), mask)
+    return _outcome(adv, mask)
+
+
+def _outcome(adv: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's advantage (B,) on each of its real tokens: (advantages, returns), identical, (B, T)."""
+    advantages = _zero_padding(adv.unsqueeze(-1).expand(mask.shape).to(adv.dtype), mask)
     return advantages, advantages
 
 
@@ -139,14 +162,115 @@ def compute_rloo_outcome_advantage(
     score - mean(others) = (score - mean) * n / (n - 1); a group of one keeps its score
     (verl). `epsilon` is unused, kept for verl's signature. Returns (advantages, returns).
     """
+    return _rloo(token_level_rewards, response_mask, index, lone=None)
+
+
+@torch.no_grad()
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """verl's rloo_vectorized: RLOO, except that a group of one gets advantage 0 (no other
+    answer to compare with), where ``compute_rloo_outcome_advantage`` keeps its score."""
+    return _rloo(token_level_rewards, response_mask, index, lone=0.0)
+
+
+def _rloo(token_level_rewards, response_mask, index, lone: Optional[float]):
     mask = response_mask.bool()
     scores = token_level_rewards.sum(dim=-1)  # (B,)
     ids, num_groups = _group_ids(index, scores.shape[0], scores.device)
     mean, _, size = _group_stats(scores, ids, num_groups)
     loo = (scores - mean) * size / (size - 1).clamp(min=1)
-    adv = torch.where(size > 1, loo, scores)
-    advantages = _zero_padding(adv.unsqueeze(-1).expand_as(token_level_rewards), mask)
-    return advantages, advantages
+    adv = torch.where(size > 1, loo, scores if lone is None else torch.full_like(scores, lone))
+    return _outcome(adv, mask)
+
+
+@torch.no_grad()
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """OPO: score minus the group's length-weighted mean score (Hao et al. 2025,
+    arXiv:2505.23585; verl's opo), the baseline that minimises the gradient's variance when
+    a response's gradient grows with its length.
+
+    token_level_rewards, response_mask: (B, T); index: B group ids. baseline = sum_j L_j s_j /
+    sum_j L_j over the group (itself included; L = response tokens), 0 for a group of one.
+    ``epsilon`` is unused, kept for verl's signature. Returns (advantages, returns), identical.
+    """
+    mask = response_mask.bool()
+    scores = token_level_rewards.sum(dim=-1)  # (B,)
+    lengths = mask.sum(dim=-1).to(scores.dtype)
+    ids, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    zeros = scores.new_zeros(num_groups)
+    size = zeros.index_add(0, ids, torch.ones_like(scores))[ids]
+    weighted = zeros.index_add(0, ids, lengths * scores)[ids] / zeros.index_add(0, ids, lengths)[ids].clamp(min=1)
+    return _outcome(scores - torch.where(size > 1, weighted, torch.zeros_like(scores)), mask)
+
+
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (Chen et al. 2025, arXiv:2503.19595; verl's grpo_passk): only each
+    group's best answer gets an advantage, its margin over the second best, divided by the
+    group's std (+ epsilon) when ``norm_adv_by_std_in_grpo``; every other answer gets 0.
+
+    token_level_rewards, response_mask: (B, T); index: B group ids, every group of at least
+    two (a ValueError otherwise, as verl). Of tied best answers the first in the batch is the
+    best (its margin is then 0). Returns (advantages, returns), identical, (B, T).
+    """
+    mask = response_mask.bool()
+    scores = token_level_rewards.sum(dim=-1)  # (B,)
+    ids, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    _, std, size = _group_stats(scores, ids, num_groups)
+    if bool((size < 2).any()):
+        raise ValueError("grpo_passk needs at least 2 answers to each prompt: it compares each group's best two")
+    best = torch.full((num_groups,), -torch.inf, dtype=scores.dtype, device=scores.device)
+    best = best.scatter_reduce(0, ids, scores, reduce="amax")
+    order = torch.arange(scores.shape[0], device=scores.device)
+    is_best = scores == best[ids]
+    first = torch.full((num_groups,), scores.shape[0], device=scores.device).scatter_reduce(
+        0, ids, torch.where(is_best, order, scores.shape[0]), reduce="amin")
+    winner = order == first[ids]  # (B,) one per group
+    others = torch.where(winner, -torch.inf, scores)
+    second = torch.full_like(best, -torch.inf).scatter_reduce(0, ids, others, reduce="amax")
+    margin = best[ids] - second[ids]
+    if norm_adv_by_std_in_grpo:
+        margin = margin / (std + epsilon)
+    return _outcome(torch.where(winner, margin, torch.zeros_like(margin)), mask)
+
+
+@torch.no_grad()
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GPG's advantage (Chu et al. 2025, arXiv:2504.02546; verl's gpg): the score minus its
+    group's mean, scaled by alpha = B / (answers with a non-zero score), which undoes the
+    dilution of the gradient by groups that all scored 0, and divided by ``f_norm``.
+
+    token_level_rewards, response_mask: (B, T); index: B group ids; a group of one has mean 0.
+    The batch is the whole step's (alpha counts over it). ``epsilon`` is unused, kept for
+    verl's signature. Returns (advantages, returns), identical, (B, T).
+    """
+    mask = response_mask.bool()
+    scores = token_level_rewards.sum(dim=-1)  # (B,)
+    ids, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    mean, _, _ = _group_stats(scores, ids, num_groups)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+    return _outcome(alpha * (scores - mean) / f_norm, mask)
 
 
 @torch.no_grad()
@@ -193,7 +317,20 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return advantages, advantages
 
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_vectorized",
+                  "rloo_vectorized", "opo", "grpo_passk", "gpg")
+_GROUP_OUTCOME = {  # estimators of (token_level_rewards, response_mask, index)
+    "rloo": compute_rloo_outcome_advantage,
+    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
+    "rloo_vectorized": compute_rloo_vectorized_outcome_advantage,
+    "opo": compute_opo_outcome_advantage,
+    "gpg": compute_gpg_outcome_advantage,
+}
+_GROUP_OUTCOME_NORMED = {  # ... and norm_adv_by_std_in_grpo
+    "grpo": compute_grpo_outcome_advantage,
+    "grpo_vectorized": compute_grpo_vectorized_outcome_advantage,
+    "grpo_passk": compute_grpo_passk_outcome_advantage,
+}
 
 
 def compute_advantage(
@@ -210,13 +347,11 @@ def compute_advantage(
     """(advantages, returns), each (B, T), by the named estimator; ``values`` only for "gae"."""
     if adv_estimator == "gae":
         return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
-    if adv_estimator == "grpo":
-        return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
-                                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
-    if adv_estimator == "rloo":
-        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+    if adv_estimator in _GROUP_OUTCOME_NORMED:
+        return _GROUP_OUTCOME_NORMED[adv_estimator](token_level_rewards, response_mask, index,
+                                                    norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+    if adv_estimator in _GROUP_OUTCOME:
+        return _GROUP_OUTCOME[adv_estimator](token_level_rewards, response_mask, index)
     if adv_estimator == "reinforce_plus_plus":
         return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
-    if adv_estimator == "reinforce_plus_plus_baseline":
-        return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index)
     raise ValueError(f"unknown adv_estimator {adv_estimator!r}; use one of {', '.join(ADV_ESTIMATORS)}")

@@ -206,7 +206,120 @@ def compute_policy_loss_cispo(
     return loss, stats
 
 
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo")
+def compute_policy_loss_sapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    global_seq_count: Count = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """SAPO: a smooth gate on the ratio in place of PPO's hard clip (Qwen 2025, arXiv:2511.20347;
+    verl's sapo).
+
+    All inputs (B, T). Per token, with ratio r = exp(clamp(log_prob - old_log_prob, +-20)) and
+    tau = tau_pos where A > 0, else tau_neg: loss = -A f(r), f(r) = sigmoid(tau (r - 1)) 4 / tau,
+    whose gradient in r is 1 at r = 1 (PPO's) and fades smoothly as r leaves 1, faster with a
+    larger tau; nothing is cut off, so the clip fractions are 0. Times the rollout-correction
+    weights, reduced seq-mean-token-mean whatever the run's loss_agg_mode (as verl).
+    """
+    mask = response_mask.bool()
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    taus = torch.where(advantages > 0, torch.as_tensor(tau_pos, dtype=advantages.dtype, device=advantages.device),
+                       torch.as_tensor(tau_neg, dtype=advantages.dtype, device=advantages.device))
+    gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
+    pg_losses = -gates * advantages
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    loss = agg_loss(pg_losses, mask, "seq-mean-token-mean", global_seq_count=global_seq_count)
+    return loss, _unclipped_stats(loss, negative_approx_kl, mask)
+
+
+def compute_policy_loss_gpg(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: Count = None,
+    global_seq_count: Count = None,
+    loss_scale_factor: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """GPG: the plain policy gradient, no ratio and no clip (Chu et al. 2025, arXiv:2504.02546;
+    verl's gpg, which pairs it with ``algorithm.adv_estimator=gpg``).
+
+    All inputs (B, T). Loss per token -A log_prob, times the rollout-correction weights, reduced
+    by ``loss_agg_mode``; ``old_log_prob`` enters only the logged "actor/ppo_kl". The clip
+    fractions are 0.
+    """
+    mask = response_mask.bool()
+    pg_losses = -log_prob * advantages
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, global_token_count, global_seq_count, loss_scale_factor)
+    return loss, _unclipped_stats(loss, log_prob.detach() - old_log_prob, mask)
+
+
+def compute_policy_loss_geo_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    global_seq_count: Count = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """GMPO: the geometric mean of a sequence's token ratios in place of their arithmetic mean
+    (Zhao et al. 2025, arXiv:2507.20673; verl's geo_mean).
+
+    All inputs (B, T). Each token's log-ratio d = log_prob - old_log_prob is clipped in log space
+    to [-low, high] on the side its advantage's sign makes pessimistic (d itself where that is
+    smaller in sign(A) d); a sequence's ratio is exp(mean_t clipped d), its advantage mean_t A, its
+    loss -A_seq ratio_seq, times the geometric mean of its tokens' rollout-correction weights.
+    The sequences' losses are averaged: over ``global_seq_count`` sequences when given (this
+    micro-batch's otherwise, verl's torch.mean, which a micro-batch of the whole batch equals).
+    "actor/pg_clipfrac" / "_lower": the fractions of tokens clipped with A > 0 / A < 0.
+    """
+    mask = response_mask.bool()
+    negative_approx_kl = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(negative_approx_kl, -clip_ratio_low, clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * negative_approx_kl, sign * clamped)
+    lengths = mask.sum(dim=-1)  # (B,)
+    ratio = torch.exp(masked_sum(pessimistic, mask, dim=-1) / (lengths + 1e-8))  # (B,), verl's epsilon
+    advantage = masked_sum(advantages, mask, dim=-1) / (lengths + 1e-8)
+    pg_losses = -advantage * ratio
+    if rollout_is_weights is not None:
+        log_weights = masked_sum(torch.log(rollout_is_weights + 1e-10), mask, dim=-1)
+        pg_losses = pg_losses * torch.exp(log_weights / (lengths + 1e-8))
+    n_seq = _denominator(global_seq_count, torch.tensor(pg_losses.shape[0]), pg_losses)
+    loss = pg_losses.sum() / n_seq
+    with torch.no_grad():
+        clipped = negative_approx_kl != clamped
+        stats = {
+            "actor/pg_loss": loss.detach(),
+            "actor/pg_clipfrac": masked_mean((clipped & (advantages > 0)).float(), mask),
+            "actor/ppo_kl": masked_mean(-negative_approx_kl, mask),
+            "actor/pg_clipfrac_lower": masked_mean((clipped & (advantages < 0)).float(), mask),
+        }
+    return loss, stats
+
+
+def _unclipped_stats(loss: torch.Tensor, negative_approx_kl: torch.Tensor, mask: torch.Tensor
+                     ) -> Dict[str, torch.Tensor]:
+    """The policy loss's stats for a loss that clips nothing: both clip fractions 0."""
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
+        return {"actor/pg_loss": loss.detach(), "actor/pg_clipfrac": zero,
+                "actor/ppo_kl": masked_mean(-negative_approx_kl.detach(), mask), "actor/pg_clipfrac_lower": zero}
+
+
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean")
 
 
 def compute_policy_loss_of_mode(
@@ -220,20 +333,29 @@ def compute_policy_loss_of_mode(
     clip_ratio_high: float,
     clip_ratio_c: float,
     loss_agg_mode: str,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
     global_token_count: Count = None,
     global_seq_count: Count = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The policy loss verl's ``actor.policy_loss.loss_mode`` names: vanilla (dual-clip PPO,
-    ``compute_policy_loss``), gspo or cispo, with the arguments each takes."""
+    ``compute_policy_loss``), gspo, cispo, sapo (``tau_pos``/``tau_neg``), gpg or geo_mean, with
+    the arguments each takes. gspo, sapo and geo_mean reduce over sequences whatever
+    ``loss_agg_mode`` says, as verl's do."""
     inputs = (old_log_prob, log_prob, advantages, response_mask)
+    weights = dict(global_seq_count=global_seq_count, rollout_is_weights=rollout_is_weights)
     if loss_mode == "gspo":
-        return compute_policy_loss_gspo(*inputs, clip_ratio_low, clip_ratio_high, global_seq_count=global_seq_count,
-                                        rollout_is_weights=rollout_is_weights)
-    counts = dict(loss_agg_mode=loss_agg_mode, global_token_count=global_token_count,
-                  global_seq_count=global_seq_count, rollout_is_weights=rollout_is_weights)
+        return compute_policy_loss_gspo(*inputs, clip_ratio_low, clip_ratio_high, **weights)
+    if loss_mode == "sapo":
+        return compute_policy_loss_sapo(*inputs, tau_pos, tau_neg, **weights)
+    if loss_mode == "geo_mean":
+        return compute_policy_loss_geo_mean(*inputs, clip_ratio_low, clip_ratio_high, **weights)
+    counts = dict(loss_agg_mode=loss_agg_mode, global_token_count=global_token_count, **weights)
     if loss_mode == "cispo":
         return compute_policy_loss_cispo(*inputs, clip_ratio_low, clip_ratio_high, **counts)
+    if loss_mode == "gpg":
+        return compute_policy_loss_gpg(*inputs, **counts)
     if loss_mode == "vanilla":
         return compute_policy_loss(*inputs, clip_ratio_low, clip_ratio_high, clip_ratio_c, **counts)
     raise ValueError(f"unknown policy loss mode {loss_mode!r}; valid modes are {', '.join(POLICY_LOSS_MODES)}")

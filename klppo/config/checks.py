@@ -37,7 +37,8 @@ ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 
 # Estimators that use the other responses to the same prompt as the baseline.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_vectorized", "rloo_vectorized", "opo",
+                    "grpo_passk", "gpg")
 
 
 
@@ -322,6 +323,8 @@ def _check_actor(actor: ActorConfig, out: list[Problem]) -> None:
     _at_least(out, f"{ACTOR}.ppo_epochs", actor.ppo_epochs, 1)
     check_positive(out, f"{ACTOR}.grad_clip", actor.grad_clip, "max gradient norm")
     check_positive(out, f"{ACTOR}.entropy_from_logits_chunk_size", actor.entropy_from_logits_chunk_size, "number of tokens")
+    for side in ("tau_pos", "tau_neg"):  # SAPO's gate divides by them
+        check_positive(out, f"{ACTOR}.{side}", getattr(actor, side), "temperature (SAPO's gate, verl's default 1.0 / 1.05)")
 
 
 def _check_sampling(sampling: RolloutConfig | ValKwargsConfig, prefix: str, out: list[Problem]) -> None:

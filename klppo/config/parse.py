@@ -28,6 +28,7 @@ from klppo.config.problems import Problem
 from klppo.config.schema import PPOConfig
 from klppo.config.supervised import RMConfig, SFTConfig
 from klppo.config.verl import split_verl_keys, summary, verl_defaults, verl_sections
+from klppo.config.verl_reasons import REFUSED_VALUES
 from klppo.errors import UserError
 
 C = TypeVar("C")
@@ -373,6 +374,8 @@ def _coerce_literal(value: Any, tp: Any, path: str) -> Any:
         return value
     near = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.0)
     hint = f"; did you mean {near[0]!r}?" if near else ""
+    if (path, str(value)) in REFUSED_VALUES:  # one of verl's that klppo lacks: why, not a near miss
+        hint = f": klppo does not have it ({REFUSED_VALUES[path, str(value)]})"
     raise _Mismatch(f"{path} = {value!r} is not one of {', '.join(repr(a) for a in allowed)}{hint}")
 
 

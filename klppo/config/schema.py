@@ -16,7 +16,8 @@ from klppo.config.rollout import RolloutConfig, ValKwargsConfig  # noqa: F401 (p
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+"]
-AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                     "grpo_vectorized", "rloo_vectorized", "opo", "grpo_passk", "gpg"]
 
 
 @dataclass
@@ -134,10 +135,12 @@ class OptimConfig:
 
 @dataclass
 class PolicyLossConfig:
-    # The policy loss: vanilla (PPO's clipped surrogate with dual clip), gspo (sequence-level
-    # ratios, Zheng et al. 2025; the paper's clip_ratio_low/high are 3e-4/4e-4) or cispo (REINFORCE
-    # weighted by the clipped, detached ratio, MiniMax 2025), as verl computes each.
-    loss_mode: Literal["vanilla", "gspo", "cispo"] = "vanilla"
+    # The policy loss, as verl computes each: vanilla (PPO's clipped surrogate with dual clip), gspo
+    # (sequence-level ratios, Zheng et al. 2025; the paper's clip_ratio_low/high are 3e-4/4e-4),
+    # cispo (REINFORCE weighted by the clipped, detached ratio, MiniMax 2025), sapo (a smooth gate
+    # on the ratio, actor.tau_pos/tau_neg), gpg (the plain policy gradient) or geo_mean (GMPO: the
+    # geometric mean of a sequence's clipped ratios).
+    loss_mode: Literal["vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean"] = "vanilla"
 
 
 @dataclass
@@ -160,9 +163,14 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None
     # Dual-clip constant c > 1 bounding the loss for negative advantages (Ye et al. 2020).
     clip_ratio_c: float = 3.0
-    # How token losses are reduced to one number (GSPO's policy loss is always seq-mean-token-mean, as verl).
+    # How token losses are reduced to one number (GSPO's and SAPO's policy losses are always
+    # seq-mean-token-mean and GMPO's a mean over sequences, as verl's).
     loss_agg_mode: LossAggMode = "token-mean"
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    # SAPO's gate temperatures (policy_loss.loss_mode=sapo) for tokens with a positive / other
+    # advantage: larger fades a token's gradient sooner as its ratio leaves 1.
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
     # Weight of the entropy bonus (subtracted from the loss).
     entropy_coeff: float = 0.0
     # Add a KL(pi || ref) loss term to the actor loss (GRPO style).
@@ -411,9 +419,12 @@ class AlgorithmConfig:
     gamma: float = 1.0
     # GAE lambda.
     lam: float = 1.0
-    # Advantage estimator; gae needs a critic, the others do not.
+    # Advantage estimator; gae needs a critic, the others do not: grpo (and grpo_vectorized, its
+    # variance floored), rloo (rloo_vectorized: 0 for a group of one), reinforce_plus_plus(_baseline),
+    # opo (a length-weighted group baseline), grpo_passk (only each group's best answer, by its
+    # margin over the second), gpg (the group-centred score scaled up by the share of non-zero scores).
     adv_estimator: AdvEstimator = "gae"
-    # Divide GRPO advantages by the group's std.
+    # Divide GRPO advantages by the group's std (grpo, grpo_vectorized, grpo_passk).
     norm_adv_by_std_in_grpo: bool = True
     # Subtract beta * KL(old || ref) from the token rewards.
     use_kl_in_reward: bool = False

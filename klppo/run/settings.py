@@ -80,7 +80,9 @@ class ActorUpdateSettings:
     # The update's forward is pi_old (one epoch, one mini-batch, ``on_policy_update``): old =
     # log_prob.detach(), and the scoring phase ran no old_log_prob forward (``update.OnPolicy``).
     on_policy: bool = False
-    policy_loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode: vanilla | gspo | cispo
+    policy_loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode (klppo.algo.POLICY_LOSS_MODES)
+    tau_pos: float = 1.0  # SAPO's gate temperatures
+    tau_neg: float = 1.05
 
 
 @dataclass(frozen=True)
@@ -324,7 +326,7 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int, world_size: int) -> ActorUpdate
         grad_clip=actor.grad_clip, temperature=arf.rollout.temperature, head=head_settings(cfg),
         rollout_correction=rollout_correction_settings(cfg), compute_dtype=compute_dtype(actor.fsdp_config),
         on_policy=on_policy_update(cfg) and not update_forwards_first(cfg, world_size),
-        policy_loss_mode=actor.policy_loss.loss_mode,
+        policy_loss_mode=actor.policy_loss.loss_mode, tau_pos=actor.tau_pos, tau_neg=actor.tau_neg,
     )
 
 

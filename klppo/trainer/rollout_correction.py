@@ -74,6 +74,7 @@ def policy_loss(micro: RolloutBatch, log_prob: torch.Tensor, s: ActorUpdateSetti
     if not rc.bypass_mode:
         return compute_policy_loss_of_mode(s.policy_loss_mode, micro.old_log_prob, log_prob, micro.advantages,
                                            micro.update_mask, **clip, loss_agg_mode=s.loss_agg_mode,
+                                           tau_pos=s.tau_pos, tau_neg=s.tau_neg,
                                            rollout_is_weights=micro.rollout_is_weights, **counts)
     rollout_log_prob = micro.old_log_prob  # pi_old = mu in bypass mode
     with torch.no_grad():

@@ -1,6 +1,9 @@
-"""Advantage estimators: hand-worked GAE and group estimators, loop vs vectorised."""
+"""Advantage estimators: hand-worked GAE and group estimators, loop vs vectorised, verl's own
+functions on a seeded batch."""
 
+import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +218,72 @@ def test_compute_advantage_dispatches_by_name_and_refuses_unknown_names():
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     with pytest.raises(ValueError, match="grpo"):
         compute_advantage("ppo", rewards, mask, index)
+
+
+VERL = json.loads((Path(__file__).parent / "data" / "verl_advantages.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(VERL["cases"]))
+def test_verls_other_group_estimators_give_verls_advantages(name):
+    # verl's own functions on a seeded batch (data/make_verl_advantages.py): groups of 1 to 5, ties, zero scores
+    from klppo.algo import compute_advantage
+
+    case, x = VERL["cases"][name], VERL["inputs"]
+    rewards, mask = torch.tensor(x["token_level_rewards"]), torch.tensor(x["response_mask"])
+    index = x["paired_index"] if case["paired"] else x["index"]
+    got, returns = compute_advantage(case["estimator"], rewards, mask, index,
+                                     norm_adv_by_std_in_grpo=case["norm_adv_by_std_in_grpo"])
+    torch.testing.assert_close(got, torch.tensor(case["advantages"]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(returns, torch.tensor(case["returns"]), rtol=1e-6, atol=1e-6)
+
+
+def _scores(*values):
+    return torch.tensor(values).unsqueeze(-1), torch.ones(len(values), 1, dtype=torch.bool)
+
+
+def test_opo_subtracts_the_groups_length_weighted_mean_worked_by_hand():
+    from klppo.algo import compute_opo_outcome_advantage
+
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [3.0, 0.0, 0.0], [2.0, 0.0, 0.0]])  # lengths 3, 1; a group of one
+    mask = torch.tensor([[True, True, True], [True, False, False], [True, False, False]])
+    adv, _ = compute_opo_outcome_advantage(rewards, mask, ["a", "a", "b"])
+    baseline = (3 * 1.0 + 1 * 3.0) / 4  # the longer answer weighs 3 times as much
+    torch.testing.assert_close(adv[:, 0], torch.tensor([1.0 - baseline, 3.0 - baseline, 2.0]))
+    assert adv[1, 1:].abs().sum() == 0  # padding stays 0
+
+
+def test_grpo_passk_gives_only_each_groups_best_answer_its_margin():
+    from klppo.algo import compute_grpo_passk_outcome_advantage
+
+    rewards, mask = _scores(1.0, 3.0, 2.0, 5.0, 5.0)
+    adv, _ = compute_grpo_passk_outcome_advantage(rewards, mask, ["a", "a", "a", "b", "b"], norm_adv_by_std_in_grpo=False)
+    assert adv[:, 0].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]  # 3 - 2; a tie's best has no margin
+    normed, _ = compute_grpo_passk_outcome_advantage(rewards, mask, ["a", "a", "a", "b", "b"])
+    assert normed[1, 0].item() == pytest.approx(1.0 / (1.0 + 1e-6))  # std of 1, 3, 2 is 1
+    with pytest.raises(ValueError, match="at least 2 answers"):
+        compute_grpo_passk_outcome_advantage(rewards, mask, ["a", "a", "a", "b", "c"])
+
+
+def test_gpg_scales_the_centred_score_by_the_share_of_non_zero_scores():
+    from klppo.algo import compute_gpg_outcome_advantage
+
+    rewards, mask = _scores(1.0, 0.0, 0.0, 0.0)  # one non-zero score of 4: alpha = 4
+    adv, _ = compute_gpg_outcome_advantage(rewards, mask, ["a", "a", "b", "b"])
+    assert adv[:, 0].tolist() == [2.0, -2.0, 0.0, 0.0]  # 4 x (1 - 0.5), 4 x (0 - 0.5)
+
+
+def test_the_vectorized_variants_differ_from_grpo_and_rloo_only_where_verls_do():
+    from klppo.algo import (compute_grpo_outcome_advantage, compute_grpo_vectorized_outcome_advantage,
+                            compute_rloo_outcome_advantage, compute_rloo_vectorized_outcome_advantage)
+
+    rewards, mask = _scores(1.0, 1.0002, 4.0)  # a group whose scores nearly agree, and a group of one
+    index = ["a", "a", "b"]
+    grpo, _ = compute_grpo_outcome_advantage(rewards, mask, index)
+    floored, _ = compute_grpo_vectorized_outcome_advantage(rewards, mask, index)
+    assert abs(grpo[0, 0].item()) == pytest.approx(0.70, rel=1e-2)  # about 1/sqrt(2), whatever the spread
+    assert abs(floored[0, 0].item()) < 0.15  # the variance floored at 1e-6: std >= 1e-3, the spread 1e-4
+    assert grpo[2, 0].item() == floored[2, 0].item() == pytest.approx(4.0)  # a lone answer keeps its score (/ 1 + eps)
+    rloo, _ = compute_rloo_outcome_advantage(rewards, mask, index)
+    lone, _ = compute_rloo_vectorized_outcome_advantage(rewards, mask, index)
+    assert rloo[2, 0] == 4.0 and lone[2, 0] == 0.0
+    torch.testing.assert_close(rloo[:2], lone[:2])

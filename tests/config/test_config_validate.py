@@ -178,7 +178,8 @@ def test_resume_path_mode_needs_a_path():
     load("trainer.resume_mode=resume_path", "trainer.resume_from_path=checkpoints/x/global_step_10")
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_vectorized",
+                                       "rloo_vectorized", "opo", "grpo_passk", "gpg"])
 def test_group_estimators_need_at_least_two_responses_per_prompt(estimator):
     problems = problems_of(f"algorithm.adv_estimator={estimator}")
     assert len(problems) == 1

@@ -41,7 +41,8 @@ def test_dynamic_sampling_compiles_into_its_sizes(metric):
 
 def test_dynamic_sampling_needs_a_group_estimator():
     message = problems_of(f"{FG}.enable=true")  # adv_estimator: gae
-    assert f"{FG}.enable needs a group estimator (grpo, rloo, reinforce_plus_plus_baseline), not " \
+    assert f"{FG}.enable needs a group estimator (grpo, rloo, reinforce_plus_plus_baseline, grpo_vectorized, " \
+           "rloo_vectorized, opo, grpo_passk, gpg), not " \
            "algorithm.adv_estimator = 'gae'" in message and "set algorithm.adv_estimator=grpo" in message
 
 

@@ -86,7 +86,7 @@ def any_logger_installed(monkeypatch):
 def test_the_corpus_has_twenty_commands_of_every_estimator():
     assert len(CORPUS) >= 20
     estimators = {a.split("=")[1] for c in CORPUS for a in c.args if a.startswith("algorithm.adv_estimator=")}
-    assert {"gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"} <= estimators
+    assert {"gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "gpg"} <= estimators
 
 
 @pytest.mark.parametrize("command", CORPUS, ids=lambda c: c.name)

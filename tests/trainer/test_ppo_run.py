@@ -64,7 +64,8 @@ def test_online_hf_run_generates_and_changes_the_actor(ppo_overrides, task_dir, 
     assert _changed(_weights(tiny_model_dir), _weights(tmp_path / "run" / "actor_hf"))
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                       "grpo_vectorized", "rloo_vectorized", "opo", "grpo_passk", "gpg"])
 def test_critic_free_estimators_train_without_a_critic(ppo_overrides, estimator):
     overrides = ppo_overrides(**{
         "algorithm.adv_estimator": estimator,
