@@ -17,7 +17,7 @@ from typing import Optional
 from klppo.config.batch_sizes import batch_size_problems, divisor_below, launch_mismatch, world_size
 from klppo.config.lora import lora_enabled, lora_problems
 from klppo.config.problems import Problem, check_positive
-from klppo.config.reward_checks import reward_problems
+from klppo.config.reward_checks import reward_notes, reward_problems
 from klppo.config.rollout_checks import engine_problems, resolve_rollout_engine, rollout_notes
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs, rollout_correction_active
 from klppo.config.schema import (
@@ -37,6 +37,10 @@ ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 
 # Estimators that use the other responses to the same prompt as the baseline.
+# Group estimators that cannot run on groups of one (the others give a lone response its raw
+# score, as verl does, with a warning: ``group_of_one_notes``).
+NEEDS_TWO = {"grpo_passk": "it rewards each group's best response by its margin over the second best",
+             "rloo_vectorized": "it gives a group of one an advantage of 0, so nothing would train"}
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_vectorized", "rloo_vectorized", "opo",
                     "grpo_passk", "gpg")
 
@@ -56,7 +60,7 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
     resolve_rollout_engine(arf.rollout, cfg.data.max_prompt_length, notes)
     _note_rollout_correction(cfg, notes)
     notes += rollout_notes(cfg)
-    notes += filter_groups_notes(cfg)
+    notes += filter_groups_notes(cfg) + reward_notes(cfg) + not_yet_supported_notes(cfg)
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:
@@ -65,6 +69,7 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
         cfg.data.gen_batch_size = cfg.data.train_batch_size
     if arf.rollout.n is None:  # ranking needs several responses per prompt
         arf.rollout.n = 4 if cfg.reward_model.rank_responses else 1
+    notes += group_of_one_notes(cfg)
     if critic.ppo_mini_batch_size is None:
         critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
     if critic.ppo_epochs is None:
@@ -375,12 +380,11 @@ def _check_algorithm(cfg: PPOConfig, out: list[Problem]) -> None:
     if algo.kl_ctrl.type == "adaptive":
         check_positive(out, "algorithm.kl_ctrl.horizon", algo.kl_ctrl.horizon, "number of steps (adaptive KL control)")
         check_positive(out, "algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, "KL per token (adaptive KL control)")
-    if algo.adv_estimator in GROUP_ESTIMATORS and n == 1:
+    if algo.adv_estimator in NEEDS_TWO and n == 1:
         out.append(Problem(
             ("algorithm.adv_estimator", f"{ROLLOUT}.n"),
-            f"algorithm.adv_estimator = '{algo.adv_estimator}' needs {ROLLOUT}.n >= 2 (got {n}): it uses the other "
-            f"responses to the same prompt as the baseline, and a group of one has no baseline; set {ROLLOUT}.n=4 "
-            "or more, or use algorithm.adv_estimator=gae",
+            f"algorithm.adv_estimator = '{algo.adv_estimator}' needs {ROLLOUT}.n >= 2 (got {n}): "
+            f"{NEEDS_TWO[algo.adv_estimator]}; set {ROLLOUT}.n=4 or more, or use algorithm.adv_estimator=gae",
         ))
 
 
@@ -404,6 +408,9 @@ def _check_filter_groups(cfg: PPOConfig, out: list[Problem]) -> None:
             f"{FILTER}.enable needs a group estimator ({', '.join(GROUP_ESTIMATORS)}), not "
             f"algorithm.adv_estimator = '{algo.adv_estimator}': only there does a prompt whose responses' "
             f"rewards tie get advantages of 0; set algorithm.adv_estimator=grpo or {FILTER}.enable=false")))
+    elif cfg.actor_rollout_ref.rollout.n == 1:
+        out.append(Problem((f"{FILTER}.enable", f"{ROLLOUT}.n"), f"{FILTER}.enable with {ROLLOUT}.n = 1: a group of one "
+                           f"response never has spread, so every prompt would be dropped; set {ROLLOUT}.n=4 or more"))
     if fg.metric is None:
         out.append(Problem((f"{FILTER}.metric",), (
             f"{FILTER}.metric = null: name what must differ within a group: the response's score (reward, score, "
@@ -419,6 +426,17 @@ def _check_filter_groups(cfg: PPOConfig, out: list[Problem]) -> None:
             f"{FILTER}.metric = 'seq_final_reward' with algorithm.use_kl_in_reward: the KL penalty needs the "
             "old and reference log-probs, which klppo (as verl) computes only for the kept responses; filter by "
             f"{FILTER}.metric=score, or use the KL loss (actor_rollout_ref.actor.use_kl_loss) instead")))
+
+
+def group_of_one_notes(cfg: PPOConfig) -> list[str]:
+    """A group estimator on one response per prompt runs as in verl (verl's rollout-correction and
+    LoRA examples do): each group's baseline is 0, so the advantage is the raw score; said once."""
+    estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
+    if estimator not in GROUP_ESTIMATORS or estimator in NEEDS_TWO or n != 1:
+        return []
+    return [f"warning: algorithm.adv_estimator = '{estimator}' with {ROLLOUT}.n = 1: every group is one response, "
+            "so it has no baseline and its advantage is its own score (as verl computes it); set "
+            f"{ROLLOUT}.n=4 or more for the group baseline, or use algorithm.adv_estimator=gae"]
 
 
 def filter_groups_notes(cfg: PPOConfig) -> list[str]:
@@ -518,13 +536,18 @@ def check_sft(cfg: SFTConfig) -> list[Problem]:
 def not_yet_supported_ppo(cfg: PPOConfig) -> list[Problem]:
     """Knobs of later work, refused when set: left alone they would silently do nothing."""
     out: list[Problem] = []
-    arf = cfg.actor_rollout_ref
-    backend = f"{ARF}.model.fused_kernel_options.impl_backend"
-    if arf.model.fused_kernel_options.impl_backend != "torch":
-        out.append(Problem((backend,), f"{backend} = {arf.model.fused_kernel_options.impl_backend!r}: klppo's fused "
-                           f"kernels have the torch backend only (same quantities); set {backend}=torch"))
     _refuse_loggers(out, cfg.trainer.logger)
     return out
+
+
+def not_yet_supported_notes(cfg: PPOConfig) -> list[str]:
+    """Knobs of later work that change no number: said once, as verl keys without effect are."""
+    backend = f"{ARF}.model.fused_kernel_options.impl_backend"
+    value = cfg.actor_rollout_ref.model.fused_kernel_options.impl_backend
+    if value == "torch":
+        return []
+    return [f"warning: {backend} = {value!r} has no effect: klppo's fused kernels have the torch backend only, "
+            "which computes the same log-probs and entropies"]
 
 
 def check_rm(cfg: RMConfig) -> list[Problem]:

@@ -53,11 +53,16 @@ def _check_overlong_buffer(cfg: PPOConfig, out: list[Problem]) -> None:
     if buffer.penalty_factor < 0 or math.isnan(buffer.penalty_factor):
         out.append(Problem((f"{key}.overlong_buffer_cfg.penalty_factor",),
                            f"{key}.overlong_buffer_cfg.penalty_factor = {buffer.penalty_factor!r} must be >= 0"))
-    if cfg.reward_model.enable:
-        out.append(Problem((f"{key}.overlong_buffer_cfg.enable", "reward_model.enable"),
-                           f"{key}.overlong_buffer_cfg punishes a reward function's scores (verl's dapo reward manager); "
-                           "with reward_model.enable the scores are the reward model's, which it leaves as they are: "
-                           "disable one of the two"))
+
+
+def reward_notes(cfg: PPOConfig) -> list[str]:
+    """DAPO's overlong buffer beside a reward model acts as in verl: not at all (verl's dapo reward
+    manager hands the reward model's scores on as they are; verl's FAPO recipe sets both); said once."""
+    if not (cfg.reward_model.reward_kwargs.overlong_buffer_cfg.enable and cfg.reward_model.enable):
+        return []
+    return ["warning: reward_model.reward_kwargs.overlong_buffer_cfg has no effect with reward_model.enable: it "
+            "punishes a reward function's scores (verl's dapo reward manager), and the scores are the reward "
+            "model's, which verl's manager and klppo leave as they are"]
 
 
 def _check_gold_reward(cfg: PPOConfig, out: list[Problem]) -> None:

@@ -37,9 +37,9 @@ class ValKwargsConfig:
 @dataclass
 class RolloutConfig:
     # Where responses come from: recorded in the data (offline), generated with Hugging Face
-    # generate (hf) or with vLLM (vllm: the `klppo[vllm]` extra). verl's sglang is accepted
-    # and generates with hf.
-    name: Literal["offline", "hf", "vllm", "sglang"] = "offline"
+    # generate (hf) or with vLLM (vllm: the `klppo[vllm]` extra). verl's sglang and trtllm
+    # (TensorRT-LLM) are accepted and generate with hf.
+    name: Literal["offline", "hf", "vllm", "sglang", "trtllm"] = "offline"
     # Responses per prompt (offline: the first n recorded responses of each row; a row with
     # fewer is an error). None: 4 when reward_model.rank_responses ranks them, else 1.
     n: Optional[int] = None

@@ -12,12 +12,16 @@ from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.schema import PPOConfig
 from klppo.config.verl import verl_defaults
 
+ENGINES_KLPPO_LACKS = {"sglang": "SGLang", "trtllm": "TensorRT-LLM"}  # verl's rollout names, generated with hf
+
+
 def resolve_rollout_engine(rollout: RolloutConfig, max_prompt_length: int, notes: list[str]) -> None:
-    """sglang generates with hf (one warning says so); vLLM's derived lengths are filled in."""
-    if rollout.name == "sglang":
-        notes.append(f"warning: {ROLLOUT}.name = 'sglang': generating with 'hf' (Hugging Face generate) instead, "
-                     "since klppo has no SGLang backend; the same sampling settings apply (temperature, top_p, "
-                     "top_k, n, response_length); rollout.name=vllm generates with vLLM")
+    """sglang and trtllm generate with hf (one warning says so); vLLM's derived lengths are filled in."""
+    if rollout.name in ENGINES_KLPPO_LACKS:
+        notes.append(f"warning: {ROLLOUT}.name = '{rollout.name}': generating with 'hf' (Hugging Face generate) "
+                     f"instead, since klppo has no {ENGINES_KLPPO_LACKS[rollout.name]} backend; the same sampling "
+                     "settings apply (temperature, top_p, top_k, n, response_length); rollout.name=vllm generates "
+                     "with vLLM")
         rollout.name = "hf"
     if rollout.max_model_len is None and rollout.response_length is not None:
         rollout.max_model_len = max_prompt_length + rollout.response_length

@@ -331,10 +331,11 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int, world_size: int) -> ActorUpdate
 
 
 def overlong_penalty(cfg: PPOConfig) -> Optional[OverlongPenalty]:
-    """DAPO's overlong punishment (``reward_model.reward_kwargs``), where it is enabled."""
+    """DAPO's overlong punishment (``reward_model.reward_kwargs``), where it is enabled and the scores
+    are a reward function's (a reward model's keep none, as in verl)."""
     kwargs = cfg.reward_model.reward_kwargs
     buffer = kwargs.overlong_buffer_cfg
-    if not buffer.enable:
+    if not buffer.enable or cfg.reward_model.enable:
         return None
     max_length = kwargs.max_resp_len if kwargs.max_resp_len is not None else cfg.data.max_response_length
     return OverlongPenalty(max_length, buffer.len, buffer.penalty_factor, buffer.log)

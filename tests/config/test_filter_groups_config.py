@@ -83,3 +83,9 @@ def test_inflight_generation_batches_are_accepted_with_a_note_that_they_change_n
 def test_a_generation_batch_must_split_over_the_ranks():
     with pytest.raises(UserError, match="data.gen_batch_size = 6 prompts do not split evenly over the 4 ranks .* multiple of 4"):
         compile_ppo(load(*DAPO, "data.gen_batch_size=6"), world_size=4)
+
+
+def test_dynamic_sampling_on_one_response_per_prompt_is_refused():
+    message = problems_of(*[d for d in DAPO if not d.startswith("actor_rollout_ref.rollout.n=")],
+                          "actor_rollout_ref.rollout.n=1")
+    assert f"{FG}.enable with actor_rollout_ref.rollout.n = 1: a group of one response never has spread" in message

@@ -108,10 +108,12 @@ def test_hf_decoding_reaches_the_settings_sized_for_the_longest_prompt_and_is_na
     assert load(f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.hf_decoding=auto")[1] == []
 
 
-def test_sglang_generates_with_hf_and_one_warning_says_why():
-    cfg, notes = load(f"{ROLLOUT}.name=sglang", f"{ROLLOUT}.temperature=0.7")
+@pytest.mark.parametrize("name, engine", [("sglang", "SGLang"), ("trtllm", "TensorRT-LLM")])
+def test_sglang_and_trtllm_generate_with_hf_and_one_warning_says_why(name, engine):
+    cfg, notes = load(f"{ROLLOUT}.name={name}", f"{ROLLOUT}.temperature=0.7")
     assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.actor_rollout_ref.rollout.temperature == 0.7
-    assert len(notes) == 1 and notes[0].startswith(f"warning: {ROLLOUT}.name = 'sglang': generating with 'hf'")
+    assert len(notes) == 1 and notes[0].startswith(f"warning: {ROLLOUT}.name = '{name}': generating with 'hf'")
+    assert f"klppo has no {engine} backend" in notes[0]
 
 
 @pytest.mark.parametrize("name", ["hf", "vllm"])

@@ -105,9 +105,9 @@ def test_verl_command_line_validates_with_one_warning_naming_its_keys_without_ef
     assert len(summaries) == (1 if command.no_effect else 0)
     asked = [a.split("=", 1)[1] for a in command.args if a.startswith("actor_rollout_ref.rollout.name=")]
     fallbacks = [line for line in err.splitlines() if "generating with 'hf'" in line]
-    assert len(fallbacks) == (1 if asked and asked[-1] == "sglang" else 0), err
+    assert len(fallbacks) == (1 if asked and asked[-1] in ("sglang", "trtllm") else 0), err
     resolved = yaml.safe_load(out)
-    expected = {"vllm": "vllm", "sglang": "hf", "hf": "hf"}.get(asked[-1] if asked else "", "offline")
+    expected = {"vllm": "vllm", "sglang": "hf", "trtllm": "hf", "hf": "hf"}.get(asked[-1] if asked else "", "offline")
     assert resolved["actor_rollout_ref"]["rollout"]["name"] == expected
 
 

@@ -36,14 +36,21 @@ def test_a_run_adds_the_penalty_to_the_reward_functions_scores_and_logs_it(ppo_o
 
 
 def test_the_buffer_must_fit_the_length_it_ends_at_and_punishes_only_a_reward_functions_scores():
+    from klppo.run.settings import overlong_penalty
+
     base = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m", "data.max_response_length=512",
             f"{KWARGS}.overlong_buffer_cfg.enable=true"]
     with pytest.raises(UserError, match="len = 4096 is longer than data.max_response_length = 512"):
         load_ppo_config(None, base)
     with pytest.raises(UserError, match="len = 1024 is longer than reward_model.reward_kwargs.max_resp_len = 1000"):
         load_ppo_config(None, [*base, f"{KWARGS}.overlong_buffer_cfg.len=1024", f"{KWARGS}.max_resp_len=1000"])
-    with pytest.raises(UserError, match="with reward_model.enable the scores are the reward model's"):
-        load_ppo_config(None, [*base, f"{KWARGS}.overlong_buffer_cfg.len=64", "reward_model.enable=true",
-                               "reward_model.model.path=rm"])
     cfg = load_ppo_config(None, [*base, f"{KWARGS}.overlong_buffer_cfg.len=64"])
     assert cfg.reward_model.reward_kwargs.overlong_buffer_cfg.len == 64
+    assert overlong_penalty(cfg) == OverlongPenalty(max_length=512, buffer=64, factor=1.0)
+    # beside a reward model it acts as in verl, whose dapo manager hands the model's scores on as they are
+    # (verl's FAPO recipe sets both): not at all, with one warning
+    notes = []
+    cfg = load_ppo_config(None, [*base, f"{KWARGS}.overlong_buffer_cfg.len=64", "reward_model.enable=true",
+                                 "reward_model.model.path=rm"], notes=notes)
+    assert overlong_penalty(cfg) is None
+    assert [n for n in notes if "overlong_buffer_cfg has no effect with reward_model.enable" in n], notes

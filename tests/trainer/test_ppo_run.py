@@ -78,6 +78,16 @@ def test_critic_free_estimators_train_without_a_critic(ppo_overrides, estimator)
     assert not any(k.startswith("critic/vf_") for k in records[-1])
 
 
+def test_grpo_on_one_response_per_prompt_trains_on_the_raw_scores_as_verl(ppo_overrides):
+    # verl's rollout-correction and LoRA examples: each response its own group, baseline 0, advantage = score
+    records = run_ppo(None, ppo_overrides(**{"algorithm.adv_estimator": "grpo", "actor_rollout_ref.rollout.n": 1,
+                                             "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+                                             "trainer.total_training_steps": 1}), print_fn=quiet)
+    first = records[-1]
+    assert first["critic/advantages/mean"] == pytest.approx(first["critic/score/mean"] / (1 + 1e-6), abs=1e-5)
+    assert first["critic/score/mean"] != 0
+
+
 def test_adaptive_kl_controller_moves_the_coefficient(ppo_overrides, task_dir):
     """Online, as verl: the controller reads the batch's KL penalty (the responses are the policy's)."""
     overrides = ppo_overrides(**{
