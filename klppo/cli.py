@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from klppo.cli_support import run_cli
+from klppo.cli_support import add_hydra_config_args, run_cli
 
 # Sub-commands that own their argument parsing (so `klppo ppo --config x.yaml a.b=1` reaches
 # main_ppo exactly as `python -m klppo.commands.main_ppo --config x.yaml a.b=1` would).
@@ -23,21 +23,23 @@ DELEGATED = {
 
 
 def _validate_config(argv: list[str]) -> int:
-    from klppo.config import format_config, load_ppo_config, load_sft_config
+    from klppo.config import command_line_config, format_config, load_ppo_config, load_sft_config
 
     parser = argparse.ArgumentParser(prog="klppo validate-config", description="Print the resolved config (YAML, on "
                                      "stdout) and its warnings (stderr), or its errors.")
     parser.add_argument("config", nargs="?", help="YAML file; may be left out when only overrides are given")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides (verl's command-line form)")
     parser.add_argument("--sft", action="store_true", help="validate against the SFT schema")
-    args = parser.parse_args(argv)
+    add_hydra_config_args(parser)
+    args = parser.parse_intermixed_args(argv)  # options anywhere among the config and overrides
     if args.config is not None and "=" in args.config:  # a verl-style command line: overrides only
         args.overrides, args.config = [args.config, *args.overrides], None
     load = load_sft_config if args.sft else load_ppo_config
 
     def show() -> None:
         notes: list[str] = []
-        text = format_config(load(args.config, args.overrides, notes=notes))
+        config, overrides = command_line_config(args.config, args.overrides, args.config_path, args.config_name)
+        text = format_config(load(config, overrides, notes=notes))
         for line in notes:  # warnings first, on stderr, so stdout stays the YAML
             print(line, file=sys.stderr)
         print(text, end="")

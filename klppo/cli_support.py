@@ -39,5 +39,14 @@ def parse_config_args(argv: list[str] | None, prog: str, description: str) -> ar
     """``--config x.yaml`` and ``key.path=value`` overrides, as every training command takes them."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", "-c", help="YAML config (verl key names)")
+    add_hydra_config_args(parser)
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. trainer.total_training_steps=10")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options anywhere among the overrides
+
+
+def add_hydra_config_args(parser: argparse.ArgumentParser) -> None:
+    """verl's (Hydra's) way to name the config: ``--config-path DIR --config-name NAME``
+    (``klppo.config.command_line_config`` turns them into the file)."""
+    parser.add_argument("--config-path", help="folder of --config-name (Hydra's form, as verl's scripts pass it)")
+    parser.add_argument("--config-name", help="YAML file in --config-path, without .yaml, or verl's ppo_trainer / "
+                        "ppo_megatron_trainer")

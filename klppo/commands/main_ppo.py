@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 
 from klppo.cli_support import parse_config_args, quiet_libraries, run_cli
-from klppo.config import format_config, load_ppo_config
+from klppo.config import command_line_config, format_config, load_ppo_config
 
 
 def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> list[dict]:
@@ -87,7 +87,8 @@ def engine_stopped_at_the_end(parts):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_config_args(argv, "klppo ppo", "Train with KL-regularised PPO.")
-    return run_cli(lambda: run_ppo(args.config, args.overrides))
+    return run_cli(lambda: run_ppo(*command_line_config(args.config, args.overrides, args.config_path,
+                                                        args.config_name)))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 
 from klppo.algo import bradley_terry_loss, plackett_luce_loss
 from klppo.cli_support import parse_config_args, run_cli
-from klppo.config import RMConfig, load_rm_config
+from klppo.config import RMConfig, command_line_config, load_rm_config
 from klppo.data.batching import row_chunks
 from klppo.data.ranked import RankedRecord, ranked_pairs, ranking_tiers
 from klppo.distributed import DistEnv, all_reduce_sum
@@ -157,7 +157,8 @@ def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_config_args(argv, "klppo rm", "Train a reward model from ranked responses.")
-    return run_cli(lambda: run_rm(load_rm_config(args.config, args.overrides)))
+    return run_cli(lambda: run_rm(load_rm_config(*command_line_config(args.config, args.overrides, args.config_path,
+                                                                  args.config_name))))
 
 
 if __name__ == "__main__":

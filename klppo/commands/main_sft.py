@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from klppo.cli_support import parse_config_args, run_cli
-from klppo.config import SFTConfig, load_sft_config
+from klppo.config import SFTConfig, command_line_config, load_sft_config
 from klppo.data.batching import row_chunks
 from klppo.distributed import DistEnv, all_reduce_sum
 from klppo.models.forward import HeadSettings, response_logprobs
@@ -101,7 +101,8 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_config_args(argv, "klppo sft", "Supervised fine-tuning (warm start).")
-    return run_cli(lambda: run_sft(load_sft_config(args.config, args.overrides)))
+    return run_cli(lambda: run_sft(load_sft_config(*command_line_config(args.config, args.overrides, args.config_path,
+                                                                  args.config_name))))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Optional
 from klppo.config.batch_sizes import batch_size_problems, divisor_below, launch_mismatch, world_size
 from klppo.config.lora import lora_enabled, lora_problems
 from klppo.config.problems import Problem, check_positive
+from klppo.config.hydra import resolve_megatron
 from klppo.config.reward_checks import reward_notes, reward_problems
 from klppo.config.rollout_checks import engine_problems, resolve_rollout_engine, rollout_notes
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs, rollout_correction_active
@@ -58,6 +59,7 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
     if arf.rollout.response_length is None:
         arf.rollout.response_length = cfg.data.max_response_length
     resolve_rollout_engine(arf.rollout, cfg.data.max_prompt_length, notes)
+    resolve_megatron(cfg, notes)
     _note_rollout_correction(cfg, notes)
     notes += rollout_notes(cfg)
     notes += filter_groups_notes(cfg) + reward_notes(cfg) + not_yet_supported_notes(cfg)

@@ -23,6 +23,7 @@ import yaml
 
 from klppo.config.checks import check_ppo, check_rm, check_sft, resolve_ppo, resolve_sft
 from klppo.config.files import read_yaml
+from klppo.config.hydra import hydra_sections
 from klppo.config.interpolate import INVALID, DefaultTest, Interpolator, Invalid
 from klppo.config.problems import Problem
 from klppo.config.schema import PPOConfig
@@ -101,6 +102,8 @@ def _load(
     full = {} if path is None else read_yaml(source)
     _check_command(schema, source, full)
     problems: list[Problem] = []
+    found: list[str] = []
+    full = hydra_sections(full, source, problems, found)
     full = _apply_overrides(full, overrides, problems)
     defaults = config_to_dict(schema())
     kept, ignored = full, []
@@ -112,7 +115,6 @@ def _load(
     kept = interpolator.walk(kept, "")
     builder.bad.update(interpolator.failed)
     cfg = builder.build(schema, kept, "")
-    found: list[str] = []
     resolve(cfg, found)
     problems += [p for p in check(cfg) if not builder.touches_bad(p)]
     if problems:

@@ -145,8 +145,9 @@ class PolicyLossConfig:
 
 @dataclass
 class ActorConfig:
-    # Training engine: FSDP2 (`fsdp` is accepted as verl's spelling of the same).
-    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    # Training engine: FSDP2 (`fsdp` is accepted as verl's spelling of the same; verl's `megatron`
+    # trains with FSDP2 too, with a warning).
+    strategy: Literal["fsdp", "fsdp2", "megatron"] = "fsdp2"
     # Prompts per mini-batch (each optimiser step sees ppo_mini_batch_size * rollout.n samples).
     ppo_mini_batch_size: int = 256
     # Samples per forward/backward on one device; None = the whole mini-batch.
@@ -196,7 +197,7 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     # Engine of the reference model.
-    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    strategy: Literal["fsdp", "fsdp2", "megatron"] = "fsdp2"
     # Samples per no-grad reference forward; None = all at once.
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     # Size reference micro-batches by tokens; None = actor.use_dynamic_bsz (as verl).
@@ -240,7 +241,7 @@ def _critic_optim() -> OptimConfig:
 @dataclass
 class CriticConfig:
     # Engine of the critic.
-    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    strategy: Literal["fsdp", "fsdp2", "megatron"] = "fsdp2"
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=_critic_optim)
     # Prompts per critic mini-batch; None = the actor's.

@@ -73,8 +73,8 @@ def validate_python_tag(ws):
 
 
 @validate("rollout.n")
-def validate_grpo_with_one_response(ws):
-    return _validate(ws, PPO_YAML.replace("n: 2", "n: 1") + "algorithm:\n  adv_estimator: grpo\n")
+def validate_grpo_passk_with_one_response(ws):
+    return _validate(ws, PPO_YAML.replace("n: 2", "n: 1") + "algorithm:\n  adv_estimator: grpo_passk\n")
 
 
 @validate("actor_rollout_ref.actor.optim.lr")

@@ -58,7 +58,7 @@ CONFIG_CASES = {
     "micro_batch_not_dividing": (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], "micro"),
     "negative_lr": (["actor_rollout_ref.actor.optim.lr=-1"], "optim.lr"),
     "dual_clip_below_one": (["actor_rollout_ref.actor.clip_ratio_c=0.5"], "clip_ratio_c"),
-    "group_estimator_with_one_response": (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"], "rollout.n"),
+    "group_estimator_with_one_response": (["algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.rollout.n=1"], "rollout.n"),
     "resume_path_without_path": (["trainer.resume_mode=resume_path"], "resume_from_path"),
     "override_without_equals": (["trainer.total_training_steps"], "trainer.total_training_steps"),
     "rollback_above_early_stop": (["trainer.guard.rollback_kl=0.5"], "early_stop_kl"),

@@ -1,0 +1,105 @@
+"""verl's Hydra forms: ``--config-path DIR --config-name NAME`` on the command line, and a config
+file's ``hydra:`` and ``defaults:`` sections.
+
+verl's scripts pick a config with ``--config-path`` / ``--config-name`` (verl's own
+``ppo_trainer`` or ``ppo_megatron_trainer``, or a YAML file of their own), and such a file
+starts from verl's tree with ``defaults: [ppo_trainer, _self_]``. klppo's defaults are
+``ppo_trainer``'s, so both forms load as they are: the name becomes the file, a built-in name
+needs none, and ``ppo_megatron_trainer`` adds what it sets that klppo reads, its three
+``strategy: megatron`` keys, which klppo trains with FSDP2 and says so (``config.checks``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from klppo.config.problems import Problem
+from klppo.errors import UserError
+
+MEGATRON_STRATEGIES = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
+# verl's built-in configs -> the keys each sets beyond ppo_trainer's (klppo's defaults) that klppo reads
+VERL_CONFIGS: dict[str, tuple[str, ...]] = {"ppo_trainer": (), "ppo_megatron_trainer": MEGATRON_STRATEGIES}
+
+
+def command_line_config(config: Optional[str], overrides: list[str], config_path: Optional[str],
+                        config_name: Optional[str]) -> tuple[Optional[str], list[str]]:
+    """(config file or None, overrides) of a command line that may name its config as Hydra does.
+
+    ``config_name`` (``.yaml`` optional) is a file in ``config_path`` (default: the current
+    folder); where there is none, a name of verl's own configs loads klppo's defaults (plus
+    what ``ppo_megatron_trainer`` sets, ahead of the overrides so that they still win)."""
+    if config_name is None:
+        if config_path is not None:
+            raise UserError(f"--config-path {config_path} names a folder but no --config-name names the file in it")
+        return config, overrides
+    if config is not None:
+        raise UserError(f"both a config file ({config}) and --config-name {config_name}: give one of the two")
+    stem = config_name[:-5] if config_name.endswith(".yaml") else config_name
+    folder = config_path if config_path is not None else "."
+    file = os.path.join(folder, f"{stem}.yaml")
+    if os.path.isfile(file):
+        return file, overrides
+    if stem in VERL_CONFIGS:  # verl's own, from its package: klppo's defaults are ppo_trainer's
+        return None, [f"{key}=megatron" for key in VERL_CONFIGS[stem]] + overrides
+    raise UserError(f"--config-name {config_name}: no file {file} (--config-path {folder}); name a YAML file there, "
+                    f"or one of verl's own configs ({', '.join(VERL_CONFIGS)})")
+
+
+def hydra_sections(tree: dict, source: str, problems: list[Problem], notes: list[str]) -> dict:
+    """``tree`` without Hydra's ``hydra:`` (its own settings: search paths, run folders) and
+    ``defaults:`` sections, with what a ``ppo_megatron_trainer`` default sets added under the
+    file's own values. A default other than verl's two configs and ``_self_``, or ``_self_``
+    ahead of them (verl's defaults would then override the file), is a problem."""
+    if "defaults" not in tree and "hydra" not in tree:
+        return tree
+    tree = dict(tree)
+    if "hydra" in tree:
+        tree.pop("hydra")
+        notes.append(f"warning: the hydra section of {source} has no effect in klppo (Hydra's own settings: search "
+                     "paths, output folders)")
+    defaults = tree.pop("defaults", [])
+    entries = defaults if isinstance(defaults, list) else [defaults]
+    names = [entry for entry in entries if isinstance(entry, str)]
+    unknown = [entry for entry in entries if not isinstance(entry, str) or entry not in (*VERL_CONFIGS, "_self_")]
+    if unknown:
+        problems.append(Problem(("defaults",), f"defaults entr{'y' if len(unknown) == 1 else 'ies'} "
+                                f"{', '.join(repr(e) for e in unknown)} of {source}: klppo starts every config from "
+                                f"verl's ppo_trainer tree and knows {', '.join(VERL_CONFIGS)} and _self_; put the "
+                                "settings of other config files in this one"))
+    bases = [name for name in names if name in VERL_CONFIGS]
+    if "_self_" in names and bases and names.index("_self_") < names.index(bases[-1]):
+        problems.append(Problem(("defaults",), f"defaults of {source} put _self_ ahead of {bases[-1]}, so verl's "
+                                "defaults would override this file's values; put _self_ last"))
+    for base in bases:
+        for key in VERL_CONFIGS[base]:
+            _set_default(tree, key.split("."), "megatron")
+    return tree
+
+
+def _set_default(tree: dict, path: list[str], value: str) -> None:
+    """``value`` at ``path`` in ``tree`` unless the file sets it (sections created as needed)."""
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            if child is not None:
+                return  # the file's own (wrong) value there: its own error follows
+            child = node[part] = {}
+        node = child
+    node.setdefault(path[-1], value)
+
+
+def resolve_megatron(cfg, notes: list[str]) -> None:
+    """Engines set to verl's ``megatron`` (``ppo_megatron_trainer`` sets all three) train with
+    FSDP2, which the resolved config shows; one warning says so. ``cfg``: a ``PPOConfig``."""
+    sections = {"actor_rollout_ref.actor": cfg.actor_rollout_ref.actor, "actor_rollout_ref.ref": cfg.actor_rollout_ref.ref,
+                "critic": cfg.critic}
+    megatron = [key for key, section in sections.items() if section.strategy == "megatron"]
+    if not megatron:
+        return
+    for key in megatron:
+        sections[key].strategy = "fsdp2"
+    notes.append(f"warning: {', '.join(f'{key}.strategy' for key in megatron)} = 'megatron': training with FSDP2 "
+                 "instead, since klppo has no Megatron-LM engine (each decoder block sharded over all ranks); "
+                 "Megatron's parallelism settings (tensor, pipeline, expert) have no effect")
