@@ -317,8 +317,25 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return advantages, advantages
 
 
+@torch.no_grad()
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023, arXiv:2310.10505; verl's remax): the return-to-go minus the score of
+    the greedy response to the same prompt, a baseline that costs one greedy generation per prompt.
+
+    token_level_rewards, response_mask: (B, T); reward_baselines: (B,), each sample's prompt's
+    greedy score. returns_t = sum_{t' >= t} r_t' over real tokens (no discount, as verl);
+    advantages = returns - baseline at real tokens, not whitened. Returns (advantages, returns).
+    """
+    mask = response_mask.bool()
+    rewards = _zero_padding(token_level_rewards, mask)
+    returns = rewards.flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    return _zero_padding(returns - reward_baselines.unsqueeze(-1), mask), _zero_padding(returns, mask)
+
+
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_vectorized",
-                  "rloo_vectorized", "opo", "grpo_passk", "gpg")
+                  "rloo_vectorized", "opo", "grpo_passk", "gpg", "remax")
 _GROUP_OUTCOME = {  # estimators of (token_level_rewards, response_mask, index)
     "rloo": compute_rloo_outcome_advantage,
     "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
@@ -343,8 +360,10 @@ def compute_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    reward_baselines: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), each (B, T), by the named estimator; ``values`` only for "gae"."""
+    """(advantages, returns), each (B, T), by the named estimator; ``values`` only for "gae",
+    ``reward_baselines`` (B,) only for "remax"."""
     if adv_estimator == "gae":
         return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
     if adv_estimator in _GROUP_OUTCOME_NORMED:
@@ -354,4 +373,6 @@ def compute_advantage(
         return _GROUP_OUTCOME[adv_estimator](token_level_rewards, response_mask, index)
     if adv_estimator == "reinforce_plus_plus":
         return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
+    if adv_estimator == "remax":
+        return compute_remax_outcome_advantage(token_level_rewards, reward_baselines, response_mask)
     raise ValueError(f"unknown adv_estimator {adv_estimator!r}; use one of {', '.join(ADV_ESTIMATORS)}")

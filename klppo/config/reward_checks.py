@@ -14,7 +14,24 @@ def reward_problems(cfg: PPOConfig) -> list[Problem]:
     _check_reward_model(cfg, out)
     _check_overlong_buffer(cfg, out)
     _check_gold_reward(cfg, out)
+    _check_remax(cfg, out)
     return out
+
+
+def _check_remax(cfg: PPOConfig, out: list[Problem]) -> None:
+    """ReMax's baseline is a greedy response generated each step and scored as the samples are."""
+    if cfg.algorithm.adv_estimator != "remax":
+        return
+    rollout = "actor_rollout_ref.rollout"
+    if cfg.actor_rollout_ref.rollout.name == "offline":
+        out.append(Problem(("algorithm.adv_estimator", f"{rollout}.name"), "algorithm.adv_estimator = 'remax' takes "
+                           "the score of a greedy response to each prompt as its baseline, generated each step, and "
+                           f"{rollout}.name = 'offline' generates nothing; set {rollout}.name=hf or vllm, or use grpo "
+                           "or rloo on the recorded responses"))
+    if cfg.reward_model.rank_responses:
+        out.append(Problem(("algorithm.adv_estimator", "reward_model.rank_responses"), "algorithm.adv_estimator = "
+                           "'remax' scores one greedy response per prompt, which reward_model.rank_responses cannot "
+                           "rank against the others; use the reward models' scores (rank_responses=false) or grpo"))
 
 
 def _check_reward_model(cfg: PPOConfig, out: list[Problem]) -> None:

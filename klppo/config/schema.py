@@ -17,7 +17,7 @@ from klppo.config.rollout import RolloutConfig, ValKwargsConfig  # noqa: F401 (p
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+"]
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                     "grpo_vectorized", "rloo_vectorized", "opo", "grpo_passk", "gpg"]
+                     "grpo_vectorized", "rloo_vectorized", "opo", "grpo_passk", "gpg", "remax"]
 
 
 @dataclass
@@ -423,7 +423,8 @@ class AlgorithmConfig:
     # Advantage estimator; gae needs a critic, the others do not: grpo (and grpo_vectorized, its
     # variance floored), rloo (rloo_vectorized: 0 for a group of one), reinforce_plus_plus(_baseline),
     # opo (a length-weighted group baseline), grpo_passk (only each group's best answer, by its
-    # margin over the second), gpg (the group-centred score scaled up by the share of non-zero scores).
+    # margin over the second), gpg (the group-centred score scaled up by the share of non-zero scores),
+    # remax (the score of a greedy response to the prompt, generated each step, as the baseline).
     adv_estimator: AdvEstimator = "gae"
     # Divide GRPO advantages by the group's std (grpo, grpo_vectorized, grpo_passk).
     norm_adv_by_std_in_grpo: bool = True

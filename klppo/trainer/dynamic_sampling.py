@@ -45,7 +45,7 @@ from klppo.errors import UserError
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, concat_batches
 from klppo.trainer.forwards import StepShards, score_batch, score_log_probs, score_rewards, step_shards
-from klppo.trainer.responses import step_responses
+from klppo.trainer.responses import greedy_responses, step_responses
 
 if TYPE_CHECKING:
     from klppo.run.build import PPOParts
@@ -63,6 +63,7 @@ class StepBatch:
     batch: RolloutBatch  # old and reference log-probs, values and token-level scores filled
     shards: StepShards  # the rows each rank scores and trains on
     metrics: dict[str, float] = field(default_factory=dict)  # training/filter_groups/* with dynamic sampling
+    reward_baselines: Optional[torch.Tensor] = None  # (B,) ReMax's: the score of each row's prompt's greedy response
 
 
 def scored_step_batch(parts: PPOParts, timer: PhaseTimer, step: int) -> StepBatch:
@@ -70,13 +71,28 @@ def scored_step_batch(parts: PPOParts, timer: PhaseTimer, step: int) -> StepBatc
     if parts.settings.filter_groups is None:
         records = next_prompts(parts)
         batch = step_responses(parts, records, timer, step).to(parts.device)
+        # ReMax: the greedy responses come from the weights that just sampled, before the scoring forwards
+        remax = parts.settings.advantage.estimator == "remax"
+        greedy = greedy_responses(parts, records, timer, step).to(parts.device) if remax else None
         shards = step_shards(parts, batch)  # every rank holds the whole batch; each scores and trains on its rows
         score_batch(parts, batch, shards, timer, [r.where for r in records])
-        return StepBatch(records, batch, shards)
+        if greedy is None:
+            return StepBatch(records, batch, shards)
+        baselines = greedy_scores(parts, greedy, timer, records)  # (prompts,)
+        return StepBatch(records, batch, shards, {"critic/reward_baseline/mean": baselines.mean().item()},
+                         reward_baselines=baselines[batch.group_index])
     records, batch, metrics = groups_with_spread(parts, timer, step)
     shards = step_shards(parts, batch)
     score_log_probs(parts, batch, shards, timer)
     return StepBatch(records, batch, shards, metrics)
+
+
+def greedy_scores(parts: PPOParts, greedy: RolloutBatch, timer: PhaseTimer, records: list[PromptRecord]
+                  ) -> torch.Tensor:
+    """(prompts,) the score of each prompt's greedy response, as its sampled responses are scored
+    (reward function or reward models; no KL penalty, as verl's ReMax baseline)."""
+    score_rewards(parts, greedy, whole_batch_shards(parts, greedy), timer, [r.where for r in records])
+    return greedy.token_level_scores.sum(-1)
 
 
 def next_prompts(parts: PPOParts) -> list[PromptRecord]:

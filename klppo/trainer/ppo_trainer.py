@@ -151,7 +151,7 @@ class PPOTrainer:
                 batch.advantages, batch.returns = compute_advantage(
                     adv.estimator, batch.token_level_rewards, batch.response_mask, batch.group_index,
                     values=batch.values, gamma=adv.gamma, lam=adv.lam,
-                    norm_adv_by_std_in_grpo=adv.norm_adv_by_std_in_grpo)
+                    norm_adv_by_std_in_grpo=adv.norm_adv_by_std_in_grpo, reward_baselines=drawn.reward_baselines)
             # step 6. guard: KL of the sampling policy to the reference, finite rewards; an on-policy update
             # measured pi_old itself and asks the guard before it moves any weight (``update.OnPolicy``)
             on_policy = OnPolicy(lambda kl: self._guard_before_update(batch, kl)) if self.s.actor.on_policy else None

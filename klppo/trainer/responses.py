@@ -64,7 +64,7 @@ def step_responses(parts: PPOParts, records: list[PromptRecord], timer: PhaseTim
     ``draw``: which generation batch of the step this is (dynamic sampling draws several); vLLM's
     request seeds differ between them, Hugging Face generate draws on from torch's RNG.
     """
-    s, tokenizer, env = parts.settings, parts.tokenizer, parts.env
+    s, tokenizer = parts.settings, parts.tokenizer
     if parts.engine is not None:
         if draw == 0 or not parts.engine.holds_weights:  # the step's new weights; or a sleep released them
             sync_engine_weights(parts, timer)
@@ -73,15 +73,35 @@ def step_responses(parts: PPOParts, records: list[PromptRecord], timer: PhaseTim
     with timer.phase("gen"):
         if s.rollout == "offline":
             return offline_rollout(records, n=s.n, tokenizer=tokenizer, max_response_length=s.response_length)
-        mine = records[shard_range(len(records), env)]
-        with parts.offloader.resident("actor"), generation_model(parts) as (model, sharded):
-            local = hf_rollout(model, mine, tokenizer, s.sampling, synced_gpus=sharded, device=env.device,
-                               decoding=generation_decoding(parts, sharded))
-        if not env.is_distributed:
-            return local
-        return assemble_batch(records, s.n, tokenizer.pad_token_id,
-                              all_gather_padded(local.response_ids, tokenizer.pad_token_id),
-                              all_gather_padded(local.response_mask, 0))
+        return _hf_responses(parts, records, s.sampling)
+
+
+def greedy_responses(parts: PPOParts, records: list[PromptRecord], timer: PhaseTimer, step: int) -> RolloutBatch:
+    """ReMax's baseline: one greedy response to each of ``records`` (``timing_s/gen_max``, verl's
+    name), from the weights that just sampled the step's responses; the whole batch on every rank.
+    Greedy decoding draws no random number, so the run's random streams are those of a run without it."""
+    params = replace(parts.settings.sampling, n=1, do_sample=False)
+    if parts.engine is not None:
+        if not parts.engine.holds_weights:  # a sleep released the step's weights
+            sync_engine_weights(parts, timer)
+        with timer.phase("gen_max"):
+            return engine_responses(parts, records, params, step)
+    with timer.phase("gen_max"):
+        return _hf_responses(parts, records, params)
+
+
+def _hf_responses(parts: PPOParts, records: list[PromptRecord], params: SamplingParams) -> RolloutBatch:
+    """``records``' responses from Hugging Face generate: each rank samples its share, all gathered."""
+    env, tokenizer = parts.env, parts.tokenizer
+    mine = records[shard_range(len(records), env)]
+    with parts.offloader.resident("actor"), generation_model(parts) as (model, sharded):
+        local = hf_rollout(model, mine, tokenizer, params, synced_gpus=sharded, device=env.device,
+                           decoding=generation_decoding(parts, sharded))
+    if not env.is_distributed:
+        return local
+    return assemble_batch(records, params.n, tokenizer.pad_token_id,
+                          all_gather_padded(local.response_ids, tokenizer.pad_token_id),
+                          all_gather_padded(local.response_mask, 0))
 
 
 # ---- vLLM ----

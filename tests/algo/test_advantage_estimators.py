@@ -232,7 +232,8 @@ def test_verls_other_group_estimators_give_verls_advantages(name):
     rewards, mask = torch.tensor(x["token_level_rewards"]), torch.tensor(x["response_mask"])
     index = x["paired_index"] if case["paired"] else x["index"]
     got, returns = compute_advantage(case["estimator"], rewards, mask, index,
-                                     norm_adv_by_std_in_grpo=case["norm_adv_by_std_in_grpo"])
+                                     norm_adv_by_std_in_grpo=case["norm_adv_by_std_in_grpo"],
+                                     reward_baselines=torch.tensor(x["reward_baselines"]))
     torch.testing.assert_close(got, torch.tensor(case["advantages"]), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(returns, torch.tensor(case["returns"]), rtol=1e-6, atol=1e-6)
 
@@ -287,3 +288,13 @@ def test_the_vectorized_variants_differ_from_grpo_and_rloo_only_where_verls_do()
     lone, _ = compute_rloo_vectorized_outcome_advantage(rewards, mask, index)
     assert rloo[2, 0] == 4.0 and lone[2, 0] == 0.0
     torch.testing.assert_close(rloo[:2], lone[:2])
+
+
+def test_remax_subtracts_the_greedy_score_from_each_tokens_return_to_go_worked_by_hand():
+    from klppo.algo import compute_remax_outcome_advantage
+
+    rewards = torch.tensor([[-0.1, 0.0, 1.0], [0.0, 2.0, 9.0]])  # a KL penalty on the first token; 9 sits on padding
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    adv, returns = compute_remax_outcome_advantage(rewards, torch.tensor([0.5, 3.0]), mask)
+    torch.testing.assert_close(returns, torch.tensor([[0.9, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+    torch.testing.assert_close(adv, torch.tensor([[0.4, 0.5, 0.5], [-1.0, -1.0, 0.0]]))  # not whitened

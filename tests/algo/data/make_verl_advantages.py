@@ -1,5 +1,5 @@
-"""Writes verl_advantages.json: verl's grpo_vectorized, rloo_vectorized, opo, grpo_passk and gpg
-advantage estimators run once on a seeded batch.
+"""Writes verl_advantages.json: verl's grpo_vectorized, rloo_vectorized, opo, grpo_passk, gpg and
+remax advantage estimators run once on a seeded batch.
 
 Run by hand with verl's core_algos.py and utils/groupwise.py at hand (the paths below; the values
 in the JSON came from volcengine/verl at commit b178a3cd5), torch and numpy:
@@ -21,7 +21,7 @@ import torch
 
 VERL_CORE_ALGOS = Path(os.environ.get("VERL_CORE_ALGOS", "/tmp/verl/verl/trainer/ppo/core_algos.py"))
 VERL_GROUPWISE = Path(os.environ.get("VERL_GROUPWISE", "/tmp/verl/verl/utils_groupwise.py"))
-ESTIMATORS = ("grpo_vectorized", "rloo_vectorized", "opo", "grpo_passk", "gpg")
+ESTIMATORS = ("grpo_vectorized", "rloo_vectorized", "opo", "grpo_passk", "gpg", "remax")
 
 
 class _Names:
@@ -65,21 +65,29 @@ def inputs(seed: int = 20251206, t: int = 6) -> dict:
     rewards = torch.zeros(b, t)
     rewards[torch.arange(b), lengths - 1] = scores
     paired = [f"q{min(i // 2, b // 2 - 1)}" for i in range(b)]  # groups of two, the last of three where b is odd
-    return {"token_level_rewards": rewards, "response_mask": mask, "index": index, "paired_index": paired}
+    rewards[3, 0] -= 0.25  # a reward before the last token (a KL penalty's): ReMax's returns-to-go differ by token
+    greedy = {group: torch.randint(-2, 4, (), generator=g).item() * 0.5 for group in sorted(set(index))}
+    baselines = torch.tensor([greedy[group] for group in index])  # ReMax's: each prompt's greedy score
+    return {"token_level_rewards": rewards, "response_mask": mask, "index": index, "paired_index": paired,
+            "reward_baselines": baselines}
 
 
 def main(out: str) -> None:
     ns, x = verl_functions(), inputs()
     rewards, mask = x["token_level_rewards"], x["response_mask"].float()
     result = {"inputs": {"token_level_rewards": rewards.tolist(), "response_mask": x["response_mask"].tolist(),
-                         "index": x["index"], "paired_index": x["paired_index"]}, "cases": {}}
+                         "index": x["index"], "paired_index": x["paired_index"],
+                         "reward_baselines": x["reward_baselines"].tolist()}, "cases": {}}
     for name in ESTIMATORS:
         for norm in ((True, False) if name.startswith("grpo") else (True,)):
             index = x["paired_index"] if name == "grpo_passk" else x["index"]
             fn = ns[f"compute_{name}_outcome_advantage"]
             kwargs = {"norm_adv_by_std_in_grpo": norm} if name == "grpo_vectorized" else {}
             config = {"norm_adv_by_std_in_grpo": norm}
-            advantages, returns = fn(rewards.clone(), mask, np.array(index, dtype=object), config=config, **kwargs)
+            if name == "remax":
+                advantages, returns = fn(rewards.clone(), x["reward_baselines"], mask, config=config)
+            else:
+                advantages, returns = fn(rewards.clone(), mask, np.array(index, dtype=object), config=config, **kwargs)
             result["cases"][f"{name}{'' if norm else '_not_normed'}"] = {
                 "estimator": name, "norm_adv_by_std_in_grpo": norm, "paired": name == "grpo_passk",
                 "advantages": advantages.tolist(), "returns": returns.tolist()}
