@@ -50,3 +50,18 @@ def test_the_tied_heads_name_is_sent_only_to_an_engine_whose_model_has_it(fake_g
     loads = [call[1] for call in log if call[0] == "load"]
     assert loads and all("model.embed_tokens.weight" in names for names in loads)
     assert all(("lm_head.weight" in names) is head for names in loads)
+
+
+def test_remax_decodes_its_greedy_baseline_with_the_engine_from_loaded_weights(fake_gpu_engine, ppo_overrides,
+                                                                               task_dir):
+    log = fake_gpu_engine()
+    records = run_ppo(None, ppo_overrides(**{"data.train_files": task_dir / "train.parquet",
+                                             "actor_rollout_ref.rollout.name": "vllm",
+                                             "algorithm.adv_estimator": "remax"}), print_fn=quiet)
+    assert all("critic/reward_baseline/mean" in r for r in records)
+    generations = [call[1] for call in log if call[0] == "generate"]
+    assert len(generations) == 2 * len(records)  # the samples, then one greedy response per prompt
+    for sampled, greedy in zip(generations[::2], generations[1::2]):
+        assert {p.temperature for p in sampled} == {1.0} and {p.temperature for p in greedy} == {0.0}
+        assert len(greedy) * 2 == len(sampled)  # rollout.n = 2
+    assert generations_from_released_weights(log) == 0  # a sleep between them loads the weights again
