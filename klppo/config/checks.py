@@ -16,13 +16,13 @@ from typing import Optional
 
 from klppo.config.batch_sizes import batch_size_problems, divisor_below, launch_mismatch, world_size
 from klppo.config.lora import lora_enabled, lora_problems
-from klppo.config.problems import Problem, check_positive
+from klppo.config.problems import Problem, check_at_least, check_positive
+from klppo.config.group_checks import filter_groups_notes, group_of_one_notes, group_problems
 from klppo.config.hydra import resolve_megatron
 from klppo.config.reward_checks import reward_notes, reward_problems
 from klppo.config.rollout_checks import engine_problems, resolve_rollout_engine, rollout_notes
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs, rollout_correction_active
 from klppo.config.schema import (
-    SCORE_METRICS,
     ActorConfig,
     CriticConfig,
     OptimConfig,
@@ -37,13 +37,6 @@ ARF = "actor_rollout_ref"
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 
-# Estimators that use the other responses to the same prompt as the baseline.
-# Group estimators that cannot run on groups of one (the others give a lone response its raw
-# score, as verl does, with a warning: ``group_of_one_notes``).
-NEEDS_TWO = {"grpo_passk": "it rewards each group's best response by its margin over the second best",
-             "rloo_vectorized": "it gives a group of one an advantage of 0, so nothing would train"}
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_vectorized", "rloo_vectorized", "opo",
-                    "grpo_passk", "gpg")
 
 
 
@@ -130,11 +123,6 @@ def _resolve_output_dir(trainer: TrainerConfig | SFTTrainerConfig) -> None:
 # ---- small check helpers (each appends at most one Problem) ----
 
 
-def _at_least(out: list[Problem], key: str, value: Optional[int], low: int) -> None:
-    if value is not None and value < low:
-        out.append(Problem((key,), f"{key} = {value!r} must be >= {low}; set it to {low} or more"))
-
-
 def _between(out: list[Problem], key: str, value: float, low: float, high: float, high_open: bool = False) -> None:
     """``low <= value <= high`` (``< high`` when ``high_open``)."""
     too_high = value >= high if high_open else value > high
@@ -179,7 +167,7 @@ def check_ppo(cfg: PPOConfig, launched: Optional[int] = None) -> list[Problem]:
         _check_critic(cfg.critic, cfg.actor_rollout_ref.actor, out)
         _check_optim(cfg.critic.optim, "critic.optim", out)
     _check_algorithm(cfg, out)
-    _check_filter_groups(cfg, out)
+    group_problems(cfg, out)
     _check_rollout_correction(cfg, out)
     out += [Problem(keys, message) for keys, message in engine_problems(cfg)]
     _check_trainer(cfg.trainer, out)
@@ -235,7 +223,7 @@ def _refuse_fp16_training(out: list[Problem], prefix: str, fsdp) -> None:
 
 def _check_critic_warmup(cfg: PPOConfig, out: list[Problem]) -> None:
     warmup = cfg.trainer.critic_warmup
-    _at_least(out, "trainer.critic_warmup", warmup, 0)
+    check_at_least(out, "trainer.critic_warmup", warmup, 0)
     if warmup > 0 and cfg.algorithm.adv_estimator != "gae":
         out.append(Problem(("trainer.critic_warmup", "algorithm.adv_estimator"), f"trainer.critic_warmup = {warmup} "
                            f"holds back the actor while the critic trains, but algorithm.adv_estimator = "
@@ -252,20 +240,20 @@ def _check_guard(guard, out: list[Problem]) -> None:
     key = "trainer.guard"
     for name in ("early_stop_kl", "rollback_kl", "rollback_lr", "entropy_floor", "clipfrac_max"):
         check_positive(out, f"{key}.{name}", getattr(guard, name))
-    _at_least(out, f"{key}.max_rollbacks", guard.max_rollbacks, 0)
-    _at_least(out, f"{key}.max_nonfinite_steps", guard.max_nonfinite_steps, 1)
+    check_at_least(out, f"{key}.max_rollbacks", guard.max_rollbacks, 0)
+    check_at_least(out, f"{key}.max_nonfinite_steps", guard.max_nonfinite_steps, 1)
     for name, low in (("grad_spike", 1), ("entropy_collapse", 0), ("entropy_surge", 0)):
         value = getattr(guard, name)
         if value is not None and not value > low:  # NaN too: every comparison with it would be False
             what = "a ratio to the norms' median, " if low else ""
             out.append(Problem((f"{key}.{name}",), f"{key}.{name} = {value!r} must be > {low}; set it to {what}a "
                                f"number above {low}, or to null to switch this detector off"))
-    _at_least(out, f"{key}.max_grad_skips", guard.max_grad_skips, 0)
+    check_at_least(out, f"{key}.max_grad_skips", guard.max_grad_skips, 0)
     if guard.window < MIN_GUARD_WINDOW:
         out.append(Problem((f"{key}.window",), f"{key}.window = {guard.window} is too short: the entropy trend "
                            f"compares its newest 3 steps with at least 3 earlier ones; set it to {MIN_GUARD_WINDOW} "
                            "or more (default 20)"))
-    _at_least(out, f"{key}.divergence_validations", guard.divergence_validations, 2)
+    check_at_least(out, f"{key}.divergence_validations", guard.divergence_validations, 2)
     check_positive(out, f"{key}.divergence_margin", guard.divergence_margin)
     if guard.rollback_kl is not None and guard.early_stop_kl is not None and guard.rollback_kl > guard.early_stop_kl:
         out.append(Problem(
@@ -327,7 +315,7 @@ def _check_actor(actor: ActorConfig, out: list[Problem]) -> None:
         out.append(Problem((key,), f"{key} = {actor.clip_ratio_c!r} must be > 1 (dual-clip bound, Ye et al. 2020); the usual value is 3.0"))
     if actor.kl_loss_coef < 0:
         out.append(Problem((f"{ACTOR}.kl_loss_coef",), f"{ACTOR}.kl_loss_coef = {actor.kl_loss_coef!r} must be >= 0"))
-    _at_least(out, f"{ACTOR}.ppo_epochs", actor.ppo_epochs, 1)
+    check_at_least(out, f"{ACTOR}.ppo_epochs", actor.ppo_epochs, 1)
     check_positive(out, f"{ACTOR}.grad_clip", actor.grad_clip, "max gradient norm")
     check_positive(out, f"{ACTOR}.entropy_from_logits_chunk_size", actor.entropy_from_logits_chunk_size, "number of tokens")
     for side in ("tau_pos", "tau_neg"):  # SAPO's gate divides by them
@@ -336,7 +324,7 @@ def _check_actor(actor: ActorConfig, out: list[Problem]) -> None:
 
 def _check_sampling(sampling: RolloutConfig | ValKwargsConfig, prefix: str, out: list[Problem]) -> None:
     """Sampling knobs shared by the rollout and its validation settings."""
-    _at_least(out, f"{prefix}.n", sampling.n, 1)
+    check_at_least(out, f"{prefix}.n", sampling.n, 1)
     if sampling.do_sample and not sampling.temperature > 0:
         key = f"{prefix}.temperature"
         out.append(Problem((key, f"{prefix}.do_sample"), f"{key} = {sampling.temperature!r} must be > 0 when {prefix}.do_sample is true; raise it, or set {prefix}.do_sample=false for greedy decoding"))
@@ -362,19 +350,19 @@ def _check_critic(critic: CriticConfig, actor: ActorConfig, out: list[Problem]) 
     """Only when the critic trains (adv_estimator == gae); its None sizes are resolved by now."""
     assert critic.ppo_mini_batch_size is not None and critic.ppo_epochs is not None
     if critic.ppo_epochs != actor.ppo_epochs:  # a copy of the actor's has been checked there
-        _at_least(out, "critic.ppo_epochs", critic.ppo_epochs, 1)
+        check_at_least(out, "critic.ppo_epochs", critic.ppo_epochs, 1)
     check_positive(out, "critic.grad_clip", critic.grad_clip, "max gradient norm")
     check_positive(out, "critic.cliprange_value", critic.cliprange_value, "clip range such as 0.5")
 
 
 def _check_algorithm(cfg: PPOConfig, out: list[Problem]) -> None:
-    algo, n = cfg.algorithm, cfg.actor_rollout_ref.rollout.n
+    algo = cfg.algorithm
     _between(out, "algorithm.gamma", algo.gamma, 0.0, 1.0)
     _between(out, "algorithm.lam", algo.lam, 0.0, 1.0)
     if algo.kl_ctrl.kl_coef < 0:
         out.append(Problem(("algorithm.kl_ctrl.kl_coef",), f"algorithm.kl_ctrl.kl_coef = {algo.kl_ctrl.kl_coef!r} must be >= 0"))
-    _at_least(out, "algorithm.kl_ctrl.probe_prompts", algo.kl_ctrl.probe_prompts, 1)
-    _at_least(out, "algorithm.kl_ctrl.probe_every", algo.kl_ctrl.probe_every, 1)
+    check_at_least(out, "algorithm.kl_ctrl.probe_prompts", algo.kl_ctrl.probe_prompts, 1)
+    check_at_least(out, "algorithm.kl_ctrl.probe_every", algo.kl_ctrl.probe_every, 1)
     if algo.kl_ctrl.offline_kl == "importance_weighted" and algo.rollout_correction.bypass_mode:
         out.append(Problem(("algorithm.kl_ctrl.offline_kl", "algorithm.rollout_correction.bypass_mode"),
                            "algorithm.kl_ctrl.offline_kl = 'importance_weighted' needs the policy's log-probs, which "
@@ -382,72 +370,6 @@ def _check_algorithm(cfg: PPOConfig, out: list[Problem]) -> None:
     if algo.kl_ctrl.type == "adaptive":
         check_positive(out, "algorithm.kl_ctrl.horizon", algo.kl_ctrl.horizon, "number of steps (adaptive KL control)")
         check_positive(out, "algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl, "KL per token (adaptive KL control)")
-    if algo.adv_estimator in NEEDS_TWO and n == 1:
-        out.append(Problem(
-            ("algorithm.adv_estimator", f"{ROLLOUT}.n"),
-            f"algorithm.adv_estimator = '{algo.adv_estimator}' needs {ROLLOUT}.n >= 2 (got {n}): "
-            f"{NEEDS_TWO[algo.adv_estimator]}; set {ROLLOUT}.n=4 or more, or use algorithm.adv_estimator=gae",
-        ))
-
-
-FILTER = "algorithm.filter_groups"
-
-
-def _check_filter_groups(cfg: PPOConfig, out: list[Problem]) -> None:
-    """Dynamic sampling needs groups, a metric klppo computes, and a generation batch of prompts."""
-    fg, data, algo = cfg.algorithm.filter_groups, cfg.data, cfg.algorithm
-    check_positive(out, "data.gen_batch_size", data.gen_batch_size, "number of prompts")
-    _at_least(out, f"{FILTER}.max_inflight_gen_batches", fg.max_inflight_gen_batches, 1)
-    if not fg.enable:
-        if data.gen_batch_size != data.train_batch_size:
-            out.append(Problem(("data.gen_batch_size", f"{FILTER}.enable"), (
-                f"data.gen_batch_size = {data.gen_batch_size} differs from data.train_batch_size = "
-                f"{data.train_batch_size} but {FILTER}.enable is false: a step draws exactly its "
-                f"train_batch_size prompts then; set {FILTER}.enable=true or remove data.gen_batch_size")))
-        return
-    if algo.adv_estimator not in GROUP_ESTIMATORS:
-        out.append(Problem((f"{FILTER}.enable", "algorithm.adv_estimator"), (
-            f"{FILTER}.enable needs a group estimator ({', '.join(GROUP_ESTIMATORS)}), not "
-            f"algorithm.adv_estimator = '{algo.adv_estimator}': only there does a prompt whose responses' "
-            f"rewards tie get advantages of 0; set algorithm.adv_estimator=grpo or {FILTER}.enable=false")))
-    elif cfg.actor_rollout_ref.rollout.n == 1:
-        out.append(Problem((f"{FILTER}.enable", f"{ROLLOUT}.n"), f"{FILTER}.enable with {ROLLOUT}.n = 1: a group of one "
-                           f"response never has spread, so every prompt would be dropped; set {ROLLOUT}.n=4 or more"))
-    if fg.metric is None:
-        out.append(Problem((f"{FILTER}.metric",), (
-            f"{FILTER}.metric = null: name what must differ within a group: the response's score (reward, score, "
-            "seq_reward), its reward after the KL penalty (seq_final_reward) or an entry of the dict the reward "
-            f"function returns (e.g. acc); set {FILTER}.metric=score")))
-    elif fg.metric not in SCORE_METRICS and cfg.reward_model.enable:
-        out.append(Problem((f"{FILTER}.metric", "reward_model.enable"), (
-            f"{FILTER}.metric = '{fg.metric}' names an entry of the dict a reward function returns, but "
-            "reward_model.enable scores responses with a reward model, which returns one score each; set "
-            f"{FILTER}.metric=score")))
-    if fg.metric == "seq_final_reward" and algo.use_kl_in_reward:
-        out.append(Problem((f"{FILTER}.metric", "algorithm.use_kl_in_reward"), (
-            f"{FILTER}.metric = 'seq_final_reward' with algorithm.use_kl_in_reward: the KL penalty needs the "
-            "old and reference log-probs, which klppo (as verl) computes only for the kept responses; filter by "
-            f"{FILTER}.metric=score, or use the KL loss (actor_rollout_ref.actor.use_kl_loss) instead")))
-
-
-def group_of_one_notes(cfg: PPOConfig) -> list[str]:
-    """A group estimator on one response per prompt runs as in verl (verl's rollout-correction and
-    LoRA examples do): each group's baseline is 0, so the advantage is the raw score; said once."""
-    estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
-    if estimator not in GROUP_ESTIMATORS or estimator in NEEDS_TWO or n != 1:
-        return []
-    return [f"warning: algorithm.adv_estimator = '{estimator}' with {ROLLOUT}.n = 1: every group is one response, "
-            "so it has no baseline and its advantage is its own score (as verl computes it); set "
-            f"{ROLLOUT}.n=4 or more for the group baseline, or use algorithm.adv_estimator=gae"]
-
-
-def filter_groups_notes(cfg: PPOConfig) -> list[str]:
-    """verl's keys of dynamic sampling that have no effect in klppo's synchronous loop, said once."""
-    inflight = cfg.algorithm.filter_groups.max_inflight_gen_batches
-    if inflight == 1:
-        return []
-    return [f"warning: {FILTER}.max_inflight_gen_batches = {inflight} has no effect: klppo draws, generates and "
-            "scores one generation batch at a time, as verl's DAPO recipe does; remove the key"]
 
 
 def _check_rollout_correction(cfg: PPOConfig, out: list[Problem]) -> None:
@@ -474,10 +396,10 @@ def _check_rollout_correction(cfg: PPOConfig, out: list[Problem]) -> None:
 
 def _check_trainer_common(trainer: TrainerConfig | SFTTrainerConfig, out: list[Problem]) -> None:
     """Checks of the trainer fields PPO and SFT share."""
-    _at_least(out, "trainer.total_epochs", trainer.total_epochs, 1)
-    _at_least(out, "trainer.total_training_steps", trainer.total_training_steps, 1)
-    _at_least(out, "trainer.n_gpus_per_node", trainer.n_gpus_per_node, 1)
-    _at_least(out, "trainer.nnodes", trainer.nnodes, 1)
+    check_at_least(out, "trainer.total_epochs", trainer.total_epochs, 1)
+    check_at_least(out, "trainer.total_training_steps", trainer.total_training_steps, 1)
+    check_at_least(out, "trainer.n_gpus_per_node", trainer.n_gpus_per_node, 1)
+    check_at_least(out, "trainer.nnodes", trainer.nnodes, 1)
     _check_checkpointing(trainer, out)
     if not trainer.default_local_dir:
         out.append(Problem(("trainer.default_local_dir",), "trainer.default_local_dir is empty; set an output folder, or leave it unset for checkpoints/<project_name>/<experiment_name>"))
@@ -486,7 +408,7 @@ def _check_trainer_common(trainer: TrainerConfig | SFTTrainerConfig, out: list[P
 def _check_trainer(trainer: TrainerConfig, out: list[Problem]) -> None:
     _check_trainer_common(trainer, out)
     _freq(out, "trainer.test_freq", trainer.test_freq)
-    _at_least(out, "trainer.max_actor_ckpt_to_keep", trainer.max_actor_ckpt_to_keep, 1)
+    check_at_least(out, "trainer.max_actor_ckpt_to_keep", trainer.max_actor_ckpt_to_keep, 1)
 
 
 def _check_checkpointing(trainer: TrainerConfig | SFTTrainerConfig, out: list[Problem]) -> None:

@@ -19,3 +19,9 @@ def check_positive(out: list[Problem], key: str, value: Optional[float], what: s
     """``value`` must be > 0 (``None`` means unset and passes)."""
     if value is not None and value <= 0:
         out.append(Problem((key,), f"{key} = {value!r} must be > 0; set it to a positive {what}"))
+
+
+def check_at_least(out: list[Problem], key: str, value: Optional[int], low: int) -> None:
+    """``value`` must be >= ``low`` (``None`` means unset and passes)."""
+    if value is not None and value < low:
+        out.append(Problem((key,), f"{key} = {value!r} must be >= {low}; set it to {low} or more"))

@@ -20,7 +20,7 @@ from klppo.config.batch_sizes import (
     batch_size_problems, on_policy_update, shard_chunk_rows, update_forwards_first, update_sizes, uses_critic,
     uses_reference,
 )
-from klppo.config.checks import GROUP_ESTIMATORS
+from klppo.config.group_checks import GROUP_ESTIMATORS
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.kl_probe import probe_every, probe_prompts
 from klppo.config.lora import lora_enabled
