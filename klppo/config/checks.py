@@ -77,7 +77,7 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
         rm_rollout.prompt_length = cfg.data.max_prompt_length
     if rm_rollout.response_length is None:
         rm_rollout.response_length = arf.rollout.response_length
-    _resolve_output_dir(cfg.trainer)
+    _resolve_trainer(cfg.trainer, notes)
 
 
 def _follow_actor_budgets(cfg: PPOConfig) -> None:
@@ -98,7 +98,7 @@ def _follow_actor_budgets(cfg: PPOConfig) -> None:
 
 def resolve_sft(cfg: SFTConfig | RMConfig, notes: Optional[list[str]] = None) -> None:
     """Fill, in place, every SFT (or reward-model training) field whose ``None`` means "derive"."""
-    _resolve_output_dir(cfg.trainer)
+    _resolve_trainer(cfg.trainer, notes if notes is not None else [])
 
 
 def _note_rollout_correction(cfg: PPOConfig, notes: list[str]) -> None:
@@ -113,9 +113,21 @@ def _note_rollout_correction(cfg: PPOConfig, notes: list[str]) -> None:
                      f"set {key}.bypass_mode=true, or leave loss_type at ppo_clip")
 
 
-def _resolve_output_dir(trainer: TrainerConfig | SFTTrainerConfig) -> None:
+# verl's loggers that klppo does not have: dropped from trainer.logger with one warning (the run's
+# metrics.jsonl holds every step's metrics either way). verl's deprecated "tracking" is its wandb.
+VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "file")
+
+
+def _resolve_trainer(trainer: TrainerConfig | SFTTrainerConfig, notes: list[str]) -> None:
     if isinstance(trainer.logger, str):  # verl accepts trainer.logger=console
         trainer.logger = [trainer.logger]
+    trainer.logger = ["wandb" if name == "tracking" else name for name in trainer.logger]
+    dropped = [name for name in trainer.logger if name in VERL_ONLY_LOGGERS]
+    if dropped:
+        trainer.logger = [name for name in trainer.logger if name not in VERL_ONLY_LOGGERS]
+        notes.append(f"warning: trainer.logger {', '.join(repr(name) for name in dropped)} has no effect: a logger "
+                     "of verl's that klppo does not have (klppo logs to console, jsonl, tensorboard and wandb); "
+                     "every step's metrics are in metrics.jsonl in the run folder")
     if trainer.default_local_dir is None:
         trainer.default_local_dir = f"checkpoints/{trainer.project_name}/{trainer.experiment_name}"
 

@@ -264,6 +264,16 @@ def test_unknown_loggers_are_refused_with_the_nearest_one():
     assert problems[0].startswith("trainer.logger entry 'tensorbord': unknown logger (did you mean 'tensorboard'?)")
 
 
+def test_verls_loggers_klppo_lacks_are_dropped_with_one_warning_and_its_old_tracking_is_wandb():
+    notes = []  # verl's MLflow example script logs to [console, mlflow]
+    cfg = load_ppo_config(None, REQUIRED + ["trainer.logger=[console,mlflow,swanlab]"], notes=notes)
+    assert cfg.trainer.logger == ["console"]
+    assert [n for n in notes if "trainer.logger 'mlflow', 'swanlab' has no effect" in n and "metrics.jsonl" in n]
+    assert load("trainer.logger=tracking").trainer.logger == ["wandb"]  # verl's deprecated name of its wandb logger
+    sft = load_sft_config(None, ["data.train_files=t.parquet", "model.partial_pretrain=m", "trainer.logger=[clearml]"])
+    assert sft.trainer.logger == []
+
+
 def test_sft_refuses_unknown_loggers_and_a_bad_checkpoint_frequency():
     problems = sft_problems_of("trainer.nnodes=2", "trainer.logger=[wandbb]", "trainer.save_freq=0")
     assert len(problems) == 2 and "trainer.save_freq" in problems[0] and "'wandbb'" in problems[1]
