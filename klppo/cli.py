@@ -38,8 +38,7 @@ def _validate_config(argv: list[str]) -> int:
 
     def show() -> None:
         notes: list[str] = []
-        config, overrides = command_line_config(args.config, args.overrides, args.config_path, args.config_name)
-        text = format_config(load(config, overrides, notes=notes))
+        text = format_config(load(*command_line_config(args), notes=notes))
         for line in notes:  # warnings first, on stderr, so stdout stays the YAML
             print(line, file=sys.stderr)
         print(text, end="")

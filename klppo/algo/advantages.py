@@ -206,8 +206,8 @@ def compute_opo_outcome_advantage(
     scores = token_level_rewards.sum(dim=-1)  # (B,)
     lengths = mask.sum(dim=-1).to(scores.dtype)
     ids, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    _, _, size = _group_stats(scores, ids, num_groups)
     zeros = scores.new_zeros(num_groups)
-    size = zeros.index_add(0, ids, torch.ones_like(scores))[ids]
     weighted = zeros.index_add(0, ids, lengths * scores)[ids] / zeros.index_add(0, ids, lengths)[ids].clamp(min=1)
     return _outcome(scores - torch.where(size > 1, weighted, torch.zeros_like(scores)), mask)
 

@@ -87,8 +87,7 @@ def engine_stopped_at_the_end(parts):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_config_args(argv, "klppo ppo", "Train with KL-regularised PPO.")
-    return run_cli(lambda: run_ppo(*command_line_config(args.config, args.overrides, args.config_path,
-                                                        args.config_name)))
+    return run_cli(lambda: run_ppo(*command_line_config(args)))
 
 
 if __name__ == "__main__":

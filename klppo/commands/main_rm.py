@@ -157,8 +157,7 @@ def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_config_args(argv, "klppo rm", "Train a reward model from ranked responses.")
-    return run_cli(lambda: run_rm(load_rm_config(*command_line_config(args.config, args.overrides, args.config_path,
-                                                                  args.config_name))))
+    return run_cli(lambda: run_rm(load_rm_config(*command_line_config(args))))
 
 
 if __name__ == "__main__":

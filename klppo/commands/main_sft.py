@@ -101,8 +101,7 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_config_args(argv, "klppo sft", "Supervised fine-tuning (warm start).")
-    return run_cli(lambda: run_sft(load_sft_config(*command_line_config(args.config, args.overrides, args.config_path,
-                                                                  args.config_name))))
+    return run_cli(lambda: run_sft(load_sft_config(*command_line_config(args))))
 
 
 if __name__ == "__main__":

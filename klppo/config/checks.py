@@ -38,8 +38,6 @@ ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 
 
-
-
 # ---- derived defaults ----
 
 

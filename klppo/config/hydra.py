@@ -22,13 +22,14 @@ MEGATRON_STRATEGIES = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.re
 VERL_CONFIGS: dict[str, tuple[str, ...]] = {"ppo_trainer": (), "ppo_megatron_trainer": MEGATRON_STRATEGIES}
 
 
-def command_line_config(config: Optional[str], overrides: list[str], config_path: Optional[str],
-                        config_name: Optional[str]) -> tuple[Optional[str], list[str]]:
-    """(config file or None, overrides) of a command line that may name its config as Hydra does.
+def command_line_config(args) -> tuple[Optional[str], list[str]]:
+    """(config file or None, overrides) of a parsed command line (``args``: its ``config``,
+    ``overrides``, ``config_path`` and ``config_name``) that may name its config as Hydra does.
 
     ``config_name`` (``.yaml`` optional) is a file in ``config_path`` (default: the current
     folder); where there is none, a name of verl's own configs loads klppo's defaults (plus
     what ``ppo_megatron_trainer`` sets, ahead of the overrides so that they still win)."""
+    config, overrides, config_path, config_name = args.config, args.overrides, args.config_path, args.config_name
     if config_name is None:
         if config_path is not None:
             raise UserError(f"--config-path {config_path} names a folder but no --config-name names the file in it")

@@ -176,8 +176,7 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     ("actor_rollout_ref.actor.policy_loss.loss_mode", "bypass_mode"):
         "verl's name for the loss of bypass-mode rollout correction; set algorithm.rollout_correction.bypass_mode=true "
         "(with rollout_correction.loss_type) instead",
-    ("algorithm.adv_estimator", "optimal_token_baseline"):
-        "it needs each token's sum of squared probabilities (actor.calculate_sum_pi_squared), which klppo does not compute",
-    ("algorithm.adv_estimator", "tir_optimal_token_baseline"):
-        "it needs each token's sum of squared probabilities (actor.calculate_sum_pi_squared), which klppo does not compute",
+    **{("algorithm.adv_estimator", name): "it needs each token's sum of squared probabilities "
+       "(actor.calculate_sum_pi_squared), which klppo does not compute"
+       for name in ("optimal_token_baseline", "tir_optimal_token_baseline")},
 }
