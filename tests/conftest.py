@@ -14,9 +14,15 @@ from klppo.data.arithmetic import (
     write_arithmetic_parquet,
     write_arithmetic_sft_parquet,
 )
-from klppo.models.tiny import build_tiny_model_folder
+from klppo.models.tiny import CHAT_TEMPLATE, build_tiny_model_folder
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+# Qwen3's switch, in the tiny tokenizer's special tokens: with enable_thinking=false the opened
+# assistant turn gets an empty "thought" (two special tokens, whatever text comes before).
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ '<|im_start|>assistant\n' }}",
+    "{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<|im_start|><|im_end|>' }}{% endif %}")
 
 
 @pytest.fixture(scope="session")
@@ -95,7 +101,7 @@ def answer_batch(tiny_model_dir):
     from transformers import AutoTokenizer
 
     from klppo.data.arithmetic import make_problems
-    from klppo.data.rl_dataset import encode_chats
+    from klppo.data.chat_template import encode_chats
     from klppo.rollout.batch import RolloutBatch, right_pad
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -135,7 +135,8 @@ def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
     data, key = cfg.data, "model.partial_pretrain"
     common = dict(prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
-                  filter_overlong_prompts=data.filter_overlong_prompts, log=print_fn)
+                  filter_overlong_prompts=data.filter_overlong_prompts,
+                  template_kwargs=data.apply_chat_template_kwargs, log=print_fn)
     train = load_ranked_dataset(data.train_files, tokenizer, **common)
     val = load_ranked_dataset(data.val_files, tokenizer, **common) if data.val_files else None
     # The loss reads the score head at every position (sequence_scores), not the root's output.

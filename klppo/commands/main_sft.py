@@ -78,7 +78,7 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
     data, key, device = cfg.data, "model.partial_pretrain", env.device
     common = dict(prompt_key=data.prompt_key, response_key=data.response_key, max_length=data.max_length,
-                  truncation=data.truncation, log=print_fn)
+                  truncation=data.truncation, template_kwargs=data.apply_chat_template_kwargs, log=print_fn)
     train = load_sft_dataset(data.train_files, tokenizer, **common)
     val = load_sft_dataset(data.val_files, tokenizer, **common) if data.val_files else None
     model = load_model("causal_lm", cfg.model.partial_pretrain, key=key, env=env, sharder=sharder,

@@ -27,8 +27,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import yaml
 
 from klppo.cli_support import quiet_libraries, run_cli
+from klppo.config.checks import template_kwargs_problems
+from klppo.data.chat_template import template_kwargs_notes
 from klppo.data.batching import MicroBatching
 from klppo.data.parquet import read_parquet_rows, row_error
 from klppo.data.ranked import check_pair
@@ -41,6 +44,7 @@ from klppo.rollout.batch import RolloutBatch, right_pad
 from klppo.trainer.forwards import compute_log_prob
 
 MODEL_KEY = "--model"
+TEMPLATE_KWARGS_FLAG = "--chat-template-kwargs"
 
 
 def check_paths(input_path: str, output_path: str, force: bool) -> tuple[Path, Path]:
@@ -98,16 +102,24 @@ def score(model, items: list[tuple[list[int], list[int]]], *, pad_id: int, batch
 
 
 def score_file(model_path: str, input_path: str, output_path: str, *, prompt_key: str = "prompt",
-               batch_size: int = 8, temperature: float = 1.0, device: str = "auto", force: bool = False,
-               print_fn=print) -> Path:
-    """Write ``output_path``: ``input_path`` with ``rollout_log_probs`` scored by ``model_path``."""
+               template_kwargs: dict | None = None, batch_size: int = 8, temperature: float = 1.0,
+               device: str = "auto", force: bool = False, print_fn=print) -> Path:
+    """Write ``output_path``: ``input_path`` with ``rollout_log_probs`` scored by ``model_path``;
+    ``template_kwargs``: the chat-template arguments training uses (``data.apply_chat_template_kwargs``)."""
     src, dst = check_paths(input_path, output_path, force)
     if batch_size < 1 or not temperature > 0:
         raise UserError(f"--batch-size must be >= 1 and --temperature > 0 (got {batch_size}, {temperature})")
+    template_kwargs = template_kwargs or {}
+    problems = template_kwargs_problems(template_kwargs, TEMPLATE_KWARGS_FLAG)
+    if problems:
+        raise UserError("; ".join(p.message for p in problems))
     dev = _device(device)
     tokenizer = load_tokenizer(model_path, MODEL_KEY)
+    for note in template_kwargs_notes(tokenizer, template_kwargs):
+        print_fn(note)
     rows = read_parquet_rows(str(src), [prompt_key])
-    prompt_ids = encode_prompts(tokenizer, [check_prompt(row, prompt_key) for row in rows], rows, prompt_key)
+    prompt_ids = encode_prompts(tokenizer, [check_prompt(row, prompt_key) for row in rows], rows, prompt_key,
+                                template_kwargs)
     responses = [encode_responses(recorded_responses(row), tokenizer) for row in rows]
     items = [(ids, r) for ids, rs in zip(prompt_ids, responses) for r in rs]
     model = load_causal_lm(model_path, key=MODEL_KEY, device=dev)
@@ -123,6 +135,18 @@ def score_file(model_path: str, input_path: str, output_path: str, *, prompt_key
     _write(src, dst, per_row)
     print_fn(f"wrote {dst} ({COLUMN} for {len(items)} responses, {time.perf_counter() - started:.1f} s)")
     return dst
+
+
+def _mapping(text: str) -> dict:
+    """A command-line YAML/JSON mapping of names to values, e.g. '{enable_thinking: false}'."""
+    try:
+        value = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError:
+        value = None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mapping of names to values; write e.g. "
+                                         "'{enable_thinking: false}'")
+    return value
 
 
 def _device(name: str) -> torch.device:
@@ -152,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="Parquet file of prompts with recorded responses")
     parser.add_argument("--output", required=True, help="where to write the copy with rollout_log_probs")
     parser.add_argument("--prompt-key", default="prompt", help="the prompt column (data.prompt_key)")
+    parser.add_argument(TEMPLATE_KWARGS_FLAG, type=_mapping, default={}, metavar="MAPPING",
+                        help="chat-template arguments as training passes them (data.apply_chat_template_kwargs), "
+                        "as YAML or JSON, e.g. '{enable_thinking: false}'")
     parser.add_argument("--batch-size", type=int, default=8, help="responses per forward")
     parser.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature of the responses")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -159,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_libraries()
     return run_cli(lambda: score_file(args.model, args.input, args.output, prompt_key=args.prompt_key,
-                                      batch_size=args.batch_size, temperature=args.temperature, device=args.device,
+                                      template_kwargs=args.chat_template_kwargs, batch_size=args.batch_size, temperature=args.temperature, device=args.device,
                                       force=args.force))
 
 

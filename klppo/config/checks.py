@@ -36,6 +36,11 @@ from klppo.config.supervised import RMConfig, SFTConfig, SFTTrainerConfig
 ARF = "actor_rollout_ref"
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
+# apply_chat_template's own arguments: klppo renders each prompt to text with the generation prompt
+# and encodes the text itself, and the template is the one saved with the tokenizer.
+_TEMPLATE_CALL_ARGS = ("conversation", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                       "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                       "tokenizer_kwargs")
 
 
 # ---- derived defaults ----
@@ -167,6 +172,7 @@ def check_ppo(cfg: PPOConfig, launched: Optional[int] = None) -> list[Problem]:
     if mismatch is not None:
         out.append(Problem(("trainer.n_gpus_per_node", "trainer.nnodes"), mismatch))
     _check_ppo_paths(cfg, out)
+    out += template_kwargs_problems(cfg.data.apply_chat_template_kwargs)
     _check_data_lengths(cfg, out)
     _check_ppo_batches(cfg, out)
     _check_actor(cfg.actor_rollout_ref.actor, out)
@@ -295,6 +301,20 @@ def _check_ppo_paths(cfg: PPOConfig, out: list[Problem]) -> None:
     if not cfg.actor_rollout_ref.model.path:
         key = f"{ARF}.model.path"
         out.append(Problem((key,), f"{key} is required: set it to a local Hugging Face model folder, e.g. {key}=models/Qwen2.5-0.5B-Instruct"))
+
+
+def template_kwargs_problems(kwargs: dict, prefix: str = "data.apply_chat_template_kwargs") -> list[Problem]:
+    """Chat-template arguments may name the template's own inputs only (enable_thinking, tools, ...)."""
+    out: list[Problem] = []
+    for name in kwargs:
+        key = f"{prefix}.{name}"
+        if name == "chat_template":
+            out.append(Problem((key,), f"{key}: klppo renders prompts with the chat template saved with the "
+                               "tokenizer; save yours there (tokenizer.chat_template = ...; save_pretrained)"))
+        elif name in _TEMPLATE_CALL_ARGS:
+            out.append(Problem((key,), f"{key}: klppo sets this argument of apply_chat_template itself (it renders "
+                               "each prompt as text with the generation prompt, then encodes it); remove it"))
+    return out
 
 
 def _check_data_lengths(cfg: PPOConfig, out: list[Problem]) -> None:
@@ -438,6 +458,7 @@ def _check_supervised_inputs(cfg: SFTConfig | RMConfig, out: list[Problem]) -> N
     """The data files and the starting model of SFT and reward-model training."""
     _check_files(out, "data.train_files", cfg.data.train_files, required=True)
     _check_files(out, "data.val_files", cfg.data.val_files, required=False)
+    out += template_kwargs_problems(cfg.data.apply_chat_template_kwargs)
     if not cfg.model.partial_pretrain:
         key = "model.partial_pretrain"
         out.append(Problem((key,), f"{key} is required: set it to a local Hugging Face model folder, "

@@ -342,6 +342,13 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise _Mismatch(_expected(path, tp, value))
         (item,) = get_args(tp)
         return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:  # an open mapping handed on as it is (e.g. keyword arguments of a call)
+        if value is None:  # `kwargs:` with nothing under it in YAML
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise _Mismatch(f"{path}: expected a mapping of names to values, got {_show(value)}; write a YAML "
+                            f"mapping, e.g. {{name: value}}, or set one entry with {path}.<name>=value")
+        return copy.deepcopy(value)
     if tp is bool and isinstance(value, bool):
         return value
     if tp is int and isinstance(value, int) and not isinstance(value, bool):

@@ -9,7 +9,7 @@ another field" (documented on the field) and is resolved by ``klppo.config.parse
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from klppo.config.health import GoldRewardConfig, GuardConfig
 from klppo.config.rollout import RolloutConfig, ValKwargsConfig  # noqa: F401 (part of the tree)
@@ -28,6 +28,9 @@ class DataConfig:
     val_files: Optional[Union[str, list[str]]] = None
     # Column holding the chat messages of the prompt.
     prompt_key: str = "prompt"
+    # Extra arguments to the chat template when it renders chat-message prompts (as verl passes
+    # them), e.g. {enable_thinking: false} for Qwen3 or {reasoning_effort: medium} for gpt-oss.
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Longest prompt in tokens (after the chat template); longer ones are truncated or filtered.
     max_prompt_length: int = 512
     # Longest response in tokens (generated, or recorded responses truncated to it).

@@ -6,7 +6,7 @@ conventions these follow (a comment above each field, ``None`` = derived).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from klppo.config.schema import FSDPConfig, LoraKeys, OptimConfig
 
@@ -22,6 +22,9 @@ class SFTDataConfig:
     val_files: Optional[Union[str, list[str]]] = None
     # Column of the prompt: chat messages or a plain string.
     prompt_key: str = "prompt"
+    # Extra arguments to the chat template when it renders chat-message prompts (as verl passes
+    # them), e.g. {enable_thinking: false} for Qwen3 or {reasoning_effort: medium} for gpt-oss.
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Column of the response string.
     response_key: str = "response"
     # Longest prompt + response in tokens.
@@ -109,6 +112,9 @@ class RMDataConfig:
     val_files: Optional[Union[str, list[str]]] = None
     # Column of the prompt's chat messages.
     prompt_key: str = "prompt"
+    # Extra arguments to the chat template when it renders chat-message prompts (as verl passes
+    # them), e.g. {enable_thinking: false} for Qwen3 or {reasoning_effort: medium} for gpt-oss.
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Longest prompt in tokens.
     max_prompt_length: int = 512
     # Longest response in tokens (longer ones are cut).

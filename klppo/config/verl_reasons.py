@@ -52,7 +52,6 @@ RULES: tuple[tuple, ...] = (
     (("data.train_max_samples",), "klppo trains on every row of data.train_files; cut the Parquet file instead", REFUSE),
     (("data.reward_fn_key",), "klppo picks the reward function by the data_source column", REFUSE),
     (("data.custom_cls.path",), "klppo reads verl's RLHFDataset columns only (no custom dataset class)", REFUSE),
-    (("data.apply_chat_template_kwargs",), "klppo applies the tokenizer's chat template without extra arguments", REFUSE),
     (("*.model.custom_chat_template",), "klppo applies the chat template saved with the tokenizer; save yours there", REFUSE),
     (("*.model.tokenizer_path",), "klppo loads the tokenizer saved next to the model (model.path)", REFUSE),
     # -- verl's bookkeeping --

@@ -28,7 +28,7 @@ is allowed (it carries no preference but is not malformed).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +171,7 @@ def load_ranked_dataset(
     truncation: str = "error",
     filter_overlong_prompts: bool = False,
     require_rollout_log_probs: behaviour.LogProbsNeed | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[RankedRecord]:
     """Read, validate and tokenise ranked-response rows; returns one ``RankedRecord`` per kept row.
@@ -194,7 +195,7 @@ def load_ranked_dataset(
         checked.append((row, prompt, responses, rankings, scores, source, check_ground_truth(row),
                         check_extra_info(row), log_probs))
     behaviour.check_lengths([(c[0], c[2], c[8]) for c in checked], tokenizer)
-    all_ids = encode_prompts(tokenizer, [c[1] for c in checked], rows, prompt_key)
+    all_ids = encode_prompts(tokenizer, [c[1] for c in checked], rows, prompt_key, template_kwargs)
     kept = fit_prompts([c[0] for c in checked], all_ids, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
                        truncation=truncation, filter_overlong_prompts=filter_overlong_prompts, files=files, log=log,
                        what="ranked prompts")

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from klppo.data import rollout_log_probs as behaviour
+from klppo.data.chat_template import encode_chats
 from klppo.data.parquet import describe_files, read_parquet_rows, row_error, row_place, short_repr
 from klppo.errors import UserError
 
@@ -33,8 +34,6 @@ ROLES = ("system", "user", "assistant")
 TRUNCATIONS = ("error", "left", "right")
 MESSAGES_FIX = ("write the prompt as plain text (a string) or as a list of messages like "
                 "[{'role': 'user', 'content': '...'}]")
-TEMPLATE_FIX = ("write the prompt as plain text (a string), which needs no template, or use an instruct model's "
-                "tokenizer (its tokenizer_config.json has 'chat_template')")
 
 
 @dataclass
@@ -120,46 +119,21 @@ def check_messages(row: dict, column: str) -> list[dict]:
     return messages
 
 
-def encode_chats(tokenizer, conversations: Sequence[list[dict]], add_generation_prompt: bool = True,
-                 rows: Sequence[dict] | None = None, column: str = "prompt") -> list[list[int]]:
-    """Render each conversation with the tokenizer's chat template and encode it (no extra specials).
-
-    ``rows`` (the conversations' rows from ``read_parquet_rows``) name the row in errors.
-    """
-    def fail(i: int, problem: str, fix: str) -> UserError:
-        if rows is None:
-            return UserError(f"prompt {i}: {problem}; {fix}")
-        return row_error(rows[i], column, problem, fix)
-
-    if conversations and getattr(tokenizer, "chat_template", None) is None:
-        raise fail(0, "the prompt is chat messages, but the model's tokenizer has no chat template (a base model) "
-                   "to render them with", TEMPLATE_FIX)
-    # transformers 5 returns a dict for tokenize=True; render to text, then encode in one batch.
-    texts = []
-    for i, conversation in enumerate(conversations):
-        try:
-            texts.append(tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                       tokenize=False))
-        except Exception as exc:  # the model's Jinja template refused the messages (e.g. roles must alternate)
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise fail(i, f"the tokenizer's chat template cannot render its messages ({first})",
-                       "fix the messages to the form the model's template expects") from None
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
-
-
-def encode_prompts(tokenizer, prompts: Sequence[list[dict] | str], rows: Sequence[dict], column: str
-                   ) -> list[list[int]]:
+def encode_prompts(tokenizer, prompts: Sequence[list[dict] | str], rows: Sequence[dict], column: str,
+                   template_kwargs: Mapping[str, Any] | None = None) -> list[list[int]]:
     """Each prompt's token ids, in order (``prompts`` from ``check_prompt``, ``rows`` their rows).
 
     Plain text is encoded as the tokenizer encodes text for its model, with the special tokens
     it adds itself (e.g. a BOS) and no chat template: a completion prompt, for base models or
-    any model. Chat messages go through the chat template with the generation prompt; a
-    tokenizer without a template (a base model) is an error naming the first such row.
+    any model. Chat messages go through the chat template with the generation prompt and
+    ``template_kwargs`` (``data.apply_chat_template_kwargs``); a tokenizer without a template (a
+    base model) is an error naming the first such row.
     """
     chats = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
     plain = [i for i, p in enumerate(prompts) if isinstance(p, str)]
     ids: list[list[int]] = [[] for _ in prompts]
-    chat_ids = encode_chats(tokenizer, [prompts[i] for i in chats], rows=[rows[i] for i in chats], column=column)
+    chat_ids = encode_chats(tokenizer, [prompts[i] for i in chats], rows=[rows[i] for i in chats], column=column,
+                            template_kwargs=template_kwargs)
     text_ids = tokenizer([prompts[i] for i in plain])["input_ids"] if plain else []
     for i, encoded in zip(chats + plain, chat_ids + [list(t) for t in text_ids]):
         ids[i] = encoded
@@ -241,6 +215,7 @@ def load_rl_dataset(
     filter_overlong_prompts: bool = False,
     require_responses: bool = False,
     require_rollout_log_probs: behaviour.LogProbsNeed | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[PromptRecord]:
     """Read, validate and tokenise RL prompts; returns one ``PromptRecord`` per kept row.
@@ -266,7 +241,7 @@ def load_rl_dataset(
         checked.append((row, prompt, check_data_source(row), check_ground_truth(row),
                         check_extra_info(row), responses, scores, log_probs))
     behaviour.check_lengths([(c[0], c[5], c[7]) for c in checked], tokenizer)
-    all_ids = encode_prompts(tokenizer, [c[1] for c in checked], rows, prompt_key)
+    all_ids = encode_prompts(tokenizer, [c[1] for c in checked], rows, prompt_key, template_kwargs)
     kept = fit_prompts([c[0] for c in checked], all_ids, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
                        truncation=truncation, filter_overlong_prompts=filter_overlong_prompts, files=files, log=log)
     records = []

@@ -10,8 +10,9 @@ Shapes: ``B`` examples in a batch, ``L`` longest example of the batch in tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,6 +57,7 @@ def load_sft_dataset(
     response_key: str = "response",
     max_length: int,
     truncation: str = "error",
+    template_kwargs: Mapping[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[SFTExample]:
     """Read, validate and tokenise SFT examples; one ``SFTExample`` per row.
@@ -71,7 +73,7 @@ def load_sft_dataset(
     rows = read_parquet_rows(files, [prompt_key, response_key])
     prompts = [check_prompt(row, prompt_key) for row in rows]
     responses = [_response_text(row, response_key) for row in rows]
-    prompt_ids = encode_prompts(tokenizer, prompts, rows, prompt_key)
+    prompt_ids = encode_prompts(tokenizer, prompts, rows, prompt_key, template_kwargs)
     response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
     examples, n_truncated = [], 0
     for row, p_ids, r_ids in zip(rows, prompt_ids, response_ids):

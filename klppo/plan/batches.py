@@ -225,7 +225,8 @@ def sample_lengths(cfg: PPOConfig, tokenizer, rows: int = 256) -> LengthSample:
     offline = rollout.name == "offline"
     columns = [data.prompt_key] + (["responses", "chosen", "rejected"] if offline else [])
     sample = read_parquet_sample(data.train_files, columns, rows)
-    ids = encode_prompts(tokenizer, [check_prompt(row, data.prompt_key) for row in sample], sample, data.prompt_key)
+    ids = encode_prompts(tokenizer, [check_prompt(row, data.prompt_key) for row in sample], sample, data.prompt_key,
+                         data.apply_chat_template_kwargs)
     prompt_tokens, response_tokens = [], []
     for row, prompt in zip(sample, ids):
         if data.filter_overlong_prompts and len(prompt) > data.max_prompt_length:

@@ -19,6 +19,7 @@ from klppo.config.batch_sizes import fsdp_sections
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.schema import FSDPConfig
+from klppo.data.chat_template import template_kwargs_notes
 from klppo.data.parquet import parquet_columns
 from klppo.data.ranked import RankedRecord, load_ranked_dataset
 from klppo.data.rollout_log_probs import LogProbsNeed
@@ -147,8 +148,11 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable)
         max_prompt_length=data.max_prompt_length,
         truncation=data.truncation,
         filter_overlong_prompts=data.filter_overlong_prompts,
+        template_kwargs=data.apply_chat_template_kwargs,
         log=log,
     )
+    for note in template_kwargs_notes(tokenizer, data.apply_chat_template_kwargs):
+        log(note)
     needs_log_probs = behaviour_log_probs_need(cfg)  # checked here, before any model loads
     if offline and RANKING_COLUMNS & parquet_columns(data.train_files):
         ranking = cfg.reward_model.ranking

@@ -79,10 +79,13 @@ def run_supervised(cfg: SupervisedConfig, prepare: PrepareJob, print_fn: Callabl
 
 
 def _train(cfg: SupervisedConfig, env: DistEnv, prepare: PrepareJob, print_fn: Callable) -> Path:
+    from klppo.data.chat_template import template_kwargs_notes
     from klppo.models.load import load_tokenizer
 
     seed_everything(cfg.data.seed + env.rank)
     tokenizer = load_tokenizer(cfg.model.partial_pretrain, key="model.partial_pretrain")
+    for note in template_kwargs_notes(tokenizer, cfg.data.apply_chat_template_kwargs):
+        print_fn(note)
     job = prepare(cfg, env, tokenizer, Sharder(env), print_fn)
     run = prepare_run(cfg, env, job, print_fn)
     resume_from = same_on_every_rank(run.resume_target)  # the whole checkpoint is checked before anything is written

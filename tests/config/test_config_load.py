@@ -261,3 +261,44 @@ def test_verl_global_micro_batch_with_the_per_gpu_one_or_not_dividing_is_an_erro
     assert "keep actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu only" in message
     assert "critic.ppo_micro_batch_size = 6 is verl's global micro-batch, split over" in message
     assert "set critic.ppo_micro_batch_size_per_gpu (samples per device) instead" in message
+
+
+# ---- an open mapping: data.apply_chat_template_kwargs ----
+
+
+def test_chat_template_kwargs_take_verl_s_plus_form_a_mapping_or_a_yaml_section(tmp_path):
+    assert load().data.apply_chat_template_kwargs == {}
+    assert load("+data.apply_chat_template_kwargs.enable_thinking=False").data.apply_chat_template_kwargs == {
+        "enable_thinking": False}
+    both = load("data.apply_chat_template_kwargs={reasoning_effort: medium, tools: [a, b]}",
+                "+data.apply_chat_template_kwargs.enable_thinking=false")
+    assert both.data.apply_chat_template_kwargs == {"reasoning_effort": "medium", "tools": ["a", "b"],
+                                                     "enable_thinking": False}
+    path = write(tmp_path, "data:\n  apply_chat_template_kwargs:\n    enable_thinking: false\n")
+    assert load_ppo_config(path, REQUIRED).data.apply_chat_template_kwargs == {"enable_thinking": False}
+    empty = write(tmp_path, "data:\n  apply_chat_template_kwargs:\n")
+    assert load_ppo_config(empty, REQUIRED).data.apply_chat_template_kwargs == {}
+    cfg = load("+data.apply_chat_template_kwargs.enable_thinking=False")
+    assert load_ppo_config(write(tmp_path, format_config(cfg))) == cfg  # the resolved config round-trips
+
+
+def test_chat_template_kwargs_that_are_not_a_mapping_or_that_klppo_sets_itself_are_errors():
+    assert ("data.apply_chat_template_kwargs: expected a mapping of names to values, got 3 (an integer); write a "
+            "YAML mapping, e.g. {name: value}, or set one entry with data.apply_chat_template_kwargs.<name>=value"
+            in errors_of("data.apply_chat_template_kwargs=3"))
+    message = errors_of("+data.apply_chat_template_kwargs.tokenize=true",
+                        "+data.apply_chat_template_kwargs.chat_template=x")
+    assert "data.apply_chat_template_kwargs.tokenize: klppo sets this argument of apply_chat_template itself" in message
+    assert "data.apply_chat_template_kwargs.chat_template: klppo renders prompts with the chat template saved" in message
+
+
+def test_sft_and_reward_model_training_take_chat_template_kwargs_too():
+    from klppo.config import load_rm_config
+
+    sft = load_sft_config(str(DATA / "gsm8k_sft.yaml"), ["+data.apply_chat_template_kwargs.enable_thinking=false"])
+    assert sft.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    rm = load_rm_config(None, ["data.train_files=t.parquet", "model.partial_pretrain=m",
+                               "+data.apply_chat_template_kwargs.enable_thinking=false"])
+    assert rm.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(UserError, match="data.apply_chat_template_kwargs.add_generation_prompt: klppo sets"):
+        load_sft_config(str(DATA / "gsm8k_sft.yaml"), ["+data.apply_chat_template_kwargs.add_generation_prompt=true"])

@@ -230,13 +230,15 @@ def test_a_data_set_smaller_than_one_step_is_refused_as_the_trainer_refuses_it()
 
 
 class WordTokenizer:
-    """One token per word; a chat template that joins the messages and adds one token."""
+    """One token per word; a chat template that joins the messages and adds one token (two
+    more with enable_thinking=False: an empty thought, as Qwen3's template writes it)."""
 
     chat_template = "words"
     eos_token_id = 0
 
-    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=False):
-        return " ".join(m["content"] for m in conversation) + " <assistant>"
+    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=False, enable_thinking=True):
+        thought = "" if enable_thinking else " <think> </think>"
+        return " ".join(m["content"] for m in conversation) + " <assistant>" + thought
 
     def __call__(self, texts, add_special_tokens=True):
         return {"input_ids": [[1] * len(t.split()) for t in texts]}
@@ -266,6 +268,15 @@ def test_offline_lengths_are_the_tokenised_prompts_and_recorded_responses(tmp_pa
     filtered = config(f"data.train_files={files}", "actor_rollout_ref.rollout.name=offline",
                       "actor_rollout_ref.rollout.n=2", "data.max_prompt_length=6", "data.filter_overlong_prompts=true")
     assert sample_lengths(filtered, WordTokenizer()).prompt_tokens == (4, 4, 2, 2)
+
+
+def test_prompts_are_measured_as_the_run_renders_them_with_its_chat_template_kwargs(tmp_path):
+    files = write_rows(tmp_path / "on.parquet", ["a b", "a b c d"])
+    settings = (f"data.train_files={files}", "actor_rollout_ref.rollout.name=hf", "data.max_prompt_length=16",
+                "data.train_batch_size=2", f"{ACTOR}.ppo_mini_batch_size=2")
+    assert sample_lengths(config(*settings), WordTokenizer()).prompt_tokens == (3, 5)
+    no_thinking = config(*settings, "+data.apply_chat_template_kwargs.enable_thinking=false")
+    assert sample_lengths(no_thinking, WordTokenizer()).prompt_tokens == (5, 7)
 
 
 def test_online_responses_are_counted_at_their_bound_and_no_tokenizer_means_upper_bounds(tmp_path):

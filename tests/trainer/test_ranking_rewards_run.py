@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from klppo.data.arithmetic import write_arithmetic_ranked_parquet
-from klppo.data.rl_dataset import encode_chats
+from klppo.data.chat_template import encode_chats
 from klppo.rewards.distill import ranking_rewards
 from klppo.commands.main_ppo import run_ppo
 

@@ -1,6 +1,7 @@
 """Offline rollout correction end to end: score-logprobs fills the column, PPO corrects with it."""
 
 import hashlib
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -16,7 +17,7 @@ from klppo.models.tiny import build_tiny_model_folder
 from klppo.run import build
 from klppo.run.build import ROLLOUT_CORRECTION_NEED
 from klppo.commands.main_ppo import run_ppo
-from tests.conftest import TINY
+from tests.conftest import THINKING_TEMPLATE, TINY
 
 CORRECTED = {"algorithm.rollout_correction.rollout_is": "token",
              "algorithm.rollout_correction.rollout_is_threshold": 1.2,
@@ -52,14 +53,39 @@ def test_score_logprobs_writes_the_models_log_probs_that_the_reader_accepts(scor
     records = load_rl_dataset(scored_file, tokenizer, max_prompt_length=256, require_responses=True,
                               require_rollout_log_probs=ROLLOUT_CORRECTION_NEED, log=quiet)
     assert pq.read_table(task_dir / "offline.parquet").num_rows == len(records)
-    # the first response, scored in a batch of its own: prompt, then response + EOS
-    record = records[0]
+    _check_first_response_scored(records[0], behaviour_model_dir, tokenizer)
+
+
+def _check_first_response_scored(record, model_dir, tokenizer) -> None:
+    """The first response's column is its log-probs scored in a batch of its own: prompt, then response + EOS."""
     response = tokenizer(record.responses[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = torch.tensor([record.prompt_ids + response])
-    model = AutoModelForCausalLM.from_pretrained(behaviour_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():
         expected, _ = response_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool), len(response))
     torch.testing.assert_close(torch.tensor(record.rollout_log_probs[0]), expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_score_logprobs_renders_prompts_with_the_chat_template_kwargs_training_uses(behaviour_model_dir, task_dir,
+                                                                                     scored_file, tmp_path, capsys):
+    model = shutil.copytree(behaviour_model_dir, tmp_path / "thinking_model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = THINKING_TEMPLATE  # an empty thought (2 special tokens) with enable_thinking=false
+    tokenizer.save_pretrained(model)
+    out = tmp_path / "scored.parquet"
+    assert main(["score-logprobs", "--model", str(model), "--input", str(task_dir / "offline.parquet"), "--output",
+                 str(out), "--chat-template-kwargs", "{enable_thinking: false}", "--device", "cpu"]) == 0
+    records = load_rl_dataset(out, tokenizer, max_prompt_length=256, require_responses=True,
+                              require_rollout_log_probs=ROLLOUT_CORRECTION_NEED, log=quiet,
+                              template_kwargs={"enable_thinking": False})
+    _check_first_response_scored(records[0], model, tokenizer)
+    without = pq.read_table(scored_file).column("rollout_log_probs")[0].as_py()[0]  # same weights, no thought
+    assert records[0].rollout_log_probs[0] != pytest.approx(without, abs=1e-4)
+    capsys.readouterr()
+    code = main(["score-logprobs", "--model", str(model), "--input", str(task_dir / "offline.parquet"), "--output",
+                 str(tmp_path / "other.parquet"), "--chat-template-kwargs", "{tokenize: true}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--chat-template-kwargs.tokenize: klppo sets this argument" in err[0], err
 
 
 @pytest.mark.parametrize("case", ["output is input", "output exists", "no input", "no output folder"])
