@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+from pathlib import Path
 from typing import Optional
 
 from klppo.config.batch_sizes import batch_size_problems, divisor_below, launch_mismatch, world_size
@@ -58,7 +59,7 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
     resolve_megatron(cfg, notes)
     _note_rollout_correction(cfg, notes)
     notes += rollout_notes(cfg)
-    notes += filter_groups_notes(cfg) + reward_notes(cfg) + not_yet_supported_notes(cfg)
+    notes += filter_groups_notes(cfg) + reward_notes(cfg) + not_yet_supported_notes(cfg) + _generations_notes(cfg)
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:
@@ -439,6 +440,23 @@ def _check_trainer(trainer: TrainerConfig, out: list[Problem]) -> None:
     _check_trainer_common(trainer, out)
     _freq(out, "trainer.test_freq", trainer.test_freq)
     check_at_least(out, "trainer.max_actor_ckpt_to_keep", trainer.max_actor_ckpt_to_keep, 1)
+    check_at_least(out, "trainer.log_val_generations", trainer.log_val_generations, 0)
+    for key in ("rollout_data_dir", "validation_data_dir"):
+        folder = getattr(trainer, key)
+        if folder is not None and (not folder.strip() or Path(folder).is_file()):
+            problem = "names no folder" if not folder.strip() else "is a file"
+            out.append(Problem((f"trainer.{key}",), f"trainer.{key} = {folder!r} {problem}: set it to the folder that "
+                               "gets a <step>.jsonl file of responses per step, or to null to write none"))
+
+
+def _generations_notes(cfg: PPOConfig) -> list[str]:
+    """Validation's generations asked for where nothing is validated (verl says nothing)."""
+    trainer = cfg.trainer
+    asked = [f"trainer.{key}" for key in ("validation_data_dir", "log_val_generations") if getattr(trainer, key)]
+    if not asked or cfg.data.val_files:
+        return []
+    return [f"warning: {' and '.join(asked)} show validation's responses, but data.val_files is not set, so "
+            "nothing is validated; set data.val_files (and trainer.test_freq) to see them"]
 
 
 def _check_checkpointing(trainer: TrainerConfig | SFTTrainerConfig, out: list[Problem]) -> None:

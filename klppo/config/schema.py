@@ -467,6 +467,14 @@ class TrainerConfig:
     test_freq: int = -1
     # Validate once before training.
     val_before_train: bool = True
+    # Write each step's responses to <dir>/<step>.jsonl, verl's fields (input, output, gts, score,
+    # step, and the reward function's other numbers); null writes none.
+    rollout_data_dir: Optional[str] = None
+    # The same for each validation's responses (validation before training is step 0).
+    validation_data_dir: Optional[str] = None
+    # Validation responses shown at each validation (console, TensorBoard text, a W&B table),
+    # picked as verl picks them: the same ones every time; 0 shows none.
+    log_val_generations: int = 0
     # Only validate the model (data.val_files, as val_before_train does) and stop: no training,
     # no checkpoint, no export. Measures a model, e.g. one trained elsewhere, with the run's reward.
     val_only: bool = False

@@ -63,6 +63,8 @@ ALIASES: dict[str, str] = {
     "reward.custom_reward_function.name": "custom_reward_function.name",
     "reward.reward_model.rollout.prompt_length": "reward_model.rollout.prompt_length",
     "reward.reward_model.rollout.response_length": "reward_model.rollout.response_length",
+    # verl 0.3's name of log_val_generations.
+    "trainer.val_generations_to_log_to_wandb": "trainer.log_val_generations",
 }
 
 # Keys that verl's older trees set to another key's value, which is what klppo does anyway.

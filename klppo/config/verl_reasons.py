@@ -154,8 +154,6 @@ RULES: tuple[tuple, ...] = (
     (("data.trust_remote_code",), "klppo loads tokenizers without remote code"),
     (("data.custom_cls.name", "data.datagen.*", "data.sampler.*"), "klppo reads its Parquet files in (shuffled) order, "
      "with no custom dataset, generator or sampler class"),
-    (("trainer.log_val_generations", "trainer.val_generations_to_log_to_wandb", "trainer.rollout_data_dir",
-      "trainer.validation_data_dir"), "klppo does not dump sample generations"),
     (("trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load", "trainer.checkpoint_callback_class",
       "trainer.max_critic_ckpt_to_keep"), _CHECKPOINT),
     (("skip.*",), "verl's rollout caching for debugging"),

@@ -11,9 +11,10 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Mapping, Protocol, Sequence
 
 from klppo.errors import UserError
+from klppo.monitoring.generations import GENERATIONS_KEY, Generation
 
 # trainer.logger entries and the package each needs (None: nothing beyond klppo's own).
 LOGGER_PACKAGES: dict[str, str | None] = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}
@@ -22,6 +23,8 @@ TENSORBOARD_DIR = "tensorboard"
 
 class Backend(Protocol):
     def log(self, step: int, record: Mapping[str, float]) -> None: ...
+
+    def log_generations(self, step: int, generations: Sequence[Generation]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -57,6 +60,14 @@ class TensorBoardBackend:
                 self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()  # one flush a step: a crash loses nothing a reader has not seen
 
+    def log_generations(self, step: int, generations: Sequence[Generation]) -> None:
+        """verl's text entry: each response's input, output and score, in Markdown."""
+        text = f"**Generation Results - Step {step}**\n\n" + "".join(
+            f"### Sample {i}\n**Input:** {g.input}\n\n**Output:** {g.output}\n\n**Score:** {g.score}\n\n---\n\n"
+            for i, g in enumerate(generations, 1))
+        self.writer.add_text(GENERATIONS_KEY, text, global_step=step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -79,9 +90,22 @@ class WandbBackend:
             mode=os.environ.get("WANDB_MODE", "offline"),
             reinit="finish_previous",  # an SFT warm start and the PPO run after it are two W&B runs
         )
+        self.generation_rows: list[list] = []  # log_generations' table, one row per validation
 
     def log(self, step: int, record: Mapping[str, float]) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def log_generations(self, step: int, generations: Sequence[Generation]) -> None:
+        """verl's table: a row per validation (step, then input, output and score of each response),
+        the earlier validations' rows kept (W&B shows the table's latest version)."""
+        import wandb
+
+        columns = ["step"] + [f"{name}_{i}" for i in range(1, len(generations) + 1)
+                              for name in ("input", "output", "score")]
+        if self.generation_rows and len(self.generation_rows[0]) != len(columns):
+            self.generation_rows = []  # fewer validation responses than asked for: a table of its own width
+        self.generation_rows.append([step] + [v for g in generations for v in (g.input, g.output, g.score)])
+        self.run.log({GENERATIONS_KEY: wandb.Table(columns=columns, data=list(self.generation_rows))}, step=step)
 
     def close(self) -> None:
         self.run.finish()

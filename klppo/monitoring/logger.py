@@ -13,6 +13,7 @@ from typing import Mapping
 import torch
 
 from klppo.monitoring.backends import build_backends
+from klppo.monitoring.generations import GENERATIONS_KEY, generations_text
 from klppo.monitoring.jsonl import read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
@@ -112,16 +113,24 @@ class MetricsLogger:
             self.backends = build_backends(list(backends), self.path.parent, project_name, experiment_name, config)
 
     def log(self, step: int, metrics: Mapping[str, float | torch.Tensor], total: int | None = None) -> dict[str, float]:
-        """Write one step's metrics (rank 0 only); returns them as plain floats with their ``step``."""
-        record = {"step": step, **to_floats(metrics)}
+        """Write one step's metrics (rank 0 only); returns them as plain floats with their ``step``.
+
+        Validation responses under ``GENERATIONS_KEY`` (``trainer.log_val_generations``) are shown
+        as text (console, TensorBoard, W&B) and are neither written to metrics.jsonl nor returned."""
+        generations = metrics.get(GENERATIONS_KEY)
+        record = {"step": step, **to_floats({k: v for k, v in metrics.items() if k != GENERATIONS_KEY})}
         if self.rank != 0:
             return record
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         for backend in self.backends:
             backend.log(step, record)
+            if generations:
+                backend.log_generations(step, generations)
         if self.console:
             self.print_fn(console_table(step, record, self.console_keys, total))
+            if generations:
+                self.print_fn(generations_text(step, generations))
         return record
 
     def close(self) -> None:

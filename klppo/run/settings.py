@@ -180,6 +180,20 @@ class LoggerSettings:
 
 
 @dataclass(frozen=True)
+class GenerationsSettings:
+    """Where a run's responses go as text (``klppo.monitoring.generations``)."""
+
+    rollout_dir: Optional[Path] = None  # trainer.rollout_data_dir: each step's, <step>.jsonl
+    validation_dir: Optional[Path] = None  # trainer.validation_data_dir: each validation's
+    log_val: int = 0  # trainer.log_val_generations: validation responses shown to the loggers
+
+    @property
+    def of_validation(self) -> bool:
+        """Whether validation keeps its responses' text."""
+        return self.validation_dir is not None or self.log_val > 0
+
+
+@dataclass(frozen=True)
 class PPOSettings:
     run_dir: Path
     world_size: int
@@ -215,6 +229,7 @@ class PPOSettings:
     resume_from_path: Optional[str]
     logger: LoggerSettings
     filter_groups: Optional[FilterGroupsSettings] = None  # None: a step trains on the prompts it draws
+    generations: GenerationsSettings = GenerationsSettings()
 
 
 def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
@@ -250,7 +265,13 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         logger=LoggerSettings(tuple(trainer.logger), trainer.project_name, trainer.experiment_name,
                               dataclasses.asdict(cfg)),
         filter_groups=filter_groups_settings(cfg),
+        generations=GenerationsSettings(_folder(trainer.rollout_data_dir), _folder(trainer.validation_data_dir),
+                                        trainer.log_val_generations),
     )
+
+
+def _folder(path: Optional[str]) -> Optional[Path]:
+    return None if path is None else Path(path)
 
 
 def check_batch_sizes(cfg: PPOConfig, world_size: int) -> None:

@@ -42,6 +42,7 @@ import torch
 from klppo.algo import dynamic_sampling_keep
 from klppo.data.rl_dataset import PromptRecord
 from klppo.errors import UserError
+from klppo.monitoring.generations import batch_generations, write_generations
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, concat_batches
 from klppo.trainer.forwards import StepShards, score_batch, score_log_probs, score_rewards, step_shards
@@ -67,7 +68,19 @@ class StepBatch:
 
 
 def scored_step_batch(parts: PPOParts, timer: PhaseTimer, step: int) -> StepBatch:
-    """Steps 1-3: the step's prompts, responses and scores (the whole batch on every rank)."""
+    """Steps 1-3: the step's prompts, responses and scores (the whole batch on every rank); with
+    ``trainer.rollout_data_dir`` rank 0 writes them as text (``monitoring.generations``)."""
+    drawn = _draw_and_score(parts, timer, step)
+    folder = parts.settings.generations.rollout_dir
+    if folder is not None:
+        with timer.phase("dump_rollout_generations"):  # verl's timing_s name
+            if parts.env.rank == 0:
+                scores = drawn.batch.token_level_scores.sum(-1).tolist()  # host sync
+                write_generations(folder, step, batch_generations(drawn.batch, parts.tokenizer, scores))
+    return drawn
+
+
+def _draw_and_score(parts: PPOParts, timer: PhaseTimer, step: int) -> StepBatch:
     if parts.settings.filter_groups is None:
         records = next_prompts(parts)
         batch = step_responses(parts, records, timer, step).to(parts.device)

@@ -18,6 +18,7 @@ from klppo.data.rl_dataset import PromptRecord, tokenize_responses
 from klppo.distributed import SINGLE_PROCESS, DistEnv, all_gather_objects, all_reduce_sum
 from klppo.models.forward import HeadSettings
 from klppo.models.rng import seeded
+from klppo.monitoring.generations import GENERATIONS_KEY, Generation, batch_generations, pick_generations, write_generations
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
@@ -67,20 +68,23 @@ def hf_sampler(model, tokenizer, env: DistEnv, sharded: bool, decoding: Decoding
                                               device=env.device, decoding=decoding)
 
 
-def validation_metrics(parts: PPOParts) -> dict[str, float]:
+def validation_metrics(parts: PPOParts, step: int) -> dict[str, float]:
     """Everything a PPO run measures on held-out data (its models resident on the device):
     rewards of generated responses, the sampled KL to the reference, and preference agreement
-    with held-out rankings."""
+    with held-out rankings. The responses as text go where ``trainer.validation_data_dir`` and
+    ``trainer.log_val_generations`` say (``monitoring.generations``)."""
     s, metrics = parts.settings, {}
+    generations = [] if s.generations.of_validation else None
     if parts.val_records:
 
         def scorer(batch: RolloutBatch, places: list[str]) -> torch.Tensor:
-            return token_scores(s.reward, batch, response_scores(parts, batch, places)[0], validation=True)
+            scores, batch.reward_components = response_scores(parts, batch, places)  # components: for the texts
+            return token_scores(s.reward, batch, scores, validation=True)
 
         with validation_sampler(parts) as (sample, group_size):  # as training samples (responses.py)
             metrics.update(validate(None, parts.val_records, parts.tokenizer, scorer, s.val_sampling,
                                     batch_size=s.val_batch_size, env=parts.env, sample=sample, group_size=group_size,
-                                    gold_scorer=gold_scorer(parts)))
+                                    gold_scorer=gold_scorer(parts), generations=generations))
             if s.uses_reference:  # one sample per held-out prompt, k3: unbiased, never negative, low variance
                 metrics["val-aux/kl_to_ref"] = sampled_kl_to_ref(
                     parts.actor, lambda: reference_model(parts), parts.val_records, parts.tokenizer,
@@ -89,6 +93,11 @@ def validation_metrics(parts: PPOParts) -> dict[str, float]:
     if parts.val_ranked:
         metrics.update(preference_agreement(parts.actor, parts.val_ranked, parts.tokenizer, s.response_length,
                                             env=parts.env, head=s.forwards.head))
+    if generations:
+        if s.generations.validation_dir is not None and parts.env.rank == 0:
+            write_generations(s.generations.validation_dir, step, generations)
+        if s.generations.log_val:  # shown by the loggers, never written to metrics.jsonl
+            metrics[GENERATIONS_KEY] = pick_generations(generations, s.generations.log_val)
     return metrics
 
 
@@ -143,6 +152,7 @@ def validate(
     sample: Sample | None = None,
     group_size: int = 1,
     gold_scorer: Callable[[RolloutBatch, list[str]], torch.Tensor] | None = None,
+    generations: list[Generation] | None = None,
 ) -> dict[str, float]:
     """Mean reward per data source over ``params.n`` responses per prompt, and text similarity.
 
@@ -162,9 +172,12 @@ def validate(
     ``val-gold/reward/mean`` and ``/std`` (all responses), and the training reward's
     ``val-core/reward/mean`` and ``/std`` over the same responses, what the divergence guard
     compares (each reward's change in units of its own spread).
+
+    ``generations``, when given, gets every response as text (all ranks', in record order).
     """
     sample = sample or hf_sampler(actor, tokenizer, env, env.is_distributed if sharded is None else sharded)
     rows = []  # (data source, score, length, response text or None, reference or None, gold or None) per response
+    texts_of = []  # (record index, sample, Generation) per response, with ``generations``
     with seeded(env.rank, env.device):
         for part, n_real in rank_parts(records, batch_size or len(records), env, group_size):
             batch = sample(part, params)
@@ -175,10 +188,16 @@ def validate(
             scores = scorer(on_device, places).sum(-1).tolist()  # (B,) host sync
             golds = gold_scorer(on_device, places).tolist() if gold_scorer else [None] * len(scores)  # host sync
             real = n_real * params.n
+            if generations is not None:
+                samples = [(r.index, j) for r in part for j in range(params.n)]
+                texts_of += zip(samples[:real], batch_generations(on_device, tokenizer, scores)[:real])
             rows += [(src, score, length, text if ref else None, ref, gold) for src, score, length, text, ref, gold
                      in zip(batch.data_sources[:real], scores[:real], lengths[:real], texts[:real], refs[:real],
                             golds[:real])]
     rows = [row for rank_rows in all_gather_objects(rows) for row in rank_rows]
+    if generations is not None:
+        generations += [g for _, g in sorted((t for rank in all_gather_objects(texts_of) for t in rank),
+                                             key=lambda t: t[0])]
     metrics = per_source_means(rows, 1, f"val-core/{{}}/reward/mean@{params.n}")
     if gold_scorer is not None:
         metrics.update(per_source_means(rows, 5, f"val-gold/{{}}/reward/mean@{params.n}"))

@@ -275,7 +275,7 @@ class PPOTrainer:
         timer = PhaseTimer(self.progress, self.memory)
         models = ("actor", "ref", *reward_model_roles(self.p), GOLD_ROLE)  # the roles a run has
         with timer.phase("validate"), self.p.offloader.resident(*models):
-            m = validation_metrics(self.p)
+            m = validation_metrics(self.p, self.step)
         m = {**m, **timer.metrics(), **max_over_ranks(timer.peak_metrics())}
         if "val-gold/reward/mean" not in m:
             return m, Action.CONTINUE

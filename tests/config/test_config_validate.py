@@ -347,3 +347,39 @@ def test_run_health_detectors_are_on_by_default_and_can_be_switched_off():
                "trainer.guard.entropy_surge=null", "trainer.guard.entropy_action=rollback").trainer.guard
     assert (off.grad_spike, off.entropy_collapse, off.entropy_surge, off.entropy_action) == (None, None, None, "rollback")
     assert problems_of("trainer.guard.entropy_action=pause")[0].startswith("trainer.guard.entropy_action")
+
+
+# ---- sample generations (trainer.rollout_data_dir, validation_data_dir, log_val_generations) ----
+
+
+def test_generation_folders_and_the_number_shown_are_checked(tmp_path):
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    assert problems_of("trainer.log_val_generations=-1", f"trainer.rollout_data_dir={a_file}",
+                       "trainer.validation_data_dir=' '") == [
+        "trainer.log_val_generations = -1 must be >= 0; set it to 0 or more",
+        f"trainer.rollout_data_dir = '{a_file}' is a file: set it to the folder that gets a <step>.jsonl file of "
+        "responses per step, or to null to write none",
+        "trainer.validation_data_dir = ' ' names no folder: set it to the folder that gets a <step>.jsonl file of "
+        "responses per step, or to null to write none",
+    ]
+    cfg = load(f"trainer.rollout_data_dir={tmp_path / 'new'}", "trainer.log_val_generations=3")
+    assert (cfg.trainer.rollout_data_dir, cfg.trainer.log_val_generations) == (str(tmp_path / "new"), 3)
+
+
+def test_verl_0_3_s_name_of_log_val_generations_acts():
+    assert load("+trainer.val_generations_to_log_to_wandb=5").trainer.log_val_generations == 5
+    assert "set the same knob" in problems_of("+trainer.val_generations_to_log_to_wandb=5",
+                                              "trainer.log_val_generations=4")[0]
+
+
+def test_validation_samples_asked_for_without_validation_data_are_warned_about():
+    notes = []
+    load_ppo_config(None, REQUIRED + ["trainer.validation_data_dir=val_samples", "trainer.log_val_generations=2"],
+                    notes=notes)
+    assert notes == ["warning: trainer.validation_data_dir and trainer.log_val_generations show validation's "
+                     "responses, but data.val_files is not set, so nothing is validated; set data.val_files (and "
+                     "trainer.test_freq) to see them"]
+    notes = []
+    load_ppo_config(None, REQUIRED + ["trainer.validation_data_dir=v", "data.val_files=val.parquet"], notes=notes)
+    assert notes == []

@@ -127,9 +127,12 @@ def test_what_the_corpus_sets_reaches_the_typed_config(tmp_path, capsys, any_log
     """Spot checks that accepted keys act: global micro-batches, reward-model lengths, verl 0.9.1's spellings."""
     by_name = {c.name: c for c in CORPUS}
     resolved = {}
-    for name in ("docs_ppo_reference_example", "ppo_qwen2-7b_rm", "verl091_reward_section", "ppo_qwen2-7b_rm_legacy"):
+    for name in ("docs_ppo_reference_example", "ppo_qwen2-7b_rm", "verl091_reward_section", "ppo_qwen2-7b_rm_legacy",
+                 "gspo_3b_math", "gptoss_20b_reasoning_effort"):
         assert main(["validate-config", *with_real_paths(by_name[name].args, tmp_path)]) == 0
         resolved[name] = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["gspo_3b_math"]["trainer"]["log_val_generations"] == 2  # validation samples shown
+    assert resolved["gptoss_20b_reasoning_effort"]["data"]["apply_chat_template_kwargs"] == {"reasoning_effort": "medium"}
     docs = resolved["docs_ppo_reference_example"]
     assert docs["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] == 2  # 2 over 1 device
     assert docs["critic"]["ppo_micro_batch_size_per_gpu"] == 2

@@ -169,7 +169,8 @@ def test_ranks_share_validation_and_gather_the_same_figures_as_one_process(ppo_o
         return ppo_overrides(tmp_path / name, **{
             "data.train_files": task_dir / "train.parquet", "data.val_files": task_dir / "val.parquet",
             "data.val_batch_size": 3, "actor_rollout_ref.rollout.name": "hf", "trainer.total_training_steps": 1,
-            "trainer.n_gpus_per_node": world})
+            "trainer.n_gpus_per_node": world, "trainer.validation_data_dir": tmp_path / name / "val_samples",
+            "trainer.rollout_data_dir": tmp_path / name / "samples"})
 
     run_ok(overrides("one", 1), None)
     run_ok(overrides("two", 2), 2)
@@ -179,6 +180,10 @@ def test_ranks_share_validation_and_gather_the_same_figures_as_one_process(ppo_o
     for key in before_one:
         if not key.startswith(("timing_s/", "perf/")):  # each rank's own time and memory
             assert math.isclose(before_one[key], before_two[key], rel_tol=1e-6, abs_tol=1e-6), key
+    # the responses as text: every rank's, in the records' order (rank 0 writes them)
+    texts = [(tmp_path / name / "val_samples" / "0.jsonl").read_text() for name in ("one", "two")]
+    assert texts[0] == texts[1] and len(texts[0].splitlines()) == 8
+    assert len((tmp_path / "two" / "samples" / "1.jsonl").read_text().splitlines()) == 8 * 2
 
 
 def test_dynamic_sampling_keeps_the_same_groups_on_two_ranks_as_in_one_process(exact_overrides, tmp_path):
