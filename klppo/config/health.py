@@ -6,8 +6,8 @@ detectors themselves are in ``klppo/safety``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
 
 
 @dataclass
@@ -70,5 +70,7 @@ class GoldRewardConfig:
     path: Optional[str] = None
     # Name of the function in that file.
     name: str = "compute_score"
+    # Keyword arguments passed on every call of that function (as custom_reward_function's).
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
     # A reward-model folder (one-label sequence classification, as reward_model.model.path).
     model_path: Optional[str] = None

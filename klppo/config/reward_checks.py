@@ -74,12 +74,20 @@ def _check_overlong_buffer(cfg: PPOConfig, out: list[Problem]) -> None:
 
 def reward_notes(cfg: PPOConfig) -> list[str]:
     """DAPO's overlong buffer beside a reward model acts as in verl: not at all (verl's dapo reward
-    manager hands the reward model's scores on as they are; verl's FAPO recipe sets both); said once."""
-    if not (cfg.reward_model.reward_kwargs.overlong_buffer_cfg.enable and cfg.reward_model.enable):
-        return []
-    return ["warning: reward_model.reward_kwargs.overlong_buffer_cfg has no effect with reward_model.enable: it "
-            "punishes a reward function's scores (verl's dapo reward manager), and the scores are the reward "
-            "model's, which verl's manager and klppo leave as they are"]
+    manager hands the reward model's scores on as they are; verl's FAPO recipe sets both); said once.
+    So do a reward function's arguments without the function they are for."""
+    notes = []
+    if cfg.reward_model.reward_kwargs.overlong_buffer_cfg.enable and cfg.reward_model.enable:
+        notes.append("warning: reward_model.reward_kwargs.overlong_buffer_cfg has no effect with reward_model.enable: "
+                     "it punishes a reward function's scores (verl's dapo reward manager), and the scores are the "
+                     "reward model's, which verl's manager and klppo leave as they are")
+    for key, section in (("custom_reward_function", cfg.custom_reward_function),
+                         ("trainer.gold_reward", cfg.trainer.gold_reward)):
+        if section.reward_kwargs and not section.path:
+            notes.append(f"warning: {key}.reward_kwargs has no effect: they are passed to the function in "
+                         f"{key}.path, which is not set" + (" (the built-in rules take none)"
+                                                             if key == "custom_reward_function" else ""))
+    return notes
 
 
 def _check_gold_reward(cfg: PPOConfig, out: list[Problem]) -> None:

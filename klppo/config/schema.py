@@ -345,8 +345,11 @@ class RewardModelConfig:
 class CustomRewardFunctionConfig:
     # Python file defining the reward function; None = built-in rules chosen by data_source.
     path: Optional[str] = None
-    # Name of the function in that file: f(data_source, solution_str, ground_truth, extra_info).
+    # Name of the function in that file: f(data_source, solution_str, ground_truth, extra_info);
+    # it may be async def (a batch's calls are awaited together).
     name: str = "compute_score"
+    # Keyword arguments passed on every call besides those four (as verl passes them).
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

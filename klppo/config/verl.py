@@ -61,6 +61,7 @@ ALIASES: dict[str, str] = {
     "reward.reward_model.model_path": "reward_model.model.path",
     "reward.custom_reward_function.path": "custom_reward_function.path",
     "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.custom_reward_function.reward_kwargs": "custom_reward_function.reward_kwargs",
     "reward.reward_model.rollout.prompt_length": "reward_model.rollout.prompt_length",
     "reward.reward_model.rollout.response_length": "reward_model.rollout.response_length",
     # verl 0.3's name of log_val_generations.

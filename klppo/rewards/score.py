@@ -2,9 +2,11 @@
 
 A reward function has verl's signature
 ``f(data_source, solution_str, ground_truth, extra_info) -> float`` and is called with
-keyword arguments, as verl calls it, so verl users' files work unchanged. It may return a
-number or (as verl allows) a dict with a ``"score"`` key; NaN passes through, for the run's
-guard to count (``trainer.guard.max_nonfinite_steps``).
+keyword arguments, as verl calls it, so verl users' files work unchanged; the config's
+``reward_kwargs`` are passed on every call too (winning over the four, as in verl). It may return
+a number or (as verl allows) a dict with a ``"score"`` key; NaN passes through, for the run's
+guard to count (``trainer.guard.max_nonfinite_steps``). An ``async def`` function (one that
+waits on a judge model or a sandbox) is awaited for all of a batch's responses at once.
 
 A user's function is checked when it loads (it must accept verl's four keyword arguments),
 and whatever it raises or returns wrongly during a step is one ``UserError`` naming the
@@ -13,12 +15,13 @@ function, its file and (``score_responses``' ``places``) the prompt's file and r
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +79,12 @@ def _import_file(path: str, module_name: str, key: str = "custom_reward_function
     return module
 
 
-def load_custom_reward_function(path: str, name: str, key: str = "custom_reward_function") -> Callable:
+def load_custom_reward_function(path: str, name: str, key: str = "custom_reward_function",
+                                 reward_kwargs: Mapping[str, Any] | None = None) -> Callable:
     """Import the Python file at ``path`` (once per process) and return its function ``name``.
 
-    ``key``: the config section the messages name (``trainer.gold_reward`` loads one too).
+    ``key``: the config section the messages name (``trainer.gold_reward`` loads one too);
+    ``reward_kwargs``: what each call passes besides verl's four keywords.
     """
     file = Path(path)
     if not file.is_file():
@@ -98,32 +103,47 @@ def load_custom_reward_function(path: str, name: str, key: str = "custom_reward_
             f"{key}.name '{name}' in '{path}' is a {type(fn).__name__}, not a function; "
             f"set {key}.name to a function"
         )
-    check_reward_signature(fn, f"{key}.name '{name}' in '{path}'")
+    check_reward_signature(fn, f"{key}.name '{name}' in '{path}'", reward_kwargs or {}, f"{key}.reward_kwargs")
     return fn
 
 
-def check_reward_signature(fn: Callable, what: str) -> None:
-    """Refuse, before training, a function that cannot be called as verl calls it (``VERL_CALL``).
+def check_reward_signature(fn: Callable, what: str, reward_kwargs: Mapping[str, Any] | None = None,
+                           kwargs_key: str = "custom_reward_function.reward_kwargs") -> None:
+    """Refuse, before training, a function that cannot be called as verl calls it (``VERL_CALL``,
+    plus ``reward_kwargs``, which ``kwargs_key`` sets).
 
-    Binding the four keywords to the signature is exactly the call's own check, made without
-    running the function; a callable whose signature Python cannot read (some builtins) is let
-    through, to fail at its first call instead.
+    Binding the keywords to the signature is exactly the call's own check, made without running
+    the function; a callable whose signature Python cannot read (some builtins) is let through,
+    to fail at its first call instead.
     """
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
-        kind = "a generator" if inspect.isgeneratorfunction(fn) else "an async"
-        raise UserError(f"{what} is {kind} function, but klppo calls it and uses what it returns, as verl's default "
-                        "reward manager does; make it a plain function that returns the score")
+    if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        raise UserError(f"{what} is a generator function, but klppo calls it and uses what it returns, as verl's "
+                        "reward managers do; make it a function (plain or async def) that returns the score")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return
+    extra = dict(reward_kwargs or {})
     try:
-        signature.bind(data_source="", solution_str="", ground_truth=None, extra_info={})
+        signature.bind(**{"data_source": "", "solution_str": "", "ground_truth": None, "extra_info": {}, **extra})
     except TypeError as exc:
+        taken = [name for name in extra if not _accepts(signature, name)]
+        if taken:
+            them = "them" if len(taken) > 1 else "it"
+            raise UserError(f"{what} takes {signature}, which has no parameter {', '.join(map(repr, taken))} that "
+                            f"{kwargs_key} passes on every call; add {them} (or **kwargs) to the function, or remove "
+                            f"{them} from {kwargs_key}") from None
         raise UserError(
             f"{what} takes {signature}, but klppo calls it as verl does, {VERL_CALL} ({exc}); give it those "
             "four parameters (extra_info=None may have a default), or add **kwargs"
         ) from None
+
+
+def _accepts(signature: inspect.Signature, name: str) -> bool:
+    kinds = {p.kind for p in signature.parameters.values()}
+    parameter = signature.parameters.get(name)
+    return inspect.Parameter.VAR_KEYWORD in kinds or (
+        parameter is not None and parameter.kind is not inspect.Parameter.POSITIONAL_ONLY)
 
 
 def _as_float(value: Any, where: str) -> float:
@@ -160,6 +180,13 @@ class RewardFunction:
     fn: Callable
     # "default_compute_score" or "custom_reward_function compute_score in 'x.py'".
     name: str
+    # Passed on every call besides verl's four keywords, winning over them (verl's reward_kwargs).
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_async(self) -> bool:
+        """An ``async def`` function: ``score_responses`` awaits a batch's calls together."""
+        return inspect.iscoroutinefunction(self.fn)
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
         return self.score(data_source, solution_str, ground_truth, extra_info)[0]
@@ -168,27 +195,45 @@ class RewardFunction:
               ) -> tuple[float, dict[str, float]]:
         """The score, and the components of a dict return (``reward_components``)."""
         try:
-            value = self.fn(
-                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                extra_info=extra_info if extra_info is not None else {},
-            )
-        except UserError:  # the built-in rules' own, already worded for the user
-            raise
+            value = self.fn(**self.arguments(data_source, solution_str, ground_truth, extra_info))
+            if inspect.isawaitable(value):  # one call alone; score_responses awaits a batch's together
+                value = asyncio.run(_awaited(value))
         except (Exception, SystemExit) as exc:  # the user's code (an exit() in it too): one line, the cause chained
-            if isinstance(exc, MemoryError):  # the machine's, not the function's
+            failure = self.failure(exc, data_source)
+            if failure is None:
                 raise
-            raise UserError(f"reward function {self.name} raised {_first_line(exc)} (data_source '{data_source}'); "
-                            "fix the function, or catch the case and return a score") from exc
+            raise failure from exc
+        return self.result(value, data_source)
+
+    def arguments(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> dict:
+        """The keyword arguments of one call, as verl's reward managers pass them."""
+        return {"data_source": data_source, "solution_str": solution_str, "ground_truth": ground_truth,
+                "extra_info": extra_info if extra_info is not None else {}, **self.kwargs}
+
+    def result(self, value: Any, data_source: str) -> tuple[float, dict[str, float]]:
         return _as_float(value, f"reward function {self.name} (data_source '{data_source}')"), reward_components(value)
+
+    def failure(self, exc: BaseException, data_source: str) -> UserError | None:
+        """The one-line error for an exception of the function, or None to raise it as it is: the
+        built-in rules' own UserError is worded for the user already, a MemoryError is the machine's."""
+        if isinstance(exc, (MemoryError, UserError)):
+            return None
+        return UserError(f"reward function {self.name} raised {_first_line(exc)} (data_source '{data_source}'); "
+                         "fix the function, or catch the case and return a score")
+
+
+async def _awaited(awaitable) -> Any:
+    return await awaitable
 
 
 def make_reward_fn(custom_path: str | None, custom_name: str = "compute_score",
-                   key: str = "custom_reward_function") -> RewardFunction:
+                   key: str = "custom_reward_function", reward_kwargs: Mapping[str, Any] | None = None
+                   ) -> RewardFunction:
     """The user's function at ``custom_path`` when given, else the built-in rules by data_source
-    (``key``: the config section that names the file)."""
+    (``key``: the config section that names the file; ``reward_kwargs``: its ``reward_kwargs``)."""
     if custom_path:
-        fn = load_custom_reward_function(custom_path, custom_name, key)
-        return RewardFunction(fn, f"{key} {custom_name} in '{custom_path}'")
+        fn = load_custom_reward_function(custom_path, custom_name, key, reward_kwargs)
+        return RewardFunction(fn, f"{key} {custom_name} in '{custom_path}'", dict(reward_kwargs or {}))
     return RewardFunction(default_compute_score, "default_compute_score")
 
 
@@ -239,10 +284,21 @@ def score_responses_with_components(
     n = len(responses)
     assert len(data_sources) == len(ground_truths) == len(extra_infos) == n, "score_responses: length mismatch"
     assert places is None or len(places) == n, "score_responses: one place per response"
+    calls = list(zip(data_sources, responses, ground_truths, extra_infos))
+    if isinstance(reward_fn, RewardFunction) and reward_fn.is_async:
+        returned = asyncio.run(_all_returns(reward_fn, calls))
     scores, components = [], []
-    for i, (source, text, truth, info) in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
+    for i, (source, text, truth, info) in enumerate(calls):
         try:
-            if isinstance(reward_fn, RewardFunction):
+            if isinstance(reward_fn, RewardFunction) and reward_fn.is_async:
+                value = returned[i]
+                if isinstance(value, _Raised):
+                    failure = reward_fn.failure(value.exc, source)
+                    if failure is None:
+                        raise value.exc
+                    raise failure from value.exc
+                score, parts = reward_fn.result(value, source)
+            elif isinstance(reward_fn, RewardFunction):
                 score, parts = reward_fn.score(source, text, truth, info)
             else:
                 score, parts = reward_fn(source, text, truth, info), {}
@@ -253,3 +309,19 @@ def score_responses_with_components(
         scores.append(score)
         components.append(parts)
     return scores, components
+
+
+@dataclass
+class _Raised:
+    exc: BaseException
+
+
+async def _all_returns(reward_fn: RewardFunction, calls: list[tuple]) -> list[Any]:
+    """What each call of an async reward function returned (or ``_Raised``), awaited together."""
+    async def one(call: tuple) -> Any:
+        try:
+            return await reward_fn.fn(**reward_fn.arguments(*call))
+        except (Exception, SystemExit) as exc:  # as a plain function's: one line per failure, in the batch's order
+            return _Raised(exc)
+
+    return await asyncio.gather(*(one(call) for call in calls))

@@ -297,9 +297,10 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
         require_vllm()  # before any model loads
     seed_everything(cfg.data.seed + env.rank)
     sharder, trainer = Sharder(env), cfg.trainer
-    reward_fn = make_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    custom = cfg.custom_reward_function
+    reward_fn = make_reward_fn(custom.path, custom.name, reward_kwargs=custom.reward_kwargs)
     gold = cfg.trainer.gold_reward  # its file is checked here too, before any model loads
-    gold_fn = make_reward_fn(gold.path, gold.name, "trainer.gold_reward") if gold.path else None
+    gold_fn = make_reward_fn(gold.path, gold.name, "trainer.gold_reward", gold.reward_kwargs) if gold.path else None
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
     train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log)
     batches = prompt_batches(cfg, len(train))

@@ -383,3 +383,14 @@ def test_validation_samples_asked_for_without_validation_data_are_warned_about()
     notes = []
     load_ppo_config(None, REQUIRED + ["trainer.validation_data_dir=v", "data.val_files=val.parquet"], notes=notes)
     assert notes == []
+
+
+def test_reward_kwargs_load_as_a_mapping_and_without_their_function_are_warned_about():
+    cfg = load("custom_reward_function.path=r.py", "+custom_reward_function.reward_kwargs.scale=0.5",
+               "+trainer.gold_reward.reward_kwargs.mode=strict")
+    assert cfg.custom_reward_function.reward_kwargs == {"scale": 0.5}
+    assert cfg.trainer.gold_reward.reward_kwargs == {"mode": "strict"}
+    notes = []
+    load_ppo_config(None, REQUIRED + ["+custom_reward_function.reward_kwargs.scale=0.5"], notes=notes)
+    assert notes == ["warning: custom_reward_function.reward_kwargs has no effect: they are passed to the function "
+                     "in custom_reward_function.path, which is not set (the built-in rules take none)"]

@@ -138,11 +138,76 @@ def test_a_wrong_return_value_names_the_row_it_was_scoring(tmp_path):
                         ["v.parquet row 1", "v.parquet row 2"])
 
 
-@pytest.mark.parametrize("body, kind", [("async def compute_score(**kw):\n    return 1.0\n", "an async"),
-                                        ("def compute_score(**kw):\n    yield 1.0\n", "a generator")])
-def test_async_and_generator_functions_are_refused_when_they_load(tmp_path, body, kind):
-    with pytest.raises(UserError, match=f"is {kind} function, but klppo calls it and uses what it returns"):
+@pytest.mark.parametrize("body", ["def compute_score(**kw):\n    yield 1.0\n",
+                                  "async def compute_score(**kw):\n    yield 1.0\n"])
+def test_generator_functions_are_refused_when_they_load(tmp_path, body):
+    with pytest.raises(UserError, match="is a generator function, but klppo calls it and uses what it returns"):
         make_reward_fn(write_module(tmp_path, body), "compute_score")
+
+
+# ---- verl's reward_kwargs, and async reward functions ----
+
+
+def test_reward_kwargs_reach_every_call_and_win_over_verls_four_keywords(tmp_path):
+    path = write_module(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info, scale=1.0):\n"
+                                  "    return scale * len(solution_str) + extra_info.get('bonus', 0)\n")
+    assert make_reward_fn(path, reward_kwargs={"scale": 0.5})("d", "abcd", None, {}) == 2.0
+    overriding = make_reward_fn(path, reward_kwargs={"extra_info": {"bonus": 10}})  # verl's merge: theirs win
+    assert overriding("d", "ab", None, {"bonus": 1}) == 12.0
+    assert pickle.loads(pickle.dumps(overriding))("d", "ab", None, {}) == 12.0
+
+
+@pytest.mark.parametrize("header, named", [
+    ("def compute_score(data_source, solution_str, ground_truth, extra_info):", "'scale', 'mode'"),
+    ("def compute_score(data_source, solution_str, ground_truth, extra_info, scale):", "'mode'")])
+def test_reward_kwargs_the_function_cannot_take_are_refused_when_it_loads(tmp_path, header, named):
+    path = write_module(tmp_path, f"{header}\n    return 0.0\n")
+    with pytest.raises(UserError) as err:
+        make_reward_fn(path, reward_kwargs={"scale": 2, "mode": "strict"})
+    message = str(err.value)
+    assert f"which has no parameter {named} that custom_reward_function.reward_kwargs passes on every call" in message
+    with pytest.raises(UserError, match="that trainer.gold_reward.reward_kwargs passes"):
+        make_reward_fn(path, key="trainer.gold_reward", reward_kwargs={"mode": "strict"})
+    assert make_reward_fn(write_module(tmp_path, "def f(**kw):\n    return kw['mode'] == 'strict'\n", "kw.py"), "f",
+                          reward_kwargs={"mode": "strict"})("d", "s", None, {}) == 1.0
+
+
+ASYNC_JUDGE = """
+import asyncio
+
+started = []
+
+async def compute_score(data_source, solution_str, ground_truth, extra_info, expected=4):
+    started.append(solution_str)
+    # every call of the batch must be under way before any returns: awaited one by one, this times out
+    await asyncio.wait_for(_all_started(expected), timeout=10)
+    if solution_str == "boom":
+        raise ValueError("judge unreachable")
+    return {"score": float(len(solution_str)), "judged": 1.0}
+
+async def _all_started(expected):
+    while len(started) < expected:
+        await asyncio.sleep(0.001)
+"""
+
+
+def test_an_async_function_scores_a_batch_with_its_calls_awaited_together(tmp_path):
+    from klppo.rewards.score import score_responses_with_components
+
+    fn = make_reward_fn(write_module(tmp_path, ASYNC_JUDGE, "judge.py"))
+    scores, parts = score_responses_with_components(fn, ["d"] * 4, ["a", "bb", "ccc", "dddd"], [None] * 4, [{}] * 4)
+    assert scores == [1.0, 2.0, 3.0, 4.0] and parts == [{"judged": 1.0}] * 4
+    alone = make_reward_fn(write_module(tmp_path, ASYNC_JUDGE, "judge_alone.py"), reward_kwargs={"expected": 1})
+    assert alone("d", "xyz", None, {}) == 3.0  # one call, awaited on its own
+
+
+def test_an_async_functions_failure_names_the_row_it_was_scoring(tmp_path):
+    fn = make_reward_fn(write_module(tmp_path, ASYNC_JUDGE, "judge_fails.py"), reward_kwargs={"expected": 2})
+    with pytest.raises(UserError) as err:
+        score_responses(fn, ["d", "d"], ["ok", "boom"], [None, None], [{}, {}], ["t.parquet row 0", "t.parquet row 1"])
+    assert str(err.value).startswith("t.parquet row 1: reward function custom_reward_function compute_score in ")
+    assert "raised ValueError: judge unreachable (data_source 'd')" in str(err.value)
+    assert isinstance(err.value.__cause__, ValueError)
 
 
 def test_an_exit_in_the_file_or_the_function_is_a_user_error_not_an_exit(tmp_path):
