@@ -43,8 +43,9 @@ class DataConfig:
     gen_batch_size: Optional[int] = None
     # Prompts per validation batch (over all ranks); None = the whole validation set at once.
     val_batch_size: Optional[int] = None
-    # What to do with an over-long prompt (as verl): error, `left` cuts its start, `right` its end.
-    truncation: Literal["error", "left", "right"] = "error"
+    # What to do with an over-long prompt (as verl): error, `left` cuts its start, `right` its end,
+    # `middle` its middle (the first and last halves of data.max_prompt_length stay).
+    truncation: Literal["error", "left", "right", "middle"] = "error"
     # Drop prompts longer than max_prompt_length instead of truncating them.
     filter_overlong_prompts: bool = False
     # Shuffle prompts each epoch (deterministically from `seed`).

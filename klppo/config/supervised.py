@@ -123,8 +123,9 @@ class RMDataConfig:
     train_batch_size: int = 64
     # Prompts per forward/backward; None = the whole batch.
     micro_batch_size_per_gpu: Optional[int] = None
-    # What to do with an over-long prompt: error, `left` cuts its start, `right` its end.
-    truncation: Literal["error", "left", "right"] = "error"
+    # What to do with an over-long prompt: error, `left` cuts its start, `right` its end, `middle`
+    # its middle (as data.truncation of PPO).
+    truncation: Literal["error", "left", "right", "middle"] = "error"
     # Drop prompts longer than max_prompt_length instead of truncating them.
     filter_overlong_prompts: bool = False
     # Shuffle each epoch.

@@ -31,7 +31,7 @@ from klppo.data.parquet import describe_files, read_parquet_rows, row_error, row
 from klppo.errors import UserError
 
 ROLES = ("system", "user", "assistant")
-TRUNCATIONS = ("error", "left", "right")
+TRUNCATIONS = ("error", "left", "right", "middle")
 MESSAGES_FIX = ("write the prompt as plain text (a string) or as a list of messages like "
                 "[{'role': 'user', 'content': '...'}]")
 
@@ -62,10 +62,10 @@ class PromptRecord:
     where: str = ""
 
 
-def check_truncation(truncation: str, key: str = "data.truncation") -> None:
-    """Raise a UserError unless ``truncation`` is one of "error", "left", "right"."""
-    if truncation not in TRUNCATIONS:
-        raise UserError(f"{key} is {truncation!r}; set it to one of {', '.join(TRUNCATIONS)}")
+def check_truncation(truncation: str, key: str = "data.truncation", allowed: Sequence[str] = TRUNCATIONS) -> None:
+    """Raise a UserError unless ``truncation`` is one of ``allowed``."""
+    if truncation not in allowed:
+        raise UserError(f"{key} is {truncation!r}; set it to one of {', '.join(allowed)}")
 
 
 def check_prompt(row: dict, column: str) -> list[dict] | str:
@@ -195,14 +195,19 @@ def check_responses(row: dict, required: bool) -> tuple[list[str] | None, list[f
 
 
 def _fit_prompt(ids: list[int], row: dict, prompt_key: str, max_len: int, truncation: str) -> list[int]:
-    """Cut an over-long prompt to ``max_len`` tokens: "left" drops the start, "right" the end."""
+    """Cut an over-long prompt to ``max_len`` tokens: "left" drops the start, "right" the end,
+    "middle" the middle (verl's: the first max_len // 2 tokens and the last max_len - max_len // 2
+    stay, so a chat prompt keeps its opening and its generation prompt)."""
     if truncation == "left":
         return ids[-max_len:]
     if truncation == "right":
         return ids[:max_len]
+    if truncation == "middle":
+        head = max_len // 2
+        return ids[:head] + ids[len(ids) - (max_len - head):]
     raise row_error(row, prompt_key, f"prompt is {len(ids)} tokens, longer than data.max_prompt_length={max_len}",
                     "raise data.max_prompt_length, set data.filter_overlong_prompts=true to drop such prompts, "
-                    "or set data.truncation=left|right to cut them")
+                    "or set data.truncation=left|right|middle to cut them")
 
 
 def load_rl_dataset(
@@ -267,8 +272,8 @@ def fit_prompts(
     """Apply the over-long-prompt policy; returns ``(position, ids)`` of the kept rows, logs counts.
 
     Over-long prompts are dropped when ``filter_overlong_prompts`` (as verl does), else cut per
-    ``truncation`` ("left" keeps the end, "right" keeps the start) or rejected ("error"). A
-    prompt that encodes to no token at all is refused: generation and the forwards need at least
+    ``truncation`` ("left" keeps the end, "right" keeps the start, "middle" both ends) or rejected
+    ("error"). A prompt that encodes to no token at all is refused: generation and the forwards need at least
     one token to continue from.
     """
     kept, n_filtered, n_truncated = [], 0, 0
@@ -288,7 +293,7 @@ def fit_prompts(
     if not kept:
         raise UserError(f"all {len(rows)} prompts in {where} are longer than data.max_prompt_length="
                         f"{max_prompt_length} tokens and were filtered; raise data.max_prompt_length "
-                        "or set data.filter_overlong_prompts=false and data.truncation=left|right")
+                        "or set data.filter_overlong_prompts=false and data.truncation=left|right|middle")
     notes = []
     if n_filtered:
         notes.append(f"{n_filtered} filtered as over {max_prompt_length} tokens")

@@ -65,7 +65,7 @@ def load_sft_dataset(
     Examples longer than ``max_length`` tokens are rejected ("error") or cut: "right" drops
     the end (the response loses its EOS), "left" drops the start of the prompt.
     """
-    check_truncation(truncation)
+    check_truncation(truncation, allowed=("error", "left", "right"))
     if max_length <= 0:
         raise UserError(f"data.max_length is {max_length}; set it to a positive number of tokens")
     if tokenizer.eos_token_id is None:

@@ -220,6 +220,17 @@ def test_left_truncation_keeps_the_end_and_right_keeps_the_start(tok, write_parq
     assert left[1].prompt_ids == right[1].prompt_ids == chat_ids(tok, "hi")
 
 
+@pytest.mark.parametrize("limit", [20, 21])
+def test_middle_truncation_keeps_both_ends_as_verl_cuts_them(tok, write_parquet, rl_row, limit):
+    path = overlong_file(write_parquet, rl_row)
+    full = chat_ids(tok, "1 2 3 4 5 6 7 8 9 " * 4)
+    cut, short, _ = load(path, tok, max_prompt_length=limit, truncation="middle")
+    head = limit // 2  # verl's postprocess_data: the first max // 2 tokens, then the last max - max // 2
+    assert cut.prompt_ids == full[:head] + full[-(limit - head):] and len(cut.prompt_ids) == limit
+    assert cut.prompt_ids[:3] == full[:3] and cut.prompt_ids[-3:] == full[-3:]  # the turn's opening and the generation prompt
+    assert short.prompt_ids == chat_ids(tok, "hi")
+
+
 def test_all_prompts_filtered_is_a_user_error(tok, write_parquet, rl_row):
     path = write_parquet([rl_row("long " * 20)])
     with pytest.raises(UserError, match="all 1 prompts"):
@@ -227,8 +238,8 @@ def test_all_prompts_filtered_is_a_user_error(tok, write_parquet, rl_row):
 
 
 def test_unknown_truncation_is_a_user_error(tok, write_parquet, rl_row):
-    with pytest.raises(UserError, match="data.truncation is 'middle'"):
-        load(write_parquet([rl_row()]), tok, truncation="middle")
+    with pytest.raises(UserError, match="data.truncation is 'center'; set it to one of error, left, right, middle"):
+        load(write_parquet([rl_row()]), tok, truncation="center")
 
 
 def test_collate_left_pads_to_the_longest_prompt(tok, write_parquet, rl_row):

@@ -70,6 +70,8 @@ def test_overlong_example_error_right_and_left_truncation(tok, write_parquet):
     (left,) = load(path, tok, max_length=limit, truncation="left")
     assert left.input_ids == full[-limit:] and left.input_ids[-1] == tok.eos_token_id
     assert sum(left.loss_mask) == len(response) and len(left.loss_mask) == limit
+    with pytest.raises(UserError, match="data.truncation is 'middle'; set it to one of error, left, right$"):
+        load(path, tok, max_length=limit, truncation="middle")  # verl's SFT has no middle cut either
 
 
 def test_collate_sft_right_pads_with_false_masks(tok, write_parquet):
