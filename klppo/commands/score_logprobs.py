@@ -102,10 +102,11 @@ def score(model, items: list[tuple[list[int], list[int]]], *, pad_id: int, batch
 
 
 def score_file(model_path: str, input_path: str, output_path: str, *, prompt_key: str = "prompt",
-               template_kwargs: dict | None = None, batch_size: int = 8, temperature: float = 1.0,
-               device: str = "auto", force: bool = False, print_fn=print) -> Path:
+               template_kwargs: dict | None = None, chat_template: str | None = None, batch_size: int = 8,
+               temperature: float = 1.0, device: str = "auto", force: bool = False, print_fn=print) -> Path:
     """Write ``output_path``: ``input_path`` with ``rollout_log_probs`` scored by ``model_path``;
-    ``template_kwargs``: the chat-template arguments training uses (``data.apply_chat_template_kwargs``)."""
+    ``template_kwargs`` and ``chat_template``: the chat-template arguments and the template training
+    uses (``data.apply_chat_template_kwargs``, ``actor_rollout_ref.model.custom_chat_template``)."""
     src, dst = check_paths(input_path, output_path, force)
     if batch_size < 1 or not temperature > 0:
         raise UserError(f"--batch-size must be >= 1 and --temperature > 0 (got {batch_size}, {temperature})")
@@ -114,7 +115,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, prompt_key
     if problems:
         raise UserError("; ".join(p.message for p in problems))
     dev = _device(device)
-    tokenizer = load_tokenizer(model_path, MODEL_KEY)
+    tokenizer = load_tokenizer(model_path, MODEL_KEY, chat_template, "--chat-template")
     for note in template_kwargs_notes(tokenizer, template_kwargs):
         print_fn(note)
     rows = read_parquet_rows(str(src), [prompt_key])
@@ -149,6 +150,16 @@ def _mapping(text: str) -> dict:
     return value
 
 
+def _template_text(value: str | None) -> str | None:
+    """``--chat-template``: the template itself, or ``@FILE``: the file's text."""
+    if value is None or not value.startswith("@"):
+        return value
+    path = Path(value[1:])
+    if not path.is_file():
+        raise UserError(f"--chat-template {value}: '{path}' is not a file; give @ and the path of a Jinja template")
+    return path.read_text(encoding="utf-8")
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -179,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(TEMPLATE_KWARGS_FLAG, type=_mapping, default={}, metavar="MAPPING",
                         help="chat-template arguments as training passes them (data.apply_chat_template_kwargs), "
                         "as YAML or JSON, e.g. '{enable_thinking: false}'")
+    parser.add_argument("--chat-template", metavar="JINJA", help="a chat template replacing the model's, as "
+                        "training renders prompts (actor_rollout_ref.model.custom_chat_template); @FILE reads a file")
     parser.add_argument("--batch-size", type=int, default=8, help="responses per forward")
     parser.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature of the responses")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -186,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_libraries()
     return run_cli(lambda: score_file(args.model, args.input, args.output, prompt_key=args.prompt_key,
-                                      template_kwargs=args.chat_template_kwargs, batch_size=args.batch_size, temperature=args.temperature, device=args.device,
+                                      template_kwargs=args.chat_template_kwargs,
+                                      chat_template=_template_text(args.chat_template), batch_size=args.batch_size, temperature=args.temperature, device=args.device,
                                       force=args.force))
 
 

@@ -108,6 +108,9 @@ class ModelConfig(LoraKeys):
     # starting values, ref.lora_reference, so no second model is loaded.)
     # Local Hugging Face folder of the model (no hub downloads).
     path: str = ""
+    # A Jinja chat template that replaces the tokenizer's own for every chat prompt of the run (as
+    # verl's); the exported actor's tokenizer carries it. None: the template saved with the tokenizer.
+    custom_chat_template: Optional[str] = None
     # Recompute activations in the backward pass to save memory.
     enable_gradient_checkpointing: bool = False
     # Pack sequences without padding (sequence packing).

@@ -52,7 +52,6 @@ RULES: tuple[tuple, ...] = (
     (("data.train_max_samples",), "klppo trains on every row of data.train_files; cut the Parquet file instead", REFUSE),
     (("data.reward_fn_key",), "klppo picks the reward function by the data_source column", REFUSE),
     (("data.custom_cls.path",), "klppo reads verl's RLHFDataset columns only (no custom dataset class)", REFUSE),
-    (("*.model.custom_chat_template",), "klppo applies the chat template saved with the tokenizer; save yours there", REFUSE),
     (("*.model.tokenizer_path",), "klppo loads the tokenizer saved next to the model (model.path)", REFUSE),
     # -- verl's bookkeeping --
     (("*._target_",), _TARGET),
@@ -101,6 +100,8 @@ RULES: tuple[tuple, ...] = (
     (("reward_model.strategy", "reward_model.use_dynamic_bsz", "reward_model.forward_max_token_len_per_gpu",
       "reward_model.max_length"), "klppo sizes reward-model forwards by reward_model.micro_batch_size_per_gpu and "
      "truncates with reward_model.rollout.prompt_length/response_length"),
+    (("critic.model.custom_chat_template",), "the critic reads the actor's prompt tokens, which "
+     "actor_rollout_ref.model.custom_chat_template renders"),
     (("reward_model.model.input_tokenizer",), "klppo requires reward models to share the actor's tokenizer"),
     (("reward_model.model.use_fused_kernels", "critic.model.use_fused_kernels", "critic.model.fused_kernel_options.*"),
      "fused kernels serve log-probs and entropy, which only the actor and reference compute"),

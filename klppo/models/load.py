@@ -168,11 +168,14 @@ def _model_config(folder: Path, key: str):
         return AutoConfig.from_pretrained(folder, **_SAFE)
 
 
-def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path", chat_template: str | None = None,
+                   template_key: str = "actor_rollout_ref.model.custom_chat_template") -> PreTrainedTokenizerBase:
     """The tokenizer saved with the model, left-padding, with a pad token (EOS if it had none).
 
     A tokenizer without a chat template (a base model's) is accepted: plain-text prompts need
     none, and the data readers refuse chat-message prompts without one, naming the row.
+    ``chat_template`` (set by ``template_key``) replaces the saved template; a copy saved from
+    this tokenizer carries it.
     """
     folder = check_model_folder(path, key)
     config = _model_config(folder, key)  # first: AutoTokenizer reads config.json too, and would blame the tokenizer
@@ -180,7 +183,9 @@ def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path") -> PreT
     with reading(folder, f"{key}: the tokenizer in", fix):
         tokenizer = AutoTokenizer.from_pretrained(folder, **_SAFE)
     check_tokenizer_usable(tokenizer, config, folder, key)
-    check_chat_template(tokenizer, folder, key)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    check_chat_template(tokenizer, folder, key, template_key if chat_template is not None else None)
     if tokenizer.eos_token_id is None:
         raise UserError(f"{key}: the tokenizer in '{path}' has no eos_token; set one and save it again")
     if tokenizer.pad_token_id is None:
@@ -253,8 +258,10 @@ def _template_file(folder: Path) -> Path:
     return folder / "tokenizer_config.json"
 
 
-def check_chat_template(tokenizer: PreTrainedTokenizerBase, folder: Path, key: str) -> None:
-    """Refuse a chat template that cannot render the simplest conversation, naming its file.
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, folder: Path, key: str,
+                        template_key: str | None = None) -> None:
+    """Refuse a chat template that cannot render the simplest conversation, naming its file (or
+    ``template_key``, the config key that set it).
 
     The data readers render every row and name the row a template fails on, which is right when
     the template refuses that row's messages (``raise_exception``: roles must alternate, no system
@@ -273,6 +280,9 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, folder: Path, key: s
     except Exception as exc:  # the folder's Jinja code
         if type(exc) is jinja2.TemplateError:  # raise_exception() in the template: a refusal, not a fault
             return
+        if template_key is not None:
+            raise UserError(f"{template_key}: the chat template cannot render even one user message ({reason(exc)}); "
+                            "fix the template, or remove the key to use the one saved with the tokenizer") from None
         raise UserError(f"{key}: the chat template in '{_template_file(folder)}' cannot render even one user message "
                         f"({reason(exc)}); fix the template, or save the model's own tokenizer next to it "
                         "(tokenizer.save_pretrained)") from None

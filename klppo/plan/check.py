@@ -39,19 +39,24 @@ def verdict(e: Estimate) -> str:
     return "error" if ratio > ERROR_MARGIN else "warn" if ratio > WARN_AT else "ok"
 
 
-def tokenizer_of(path: str):
-    """The model folder's tokenizer (files only), or None where it has none: lengths are then bounds."""
+def tokenizer_of(path: str, chat_template: str | None = None):
+    """The model folder's tokenizer (files only; ``chat_template`` replacing its own), or None
+    where it has none: lengths are then bounds."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         return None
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def length_sample(cfg: PPOConfig) -> LengthSample:
     """Token lengths of a sample of data.train_files (``batches.sample_lengths``)."""
-    return sample_lengths(cfg, tokenizer_of(cfg.actor_rollout_ref.model.path))
+    model = cfg.actor_rollout_ref.model
+    return sample_lengths(cfg, tokenizer_of(model.path, model.custom_chat_template))
 
 
 def lengths_of(sample: LengthSample) -> Lengths:

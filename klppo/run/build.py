@@ -301,7 +301,8 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     reward_fn = make_reward_fn(custom.path, custom.name, reward_kwargs=custom.reward_kwargs)
     gold = cfg.trainer.gold_reward  # its file is checked here too, before any model loads
     gold_fn = make_reward_fn(gold.path, gold.name, "trainer.gold_reward", gold.reward_kwargs) if gold.path else None
-    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
+    actor_model = cfg.actor_rollout_ref.model
+    tokenizer = load_tokenizer(actor_model.path, chat_template=actor_model.custom_chat_template)
     train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log)
     batches = prompt_batches(cfg, len(train))
     total_steps = run_length(trainer.total_training_steps, trainer.total_epochs, batches.steps_per_epoch)

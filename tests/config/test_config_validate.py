@@ -394,3 +394,15 @@ def test_reward_kwargs_load_as_a_mapping_and_without_their_function_are_warned_a
     load_ppo_config(None, REQUIRED + ["+custom_reward_function.reward_kwargs.scale=0.5"], notes=notes)
     assert notes == ["warning: custom_reward_function.reward_kwargs has no effect: they are passed to the function "
                      "in custom_reward_function.path, which is not set (the built-in rules take none)"]
+
+
+def test_the_actors_custom_chat_template_acts_and_the_critics_has_no_effect(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("actor_rollout_ref:\n  model:\n    custom_chat_template: |-\n"
+                    "      {% for m in messages %}{{ m.content }}{% endfor %}\n")
+    cfg = load_ppo_config(str(path), REQUIRED)
+    assert cfg.actor_rollout_ref.model.custom_chat_template == "{% for m in messages %}{{ m.content }}{% endfor %}"
+    notes = []
+    load_ppo_config(None, REQUIRED + ["critic.model.custom_chat_template=x"], notes=notes)
+    assert "critic.model.custom_chat_template=x: no effect in klppo (the critic reads the actor's prompt tokens" in (
+        "\n".join(notes))

@@ -460,6 +460,12 @@ def ppo_chat_template_with_a_jinja_syntax_error(ws):
     return with_side_file(ws, "chat_template.jinja", "{% for m in messages %}{{ m['content'] }}")
 
 
+@case("actor_rollout_ref.model.custom_chat_template: the chat template cannot render even one user message",
+      "Unexpected end of template", "remove the key to use the one saved with the tokenizer")
+def ppo_custom_chat_template_with_a_jinja_syntax_error(ws):
+    return ws.ppo(changes={"actor_rollout_ref.model.custom_chat_template": "{% for m in messages %}{{ m['content'] }}"})
+
+
 # ---- one rule on one process and on ranks (bf16 shards over a process group of one) ----
 
 def with_reshaped_weight(ws: Workspace, name: str, shape: tuple[int, ...]) -> str:
