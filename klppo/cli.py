@@ -1,4 +1,5 @@
-"""The ``klppo`` command: ``ppo``, ``sft``, ``rm``, ``demo``, ``report``, ``plan``, ``score-logprobs`` and ``validate-config``."""
+"""The ``klppo`` command: ``ppo``, ``sft``, ``rm``, ``demo``, ``report``, ``plan``, ``score-logprobs``, ``export``
+and ``validate-config``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ DELEGATED = {
              "(CONFIG [key=value ...] [--gpus-per-node N --device-memory 80GiB ...])"),
     "score-logprobs": ("klppo.commands.score_logprobs", "fill rollout_log_probs of recorded responses with a model "
                        "(--model DIR --input IN --output OUT)"),
+    "export": ("klppo.commands.export", "a checkpoint's model as a Hugging Face folder "
+               "(RUN_DIR or global_step_N, OUT [key=value ...] [--model critic])"),
 }
 
 

@@ -47,7 +47,7 @@ _EVENT_FIELDS = {"step": int, "kind": str, "message": str, "values": dict}
 _SHARDED_NAMES = {"ppo": ("actor", "actor_optimizer"), "sft": ("model", "optimizer"), "rm": ("model", "optimizer")}
 
 
-def check_resume_target(folder: str | Path, *, kind: str, world_size: int,
+def check_resume_target(folder: str | Path, *, kind: str, world_size: int | None,
                         sharded: dict | Callable[[], dict] | None = None,
                         rank: int | None = None, key: str = "trainer.resume_from_path") -> int:
     """Raise a ``UserError`` unless ``folder`` is a complete checkpoint this run can resume; returns its step.
@@ -57,7 +57,8 @@ def check_resume_target(folder: str | Path, *, kind: str, world_size: int,
     once there is a folder to check (making them materialises a fresh optimiser's state, which
     a run that starts fresh must not do: AdamW would count a step); without it
     only the top-level names are checked. ``rank``: check only this rank's rank file (each
-    rank checks its own); None checks them all. ``key``: the config key the folder came from.
+    rank checks its own); None checks them all. ``world_size`` None: any number of ranks may have
+    saved it (reading its weights only: ``klppo export``). ``key``: the config key the folder came from.
     Reads only small files and the weights' metadata; no shard is loaded.
     """
     if kind not in KINDS:
@@ -70,7 +71,8 @@ def check_resume_target(folder: str | Path, *, kind: str, world_size: int,
     named = re.fullmatch(r"global_step_([0-9]+)", folder.name)
     if named and int(named.group(1)) != shared["step"]:
         raise _not_a_checkpoint(folder / STATE_FILE, f"is the state of step {shared['step']}, not of {folder.name}")
-    _check_rank_files(folder, world_size, rank)
+    if world_size is not None:
+        _check_rank_files(folder, world_size, rank)
     has_critic = "critic_scheduler" in shared
     if callable(sharded):
         sharded = sharded()
@@ -88,6 +90,17 @@ def check_resume_target(folder: str | Path, *, kind: str, world_size: int,
 
 def _not_a_checkpoint(path: Path, what: str) -> UserError:
     return UserError(f"checkpoint file '{path}' {what}; {NOT_A_CHECKPOINT}")
+
+
+def saved_kind(folder: str | Path) -> str | None:
+    """"ppo", "sft", "rm" or (an SFT or reward-model checkpoint that did not record which) "supervised"
+    for the checkpoint in ``folder``; None where its state file does not say."""
+    path = Path(folder) / STATE_FILE
+    if not path.is_file():
+        raise UserError(f"'{folder}' holds no {STATE_FILE}, so it is not a complete klppo checkpoint; point at a "
+                        "global_step_N folder of a run, or at the run's folder for its newest checkpoint")
+    shared = load_plain(path)
+    return _saved_kind(shared) if isinstance(shared, dict) else None
 
 
 def _saved_kind(shared: dict) -> str | None:

@@ -78,8 +78,8 @@ def template_kwargs_notes(tokenizer, template_kwargs: Mapping[str, Any]) -> list
     if not template_kwargs:
         return []
     if getattr(tokenizer, "chat_template", None) is None:
-        return [f"warning: {TEMPLATE_KWARGS_KEY} is set, but the model's tokenizer has no chat template: plain-text prompts "
-                "are encoded as they are, so it changes no prompt"]
+        return [f"warning: {TEMPLATE_KWARGS_KEY} is set, but the model's tokenizer has no chat template: "
+                "plain-text prompts are encoded as they are, so it changes no prompt"]
     names = template_variables(tokenizer)
     if names is None:
         return []
@@ -91,6 +91,6 @@ def template_kwargs_notes(tokenizer, template_kwargs: Mapping[str, Any]) -> list
         near = difflib.get_close_matches(name, own, n=1)
         hint = (f"did you mean '{near[0]}'?" if near else
                 f"it reads {', '.join(own)}" if own else "it reads no argument of its own")
-        notes.append(f"warning: {TEMPLATE_KWARGS_KEY}.{name}: the model's chat template never reads '{name}', so it changes "
-                     f"no prompt; {hint}")
+        notes.append(f"warning: {TEMPLATE_KWARGS_KEY}.{name}: the model's chat template never reads '{name}', "
+                     f"so it changes no prompt; {hint}")
     return notes

@@ -53,6 +53,23 @@ def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                    options=_trained_only(model))
 
 
+def model_training_state(model: torch.nn.Module) -> dict:
+    """``training_state``'s model dict alone: what a checkpoint holds of the model, to read it
+    without an optimiser (exporting a checkpoint's weights)."""
+    options = _trained_only(model)
+    state = get_state_dict(model, optimizers=(), options=options)[0]
+    if not options.strict:
+        frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state = {key: value for key, value in state.items() if key not in frozen}
+    return state
+
+
+def load_model_training_state(model: torch.nn.Module, model_state: dict) -> None:
+    """Put a ``model_training_state`` dict (filled by ``load_sharded``) back into the model."""
+    set_state_dict(model, optimizers=(), model_state_dict=model_state, optim_state_dict={},
+                   options=_trained_only(model))
+
+
 def _single_process() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 

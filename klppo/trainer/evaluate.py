@@ -18,7 +18,9 @@ from klppo.data.rl_dataset import PromptRecord, tokenize_responses
 from klppo.distributed import SINGLE_PROCESS, DistEnv, all_gather_objects, all_reduce_sum
 from klppo.models.forward import HeadSettings
 from klppo.models.rng import seeded
-from klppo.monitoring.generations import GENERATIONS_KEY, Generation, batch_generations, pick_generations, write_generations
+from klppo.monitoring.generations import (
+    GENERATIONS_KEY, Generation, batch_generations, pick_generations, write_generations,
+)
 from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad

@@ -59,6 +59,13 @@ def test_a_two_rank_run_resumed_in_new_processes_repeats_the_uninterrupted_run(r
     assert (step_2 / "weights" / ".metadata").is_file()
 
 
+def test_a_two_rank_checkpoint_exports_in_one_process_to_what_the_ranks_exported(runs, tmp_path):
+    from klppo.commands.export import export_checkpoint
+
+    export_checkpoint(str(runs / "two"), str(tmp_path / "hf"), print_fn=lambda *a, **k: None)
+    assert_same_weights(runs / "two" / "actor_hf", tmp_path / "hf", atol=0.0)
+
+
 def test_the_exported_actor_is_a_plain_transformers_model(runs):
     config = json.loads((runs / "two" / "actor_hf" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]

@@ -121,6 +121,24 @@ def test_the_merged_export_and_the_adapter_give_the_adapted_models_logits(traine
         assert f.keys() and all(".lora_A." in k or ".lora_B." in k for k in f.keys())
 
 
+def test_klppo_export_of_the_last_checkpoint_writes_what_the_run_exported(trained, lora_overrides, tmp_path):
+    from safetensors.torch import load_file
+
+    from klppo.commands.export import export_checkpoint
+    from klppo.config import format_config
+
+    _, run_dir, _ = trained
+    config = tmp_path / "config.yaml"  # the fixture's run was built in code, so it wrote no config.yaml
+    config.write_text(format_config(load_ppo_config(None, lora_overrides(run_dir))))
+    written = export_checkpoint(str(run_dir), str(tmp_path / "hf"), config=str(config), print_fn=quiet)
+    assert written == [tmp_path / "hf", tmp_path / "hf_adapter"]
+    for ours, theirs in ((tmp_path / "hf" / "model.safetensors", run_dir / "actor_hf" / "model.safetensors"),
+                         (tmp_path / "hf_adapter" / "adapter_model.safetensors",
+                          run_dir / "actor_adapter" / "adapter_model.safetensors")):
+        a, b = load_file(ours), load_file(theirs)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), ours
+
+
 def test_checkpoints_hold_the_adapters_and_their_optimiser_state_only(trained):
     _, run_dir, _ = trained
     keys = read_sharded_contents(run_dir / "global_step_4" / "weights").keys
