@@ -594,9 +594,17 @@ def ppo_reward_function_returns_a_list_for_row_5(ws):
     return with_reward(ws, "    return [1.0, 0.0] if extra_info['index'] == 5 else 1.0\n", IN_ORDER)
 
 
-@case("custom_reward_function.name 'compute_score'", "is an async function", "make it a plain function")
-def ppo_reward_function_is_async(ws):
-    return with_reward(ws, "    return 1.0\n", header=SCORE.replace("def ", "async def "))
+@case("train.parquet row 5: reward function", "raised KeyError: 'answer'", "fix the function")
+def ppo_async_reward_function_raises_on_row_5(ws):
+    """An async def function's calls are awaited together; the one that failed still names its row."""
+    return with_reward(ws, "    if extra_info['index'] == 5:\n        raise KeyError('answer')\n    return 0.0\n",
+                       IN_ORDER, header=SCORE.replace("def ", "async def "))
+
+
+@case("custom_reward_function.name 'compute_score'", "which has no parameter 'scale'",
+      "custom_reward_function.reward_kwargs passes on every call")
+def ppo_reward_kwargs_the_function_cannot_take(ws):
+    return with_reward(ws, "    return 1.0\n", {"custom_reward_function.reward_kwargs": {"scale": 2.0}})
 
 
 @case("custom_reward_function.name 'compute_score'", "is a generator function", "returns the score")

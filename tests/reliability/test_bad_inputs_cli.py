@@ -33,7 +33,7 @@ CLASSES = {  # class of bad input -> corpus cases run through the executable
     "output folder unusable": ["ppo_output_folder_is_a_file", "sft_output_folder_below_a_file",
                                "rm_output_folder_not_writable"],
     # (warnings such as "coroutine was never awaited" would show here, not in the in-process corpus)
-    "user code that fails": ["ppo_reward_function_is_async", "ppo_reward_function_raises_on_row_5",
+    "user code that fails": ["ppo_async_reward_function_raises_on_row_5", "ppo_reward_function_raises_on_row_5",
                              "ppo_reward_function_without_extra_info"],
     "broken side file of a model folder": ["ppo_generation_config_that_is_not_json",
                                            "sft_chat_template_that_fails_on_every_conversation"],
