@@ -10,6 +10,7 @@ update) and writes the result to ``<trainer.default_local_dir>/hf``, the folder 
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 import torch
 
@@ -72,15 +73,22 @@ def run_sft(cfg: SFTConfig, print_fn=print) -> Path:
 
 def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
     """The SFT data, the causal LM (sharded), and the step that trains it on a share of a batch."""
+    from klppo.data.multiturn_sft import load_multiturn_sft_dataset
     from klppo.data.sft_dataset import collate_sft, load_sft_dataset
     from klppo.run.setup import load_model, lora_spec
     from klppo.trainer.supervised import SupervisedJob
 
     data, key, device = cfg.data, "model.partial_pretrain", env.device
-    common = dict(prompt_key=data.prompt_key, response_key=data.response_key, max_length=data.max_length,
-                  truncation=data.truncation, template_kwargs=data.apply_chat_template_kwargs, log=print_fn)
-    train = load_sft_dataset(data.train_files, tokenizer, **common)
-    val = load_sft_dataset(data.val_files, tokenizer, **common) if data.val_files else None
+    common = dict(max_length=data.max_length, truncation=data.truncation,
+                  template_kwargs=data.apply_chat_template_kwargs, log=print_fn)
+    if data.multiturn.enable:
+        turns = data.multiturn
+        load = partial(load_multiturn_sft_dataset, messages_key=turns.messages_key, tools_key=turns.tools_key,
+                       enable_thinking_key=turns.enable_thinking_key, **common)
+    else:
+        load = partial(load_sft_dataset, prompt_key=data.prompt_key, response_key=data.response_key, **common)
+    train = load(data.train_files, tokenizer)
+    val = load(data.val_files, tokenizer) if data.val_files else None
     model = load_model("causal_lm", cfg.model.partial_pretrain, key=key, env=env, sharder=sharder,
                        fsdp=cfg.model.fsdp_config, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                        seed=data.seed, lora=lora_spec(cfg.model, "model"))

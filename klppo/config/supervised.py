@@ -15,6 +15,19 @@ from klppo.config.schema import FSDPConfig, LoraKeys, OptimConfig
 
 
 @dataclass
+class SFTMultiturnConfig:
+    # Train on whole conversations instead of prompt and response columns: the loss on every
+    # assistant turn (klppo.data.multiturn_sft, verl's multi-turn SFT dataset).
+    enable: bool = False
+    # Column of each row's conversation (a list of {role, content} messages).
+    messages_key: str = "messages"
+    # Column of a row's tool schemas, handed to the chat template (rows without it: no tools).
+    tools_key: str = "tools"
+    # Column of a row's enable_thinking flag, handed to the chat template (rows without it: none).
+    enable_thinking_key: str = "enable_thinking"
+
+
+@dataclass
 class SFTDataConfig:
     # Parquet file(s) with a prompt and a response column.
     train_files: Union[str, list[str]] = ""
@@ -27,6 +40,8 @@ class SFTDataConfig:
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Column of the response string.
     response_key: str = "response"
+    # Whole conversations instead of prompt and response columns.
+    multiturn: SFTMultiturnConfig = field(default_factory=SFTMultiturnConfig)
     # Longest prompt + response in tokens.
     max_length: int = 1024
     # What to do with an over-long example: error, `left` cuts its start, `right` its end.

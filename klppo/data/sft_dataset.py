@@ -39,13 +39,14 @@ def _response_text(row: dict, response_key: str) -> str:
     return value
 
 
-def _fit(ids: list[int], mask: list[bool], row: dict, key: str, max_length: int, truncation: str):
+def fit_example(ids: list[int], mask: list[bool], row: dict, key: str, max_length: int, truncation: str,
+                what: str = "prompt + response") -> tuple[list[int], list[bool]]:
     """Cut an over-long example to ``max_length``: "right" drops the end, "left" the start."""
     if truncation == "right":
         return ids[:max_length], mask[:max_length]
     if truncation == "left":
         return ids[-max_length:], mask[-max_length:]
-    raise row_error(row, key, f"prompt + response is {len(ids)} tokens, longer than data.max_length={max_length}",
+    raise row_error(row, key, f"{what} is {len(ids)} tokens, longer than data.max_length={max_length}",
                     "raise data.max_length or set data.truncation=left|right")
 
 
@@ -81,7 +82,7 @@ def load_sft_dataset(
         ids = list(p_ids) + r_ids
         mask = [False] * len(p_ids) + [True] * len(r_ids)
         if len(ids) > max_length:
-            ids, mask = _fit(ids, mask, row, prompt_key, max_length, truncation)
+            ids, mask = fit_example(ids, mask, row, prompt_key, max_length, truncation)
             n_truncated += 1
         examples.append(SFTExample(ids, mask))
     note = f" ({n_truncated} truncated ({truncation}) to {max_length} tokens)" if n_truncated else ""

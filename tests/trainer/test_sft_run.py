@@ -32,3 +32,26 @@ def test_sft_lowers_the_loss_and_saves_a_folder_ppo_can_start_from(tiny_model_di
     records = run_ppo(None, ppo_overrides(**{"actor_rollout_ref.model.path": out, "trainer.total_training_steps": 1}),
                       print_fn=quiet)
     assert records[-1]["step"] == 1
+
+
+def test_multiturn_sft_trains_on_whole_conversations_with_verls_keys(tiny_model_dir, task_dir, tmp_path):
+    """verl's data.multiturn keys: conversations of two exchanges each, the loss on both answers."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(task_dir / "sft.parquet").to_pylist()
+    turns = lambda row: row["prompt"] + [{"role": "assistant", "content": row["response"]}]  # noqa: E731
+    chats = [{"conversation": turns(a) + turns(b)} for a, b in zip(rows[0::2], rows[1::2])]
+    pq.write_table(pa.Table.from_pylist(chats), tmp_path / "chats.parquet")
+    printed = []
+    cfg = load_sft_config(None, [
+        f"data.train_files={tmp_path / 'chats.parquet'}", "data.multiturn.enable=true",
+        "data.multiturn.messages_key=conversation", "data.max_length=192", "data.train_batch_size=16",
+        "data.micro_batch_size_per_gpu=8", f"model.partial_pretrain={tiny_model_dir}", "optim.lr=3e-3",
+        "trainer.total_epochs=4", f"trainer.default_local_dir={tmp_path / 'sft'}", "trainer.logger=[]",
+        "trainer.device=cpu"])
+    run_sft(cfg, print_fn=lambda *a, **k: printed.append(" ".join(map(str, a))))
+    records = read_metrics(tmp_path / "sft")
+    assert len(records) == 8  # 32 conversations / 16 per step * 4 epochs
+    assert records[-1]["train/loss"] < 0.8 * records[0]["train/loss"]
+    assert any(line.startswith("loaded 32 conversations from") for line in printed)
