@@ -19,14 +19,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from klppo.checkpoint.state import WEIGHTS_DIR, pointed_step, step_dir
 from klppo.checkpoint.verify import check_resume_target, saved_kind
 from klppo.cli_support import quiet_libraries, run_cli
 from klppo.config import load_ppo_config, load_rm_config, load_sft_config
 from klppo.config.schema import FSDPConfig
-from klppo.distributed import DistEnv, load_model_training_state, load_sharded, model_training_state
+from klppo.distributed import (
+    DistEnv, load_model_training_state, load_sharded, model_training_state, resolve_device,
+)
 from klppo.errors import UserError
 from klppo.models.load import load_tokenizer
 from klppo.run.adapters import export_model
@@ -110,7 +110,8 @@ def export_checkpoint(source: str, out: str, *, which: str = "actor", config: st
             raise UserError(f"'{target}' is in or holds the checkpoint '{folder}'; write the export somewhere else")
     config_path = Path(config) if config else folder.parent / CONFIG_FILE
     cfg, model_info = saved_model(folder, config_path, list(overrides or []), which)
-    env = DistEnv(rank=0, world_size=1, local_rank=0, device=_device(device), is_distributed=False)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=resolve_device(device, key="--device"),
+                  is_distributed=False)
     print_fn(f"building {model_info.name} from {model_info.path} ({model_info.key}) on {env.device}")
     lora = lora_spec(_section(cfg, model_info.lora_prefix), model_info.lora_prefix)
     model = load_model(model_info.role, model_info.path, key=model_info.key, env=env, sharder=Sharder(env),
@@ -136,13 +137,6 @@ def _section(cfg, dotted: str):
         cfg = getattr(cfg, part)
     return cfg
 
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA device is visible; use --device cpu or auto")
-    return torch.device(name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from klppo.data.parquet import read_parquet_rows, row_error
 from klppo.data.ranked import check_pair
 from klppo.data.rl_dataset import check_prompt, check_responses, encode_prompts
 from klppo.data.rollout_log_probs import COLUMN, encode_responses
+from klppo.distributed import resolve_device
 from klppo.errors import UserError
 from klppo.models.load import load_causal_lm, load_tokenizer
 from klppo.monitoring.progress import Progress
@@ -114,7 +115,7 @@ def score_file(model_path: str, input_path: str, output_path: str, *, prompt_key
     problems = template_kwargs_problems(template_kwargs, TEMPLATE_KWARGS_FLAG)
     if problems:
         raise UserError("; ".join(p.message for p in problems))
-    dev = _device(device)
+    dev = resolve_device(device, key="--device")
     tokenizer = load_tokenizer(model_path, MODEL_KEY, chat_template, "--chat-template")
     for note in template_kwargs_notes(tokenizer, template_kwargs):
         print_fn(note)
@@ -159,13 +160,6 @@ def _template_text(value: str | None) -> str | None:
         raise UserError(f"--chat-template {value}: '{path}' is not a file; give @ and the path of a Jinja template")
     return path.read_text(encoding="utf-8")
 
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA device is visible; use --device cpu or auto")
-    return torch.device(name)
 
 
 def _write(src: Path, dst: Path, per_row: list[list[list[float]]]) -> None:

@@ -66,15 +66,17 @@ def local_device_index(local_rank: int, visible: int, local_world_size: int | No
     return local_rank
 
 
-def _device(device: str, local_rank: int, local_world_size: int | None = None) -> torch.device:
+def resolve_device(device: str, local_rank: int = 0, local_world_size: int | None = None,
+                   key: str = "trainer.device") -> torch.device:
+    """The device ``auto`` / ``cpu`` / ``cuda`` names for this local rank (``key``: the setting, for errors)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise UserError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+            raise UserError(f"{key}=cuda but no CUDA device is visible; use {key}=cpu or auto")
         return torch.device("cuda", local_device_index(local_rank, torch.cuda.device_count(), local_world_size))
     if device != "cpu":
-        raise UserError(f"trainer.device must be auto, cpu or cuda, not '{device}'")
+        raise UserError(f"{key} must be auto, cpu or cuda, not '{device}'")
     return torch.device("cpu")
 
 
@@ -97,7 +99,7 @@ def init_distributed(device: str = "auto", *, group_of_one: bool = False,
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None  # torchrun's
-    dev = _device(device, local_rank, local_world_size)
+    dev = resolve_device(device, local_rank, local_world_size)
     if world_size == 1 and not group_of_one:
         return DistEnv(rank=0, world_size=1, local_rank=0, device=dev, is_distributed=False)
     if dev.type == "cuda":
