@@ -87,6 +87,12 @@ def load_sft_dataset(
         examples.append(SFTExample(ids, mask))
     note = f" ({n_truncated} truncated ({truncation}) to {max_length} tokens)" if n_truncated else ""
     log(f"loaded {len(examples)} SFT examples from {describe_files(files)}{note}")
+    plain = sum(isinstance(p, str) for p in prompts)
+    if plain and getattr(tokenizer, "chat_template", None) is not None:
+        log(f"warning: {plain} of the {len(prompts)} prompts in {describe_files(files)} are plain text, encoded as "
+            "they are with no chat template (verl's SFT would render each as a user message): the model learns to "
+            "answer raw text, while prompts written as chat messages reach it through the template; write them as "
+            f"chat messages ([{{'role': 'user', 'content': ...}}] in '{prompt_key}') to train the chat format")
     return examples
 
 

@@ -179,7 +179,7 @@ def validate(
     """
     sample = sample or hf_sampler(actor, tokenizer, env, env.is_distributed if sharded is None else sharded)
     rows = []  # (data source, score, length, response text or None, reference or None, gold or None) per response
-    texts_of = []  # (record index, sample, Generation) per response, with ``generations``
+    texts_of = []  # ((record index, sample), Generation) per response, with ``generations``
     with seeded(env.rank, env.device):
         for part, n_real in rank_parts(records, batch_size or len(records), env, group_size):
             batch = sample(part, params)

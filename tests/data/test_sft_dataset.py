@@ -37,6 +37,21 @@ def test_plain_text_prompt_is_encoded_as_text_without_the_chat_template(tok, wri
     assert ex.loss_mask == [False] * len(prompt) + [True] * (len(ex.input_ids) - len(prompt))
 
 
+def test_plain_text_prompts_for_a_model_with_a_chat_template_are_warned_about(tok, base_tok, write_parquet):
+    """verl's SFT renders a text prompt as a user message; klppo encodes it as written, and says so."""
+    plain = write_parquet([{"prompt": "1 + 2?", "response": "3"}, {"prompt": "2 + 2?", "response": "4"}],
+                          "plain.parquet")
+    logs = []
+    load(plain, tok, log=logs.append)
+    assert logs[1].startswith(f"warning: 2 of the 2 prompts in {plain} are plain text, encoded as they are with no "
+                              "chat template (verl's SFT would render each as a user message)")
+    for tokenizer, rows in ((base_tok, [{"prompt": "1 + 2?", "response": "3"}]),  # a base model: text is all it reads
+                            (tok, [{"prompt": [{"role": "user", "content": "1 + 2?"}], "response": "3"}])):
+        logs = []
+        load(write_parquet(rows, "other.parquet"), tokenizer, log=logs.append)
+        assert len(logs) == 1 and not logs[0].startswith("warning")
+
+
 def test_a_base_model_trains_on_plain_text_and_refuses_messages_naming_the_row(base_tok, write_parquet):
     plain = write_parquet([{"prompt": "1 + 2?", "response": "3"}], "plain.parquet")
     assert len(load(plain, base_tok)) == 1
