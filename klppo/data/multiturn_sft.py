@@ -6,10 +6,12 @@ with at least one assistant turn. The conversation is rendered with the tokenize
 template one prefix at a time, and each message becomes the text its prefix adds. An assistant
 turn's text after its header (the generation prompt, what ``add_generation_prompt`` opens it
 with) is trained on: its content and the template's end of turn, as the model writes them when
-it answers. The headers and every other turn are context. A row may carry the template's
-``tools`` (``data.multiturn.tools_key``) and ``enable_thinking`` (``enable_thinking_key``), as
-in verl. A template that rewrites earlier turns as the conversation grows (so a prefix's text is
-not the start of the next) cannot be cut into turns this way: the row is refused by name.
+it answers. The headers and every other turn are context. A template that renders a past turn
+differently as the conversation goes on (Qwen3's drops the thinking of earlier answers) gives no
+one sequence for the whole conversation: such a row becomes one example per assistant turn, the
+turn after the conversation before it, as the model sees it when it answers. A row may carry the
+template's ``tools`` (``data.multiturn.tools_key``) and ``enable_thinking``
+(``enable_thinking_key``), as in verl.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def load_multiturn_sft_dataset(
         raise UserError(f"{MULTITURN_KEY}.enable renders conversations with the chat template, but the model's "
                         f"tokenizer has none (a base model); {TEMPLATE_FIX}")
     rows = read_parquet_rows(files, [messages_key])
-    examples, n_truncated = [], 0
+    examples, n_truncated, n_split = [], 0, 0
     for row in rows:
         messages = check_messages(row, messages_key)
         if not any(m["role"] == "assistant" for m in messages):
@@ -56,13 +58,19 @@ def load_multiturn_sft_dataset(
             raise row_error(row, messages_key, "the conversation opens with an assistant turn, which no prompt asked for",
                             "begin it with a user (or system) message")
         kwargs = {**(template_kwargs or {}), **_row_template_inputs(row, tools_key, enable_thinking_key)}
-        ids, mask = _encode_conversation(tokenizer, messages, kwargs, row, messages_key)
-        if len(ids) > max_length:
-            ids, mask = fit_example(ids, mask, row, messages_key, max_length, truncation, "the conversation")
-            n_truncated += 1
-        examples.append(SFTExample(ids, mask))
-    note = f" ({n_truncated} truncated ({truncation}) to {max_length} tokens)" if n_truncated else ""
-    log(f"loaded {len(examples)} conversations from {describe_files(files)}{note}")
+        encoded = _encode_conversation(tokenizer, messages, kwargs, row, messages_key)
+        n_split += len(encoded) > 1
+        for ids, mask in encoded:
+            if len(ids) > max_length:
+                ids, mask = fit_example(ids, mask, row, messages_key, max_length, truncation, "the conversation")
+                n_truncated += 1
+            examples.append(SFTExample(ids, mask))
+    notes = [f"{n_truncated} truncated ({truncation}) to {max_length} tokens"] if n_truncated else []
+    if n_split:
+        notes.append(f"{n_split} as one example per assistant turn, since the chat template renders past turns "
+                     "differently as a conversation goes on")
+    log(f"loaded {len(rows)} conversations from {describe_files(files)} as {len(examples)} examples"
+        + (f" ({'; '.join(notes)})" if notes else ""))
     return examples
 
 
@@ -84,9 +92,11 @@ def _row_template_inputs(row: dict, tools_key: str, enable_thinking_key: str) ->
     return inputs
 
 
-def _encode_conversation(tokenizer, messages: list[dict], kwargs: dict, row: dict, column: str
-                         ) -> tuple[list[int], list[bool]]:
-    """The conversation's tokens, and True on each assistant turn's tokens after its header."""
+class _PastTurnsChange(Exception):
+    """The template renders an earlier turn differently once the conversation goes on."""
+
+
+def _renderer(tokenizer, kwargs: dict, row: dict, column: str) -> Callable[..., str]:
     def render(prefix: list[dict], generation_prompt: bool = False) -> str:
         try:
             return tokenizer.apply_chat_template(prefix, add_generation_prompt=generation_prompt, tokenize=False,
@@ -96,19 +106,53 @@ def _encode_conversation(tokenizer, messages: list[dict], kwargs: dict, row: dic
             raise row_error(row, column, f"the tokenizer's chat template cannot render its messages ({first})",
                             "fix the messages to the form the model's template expects") from None
 
-    pieces: list[tuple[str, bool]] = []  # (text, trained)
-    done = ""
+    return render
+
+
+def _encode_conversation(tokenizer, messages: list[dict], kwargs: dict, row: dict, column: str
+                         ) -> list[tuple[list[int], list[bool]]]:
+    """The conversation's examples: (tokens, True on each answer's tokens after its header).
+
+    One example where each prefix's text starts the next; otherwise (a template such as Qwen3's,
+    which drops the thinking of answers before the last question) one example per assistant
+    turn: the turn as the last message after its context, as the model sees it when it answers.
+    """
+    render = _renderer(tokenizer, kwargs, row, column)
+    try:
+        return [_tokens(tokenizer, _whole_conversation(render, messages))]
+    except _PastTurnsChange:
+        return [_tokens(tokenizer, _one_turn(render, messages, i, row, column))
+                for i, message in enumerate(messages) if message["role"] == "assistant"]
+
+
+def _whole_conversation(render: Callable[..., str], messages: list[dict]) -> list[tuple[str, bool]]:
+    """(text, trained) pieces of the whole conversation, or ``_PastTurnsChange``."""
+    pieces, done = [], ""
     for i, message in enumerate(messages):
         text = render(messages[: i + 1])
-        if message["role"] == "assistant":
-            opened = render(messages[:i], generation_prompt=True)
-            _check_prefix(done, opened, row, column, i)
-            _check_prefix(opened, text, row, column, i, ANSWER_DIFFERS)
-            pieces += [(opened[len(done):], False), (text[len(opened):], True)]
-        else:
-            _check_prefix(done, text, row, column, i)
-            pieces.append((text[len(done):], False))
+        opened = render(messages[:i], generation_prompt=True) if message["role"] == "assistant" else done
+        if not (opened.startswith(done) and text.startswith(opened)):
+            raise _PastTurnsChange
+        pieces += [(opened[len(done):], False), (text[len(opened):], message["role"] == "assistant")]
         done = text
+    return pieces
+
+
+def _one_turn(render: Callable[..., str], messages: list[dict], turn: int, row: dict, column: str
+              ) -> list[tuple[str, bool]]:
+    """(context, False), (answer, True): assistant turn ``turn`` after the conversation before it."""
+    context = render(messages[:turn], generation_prompt=True)
+    text = render(messages[: turn + 1])
+    if not text.startswith(context):
+        raise row_error(row, column, f"the chat template renders turn {turn} not as its generation prompt opens it "
+                        "(e.g. a thinking block only the generation prompt writes), so the answer cannot be cut from "
+                        "its context", "use a template whose generation prompt starts the answer it renders, or train "
+                        "on prompt and response columns (data.multiturn.enable=false)")
+    return [(context, False), (text[len(context):], True)]
+
+
+def _tokens(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """Each piece encoded on its own (a template's special tokens sit at the joins), and which are trained."""
     ids, mask = [], []
     for text, trained in pieces:
         if text:
@@ -116,15 +160,3 @@ def _encode_conversation(tokenizer, messages: list[dict], kwargs: dict, row: dic
             ids += piece
             mask += [trained] * len(piece)
     return ids, mask
-
-
-REWRITES = "so that the earlier turns' text changes (it rewrites past turns as the conversation grows)"
-ANSWER_DIFFERS = ("not as its generation prompt opens it (e.g. a thinking block only the generation prompt "
-                  "writes)")
-
-
-def _check_prefix(before: str, after: str, row: dict, column: str, turn: int, problem: str = REWRITES) -> None:
-    if not after.startswith(before):
-        raise row_error(row, column, f"the chat template renders turn {turn} {problem}, so the turns cannot be cut "
-                        "apart", "use a template that renders each turn the same however the conversation goes on "
-                        "(most do), or train on prompt and response columns (data.multiturn.enable=false)")

@@ -71,6 +71,8 @@ def test_a_template_whose_generation_prompt_differs_from_its_answers_is_refused(
     thinking.chat_template = THINKING_TEMPLATE
     with pytest.raises(UserError, match="the chat template renders turn 1 not as its generation prompt opens it"):
         load(write_parquet([{"messages": TWO_TURNS}]), thinking, template_kwargs={"enable_thinking": False})
+    (one_turn,) = load(write_parquet([{"messages": TWO_TURNS[:2]}], "one.parquet"), thinking)  # thinking on: fine
+    assert sum(one_turn.loss_mask) > 0
 
 
 @pytest.mark.parametrize("messages, problem", [
@@ -84,15 +86,40 @@ def test_rows_that_cannot_train_name_their_file_row_and_column(tok, write_parque
         load(path, tok)
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused_by_row(tok, write_parquet):
-    rewriting = copy.deepcopy(tok)  # writes how many messages there are first: every prefix's text changes
+# Qwen3's shape: the answer after the last question carries a (here empty) thought, earlier answers
+# lose theirs, and the generation prompt opens the thought (enable_thinking=false).
+DROPS_PAST_THOUGHTS = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\n<|im_start|><|im_end|>' + m.content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<|im_start|><|im_end|>' }}{%- endif %}")
+
+
+def test_a_template_that_drops_past_thoughts_trains_each_answer_as_the_model_sees_it(tok, write_parquet):
+    qwen3_like = copy.deepcopy(tok)
+    qwen3_like.chat_template = DROPS_PAST_THOUGHTS
+    logs, path = [], write_parquet([{"messages": TWO_TURNS}])
+    first, second = load(path, qwen3_like, log=logs.append)
+    thought = "<|im_start|><|im_end|>"
+    assert (first.input_ids, first.loss_mask) == encoded(qwen3_like, [
+        (f"<|im_start|>user\n1 + 2?<|im_end|>\n<|im_start|>assistant\n{thought}", False), ("3<|im_end|>\n", True)])
+    assert (second.input_ids, second.loss_mask) == encoded(qwen3_like, [
+        ("<|im_start|>user\n1 + 2?<|im_end|>\n<|im_start|>assistant\n3<|im_end|>\n"  # the first answer, thought dropped
+         f"<|im_start|>user\nand 3 + 4?<|im_end|>\n<|im_start|>assistant\n{thought}", False), ("7<|im_end|>\n", True)])
+    assert logs == [f"loaded 1 conversations from {path} as 2 examples (1 as one example per assistant turn, "
+                    "since the chat template renders past turns differently as a conversation goes on)"]
+
+
+def test_a_template_whose_answer_does_not_follow_its_generation_prompt_is_refused_by_row(tok, write_parquet):
+    rewriting = copy.deepcopy(tok)  # writes how many messages there are first: no prompt starts its answer
     rewriting.chat_template = "{{ messages | length }}" + tok.chat_template
-    with pytest.raises(UserError, match=r"row 0, column 'messages': the chat template renders turn 1 .*so the turns "
-                                        r"cannot be cut apart"):
+    with pytest.raises(UserError, match=r"row 0, column 'messages': the chat template renders turn 1 not as its "
+                                        r"generation prompt opens it"):
         load(write_parquet([{"messages": TWO_TURNS}]), rewriting)
-    rewriting.chat_template = "{% if not add_generation_prompt %}{{ messages | length }}{% endif %}" + tok.chat_template
-    with pytest.raises(UserError, match="renders turn 1 so that the earlier turns' text changes"):
-        load(write_parquet([{"messages": TWO_TURNS}], "again.parquet"), rewriting)
 
 
 def test_a_base_model_and_over_long_conversations(tok, base_tok, write_parquet):
