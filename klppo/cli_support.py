@@ -19,6 +19,14 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def show_notes(notes: list[str], print_fn: Callable = print) -> None:
+    """A config's warnings, printed once: by the process torchrun made rank 0 (or the only one),
+    before any process group exists."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in notes:
+            print_fn(note)
+
+
 def run_cli(action: Callable[[], object]) -> int:
     """Run ``action``; a ``UserError`` becomes ``error: <message>`` on stderr and exit status 2."""
     try:

@@ -33,7 +33,7 @@ ALLOWED = {
                  "plan", "rewards", "rollout", "run", "safety", "trainer"},
 }
 # verl's module path (``python -m klppo.trainer.main_ppo``) is kept by a shim that runs the command.
-SHIMS = {"trainer/main_ppo.py": {"commands.main_ppo"}}
+SHIMS = {"trainer/main_ppo.py": {"commands.main_ppo"}, "trainer/fsdp_sft_trainer.py": {"commands.main_sft"}}
 MAX_MODULE_LINES = 600
 PPO_LOOP, MAX_LOOP_LINES = PACKAGE / "trainer" / "ppo_trainer.py", 300
 

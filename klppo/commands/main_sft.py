@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 import torch
 
-from klppo.cli_support import parse_config_args, run_cli
+from klppo.cli_support import parse_config_args, run_cli, show_notes
 from klppo.config import SFTConfig, command_line_config, load_sft_config
 from klppo.data.batching import row_chunks
 from klppo.distributed import DistEnv, all_reduce_sum
@@ -86,7 +86,9 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
         load = partial(load_multiturn_sft_dataset, messages_key=turns.messages_key, tools_key=turns.tools_key,
                        enable_thinking_key=turns.enable_thinking_key, **common)
     else:
-        load = partial(load_sft_dataset, prompt_key=data.prompt_key, response_key=data.response_key, **common)
+        load = partial(load_sft_dataset, prompt_key=data.prompt_key, response_key=data.response_key,
+                       prompt_dict_keys=data.prompt_dict_keys or (), response_dict_keys=data.response_dict_keys or (),
+                       **common)
     train = load(data.train_files, tokenizer)
     val = load(data.val_files, tokenizer) if data.val_files else None
     model = load_model("causal_lm", cfg.model.partial_pretrain, key=key, env=env, sharder=sharder,
@@ -109,7 +111,14 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_config_args(argv, "klppo sft", "Supervised fine-tuning (warm start).")
-    return run_cli(lambda: run_sft(load_sft_config(*command_line_config(args))))
+
+    def run() -> None:
+        notes: list[str] = []
+        cfg = load_sft_config(*command_line_config(args), notes=notes)
+        show_notes(notes)  # the config's warnings, before anything loads
+        run_sft(cfg)
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

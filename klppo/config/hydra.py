@@ -19,7 +19,11 @@ from klppo.errors import UserError
 
 MEGATRON_STRATEGIES = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
 # verl's built-in configs -> the keys each sets beyond ppo_trainer's (klppo's defaults) that klppo reads
-VERL_CONFIGS: dict[str, tuple[str, ...]] = {"ppo_trainer": (), "ppo_megatron_trainer": MEGATRON_STRATEGIES}
+VERL_CONFIGS: dict[str, tuple[str, ...]] = {"ppo_trainer": (), "ppo_megatron_trainer": MEGATRON_STRATEGIES,
+                                             "sft_trainer": ()}
+# Config groups verl's own files name in their defaults, whose settings the file itself sets again
+# (sft_trainer.yaml's optim section; klppo's optim defaults are the rest).
+VERL_GROUPS = ({"optim": "fsdp"},)
 
 
 def command_line_config(args) -> tuple[Optional[str], list[str]]:
@@ -62,7 +66,8 @@ def hydra_sections(tree: dict, source: str, problems: list[Problem], notes: list
     defaults = tree.pop("defaults", [])
     entries = defaults if isinstance(defaults, list) else [defaults]
     names = [entry for entry in entries if isinstance(entry, str)]
-    unknown = [entry for entry in entries if not isinstance(entry, str) or entry not in (*VERL_CONFIGS, "_self_")]
+    unknown = [entry for entry in entries
+               if entry not in VERL_GROUPS and (not isinstance(entry, str) or entry not in (*VERL_CONFIGS, "_self_"))]
     if unknown:
         problems.append(Problem(("defaults",), f"defaults entr{'y' if len(unknown) == 1 else 'ies'} "
                                 f"{', '.join(repr(e) for e in unknown)} of {source}: klppo starts every config from "

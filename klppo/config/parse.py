@@ -30,6 +30,7 @@ from klppo.config.schema import PPOConfig
 from klppo.config.supervised import RMConfig, SFTConfig
 from klppo.config.verl import split_verl_keys, summary, verl_defaults, verl_sections
 from klppo.config.verl_reasons import REFUSED_VALUES
+from klppo.config.verl_sft import split_verl_sft_keys
 from klppo.errors import UserError
 
 C = TypeVar("C")
@@ -64,7 +65,8 @@ def load_ppo_config(path: str | None, overrides: Sequence[str] = (), notes: list
 
 
 def load_sft_config(path: str | None, overrides: Sequence[str] = (), notes: list[str] | None = None) -> SFTConfig:
-    """Load, resolve and validate an SFT config; same rules as ``load_ppo_config`` (klppo's keys only)."""
+    """Load, resolve and validate an SFT config; same rules as ``load_ppo_config``, with verl's SFT
+    trainer's keys (``verl_sft.py``) where ``load_ppo_config`` has verl's PPO keys."""
     return _load(SFTConfig, path, overrides, resolve_sft, check_sft, notes)
 
 
@@ -111,6 +113,8 @@ def _load(
     if verl:  # verl's keys that klppo does not act on leave the tree here
         same = DefaultTest([full, defaults], verl_defaults()).same
         kept, ignored = split_verl_keys(full, _field_kinds(schema), same, builder.unknown, problems)
+    elif schema is SFTConfig:  # and verl's SFT trainer's
+        kept, ignored = split_verl_sft_keys(full, _field_kinds(schema), problems)
     interpolator = Interpolator([kept, full, defaults], verl_defaults() if verl else {}, problems)
     kept = interpolator.walk(kept, "")
     builder.bad.update(interpolator.failed)

@@ -40,6 +40,10 @@ class SFTDataConfig:
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Column of the response string.
     response_key: str = "response"
+    # verl's keys into a dict-valued prompt / response column, in order: prompt_key=extra_info with
+    # prompt_dict_keys=[question] reads each row's extra_info.question. null: the column itself.
+    prompt_dict_keys: Optional[list[str]] = None
+    response_dict_keys: Optional[list[str]] = None
     # Whole conversations instead of prompt and response columns.
     multiturn: SFTMultiturnConfig = field(default_factory=SFTMultiturnConfig)
     # Longest prompt + response in tokens.

@@ -39,6 +39,25 @@ def _response_text(row: dict, response_key: str) -> str:
     return value
 
 
+def _nested(rows: list[dict], column: str, keys: Sequence[str], setting: str) -> tuple[list[dict], str]:
+    """Each row with the value at ``column`` then ``keys`` (verl's dict keys) under the dotted name
+    ``column.key...``, which errors then name; ``rows`` as they are without keys."""
+    if not keys:
+        return rows, column
+    name, out = ".".join([column, *keys]), []
+    for row in rows:
+        value = row.get(column)
+        for depth, key in enumerate(keys):
+            if not isinstance(value, dict) or key not in value:
+                inside = ".".join([column, *keys[:depth]])
+                found = f"keys {', '.join(map(str, value))}" if isinstance(value, dict) else short_repr(value)
+                raise row_error(row, column, f"{setting} reads {name}, but {inside} has no '{key}' (it holds {found})",
+                                f"give every row's {inside} a '{key}', or fix {setting}")
+            value = value[key]
+        out.append({**row, name: value})
+    return out, name
+
+
 def fit_example(ids: list[int], mask: list[bool], row: dict, key: str, max_length: int, truncation: str,
                 what: str = "prompt + response") -> tuple[list[int], list[bool]]:
     """Cut an over-long example to ``max_length``: "right" drops the end, "left" the start."""
@@ -59,12 +78,16 @@ def load_sft_dataset(
     max_length: int,
     truncation: str = "error",
     template_kwargs: Mapping[str, Any] | None = None,
+    prompt_dict_keys: Sequence[str] = (),
+    response_dict_keys: Sequence[str] = (),
     log: Callable[[str], None] = print,
 ) -> list[SFTExample]:
     """Read, validate and tokenise SFT examples; one ``SFTExample`` per row.
 
     Examples longer than ``max_length`` tokens are rejected ("error") or cut: "right" drops
     the end (the response loses its EOS), "left" drops the start of the prompt.
+    ``prompt_dict_keys`` / ``response_dict_keys`` (verl's): keys into a dict-valued column, in
+    order (``prompt_key=extra_info`` with ``["question"]`` reads each row's extra_info.question).
     """
     check_truncation(truncation, allowed=("error", "left", "right"))
     if max_length <= 0:
@@ -72,6 +95,8 @@ def load_sft_dataset(
     if tokenizer.eos_token_id is None:
         raise UserError("the tokenizer has no eos_token; set eos_token in the model's tokenizer_config.json")
     rows = read_parquet_rows(files, [prompt_key, response_key])
+    rows, prompt_key = _nested(rows, prompt_key, prompt_dict_keys, "data.prompt_dict_keys")
+    rows, response_key = _nested(rows, response_key, response_dict_keys, "data.response_dict_keys")
     prompts = [check_prompt(row, prompt_key) for row in rows]
     responses = [_response_text(row, response_key) for row in rows]
     prompt_ids = encode_prompts(tokenizer, prompts, rows, prompt_key, template_kwargs)

@@ -33,3 +33,25 @@ def test_a_launch_over_several_nodes_is_named_with_its_node_count():
         load_ppo_config(None, cfg, launched=2)
     assert load_ppo_config(None, cfg, launched=8).trainer.nnodes == 2
     assert load_ppo_config(None, cfg).trainer.nnodes == 2  # validate-config: nothing launched, nothing to compare
+
+
+def test_a_runs_config_warnings_are_printed_once_at_its_start_by_rank_zero(ppo_overrides, tmp_path, capsys,
+                                                                            monkeypatch):
+    """What validate-config warns about, a run says too, before anything loads; torchrun's other ranks say nothing."""
+    from klppo.cli import main
+
+    changes = {"+actor_rollout_ref.rollout.layered_summon": "true", "trainer.total_training_steps": 1,
+               "trainer.logger": "[console]"}
+    assert main(["ppo", *ppo_overrides(tmp_path / "run", **changes)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("warning: 1 verl setting in this config has no effect in klppo (accepted, so verl configs run "
+                        "as they are):") and "actor_rollout_ref.rollout.layered_summon=true" in lines[1]
+    assert sum("no effect in klppo" in line for line in lines) == 2  # the summary and its one line
+    from klppo.cli_support import show_notes
+
+    printed = []
+    monkeypatch.setenv("RANK", "1")  # as torchrun sets it in another rank's process
+    show_notes(["warning: x"], printed.append)
+    monkeypatch.setenv("RANK", "0")
+    show_notes(["warning: x"], printed.append)
+    assert printed == ["warning: x"]

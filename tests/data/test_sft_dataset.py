@@ -100,3 +100,17 @@ def test_collate_sft_right_pads_with_false_masks(tok, write_parquet):
     assert attention_mask[0].tolist() == [True] * n0 + [False] * (width - n0)
     assert loss_mask[0].tolist() == examples[0].loss_mask + [False] * (width - n0)
     assert loss_mask[1].tolist() == examples[1].loss_mask
+
+
+def test_verls_dict_keys_read_the_prompt_and_response_inside_a_column(tok, write_parquet):
+    rows = [{"extra_info": {"question": "1 + 2?", "answer": "3", "meta": {"id": "a"}}}]
+    path = write_parquet(rows)
+    (nested,) = load(path, tok, prompt_key="extra_info", response_key="extra_info", prompt_dict_keys=["question"],
+                     response_dict_keys=["answer"])
+    (flat,) = load(write_parquet([{"prompt": "1 + 2?", "response": "3"}], "flat.parquet"), tok)
+    assert nested == flat
+    with pytest.raises(UserError, match=r"row 0, column 'extra_info': data.response_dict_keys reads "
+                                        r"extra_info.meta.solution, but extra_info.meta has no 'solution' \(it holds "
+                                        r"keys id\)"):
+        load(path, tok, prompt_key="extra_info", response_key="extra_info", prompt_dict_keys=["question"],
+             response_dict_keys=["meta", "solution"])

@@ -55,3 +55,21 @@ def test_multiturn_sft_trains_on_whole_conversations_with_verls_keys(tiny_model_
     assert len(records) == 8  # 32 conversations / 16 per step * 4 epochs
     assert records[-1]["train/loss"] < 0.8 * records[0]["train/loss"]
     assert any(line.startswith("loaded 32 conversations from") for line in printed)
+
+
+def test_verls_gsm8k_sft_command_trains_through_verls_module_path(tiny_model_dir, task_dir, tmp_path, capsys):
+    """examples/sft/gsm8k/run_qwen_05_sp2.sh's overrides, on verl-format data, via -m klppo.trainer.fsdp_sft_trainer."""
+    from klppo.trainer.fsdp_sft_trainer import main
+
+    code = main([f"data.train_files={task_dir / 'train.parquet'}", f"data.val_files={task_dir / 'val.parquet'}",
+                 "data.prompt_key=extra_info", "data.response_key=extra_info", "optim.lr=3e-3",
+                 "data.prompt_dict_keys=['question']", "+data.response_dict_keys=['answer']",
+                 "data.micro_batch_size=4", "data.train_batch_size=8", "data.max_length=96",
+                 f"model.partial_pretrain={tiny_model_dir}", f"trainer.default_local_dir={tmp_path / 'sft'}",
+                 "trainer.logger=console", "trainer.total_training_steps=4", "ulysses_sequence_parallel_size=2",
+                 "use_remove_padding=true", "trainer.device=cpu"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("warning: 2 verl settings in this config have no effect in klppo")
+    assert "warning: 32 of the 32 prompts in" in out  # the questions are plain text, encoded as they are
+    records = read_metrics(tmp_path / "sft")
+    assert len(records) == 4 and records[-1]["train/loss"] < records[0]["train/loss"]
