@@ -2,15 +2,19 @@
 file's ``hydra:`` and ``defaults:`` sections.
 
 verl's scripts pick a config with ``--config-path`` / ``--config-name`` (verl's own
-``ppo_trainer`` or ``ppo_megatron_trainer``, or a YAML file of their own), and such a file
-starts from verl's tree with ``defaults: [ppo_trainer, _self_]``. klppo's defaults are
-``ppo_trainer``'s, so both forms load as they are: the name becomes the file, a built-in name
-needs none, and ``ppo_megatron_trainer`` adds what it sets that klppo reads, its three
-``strategy: megatron`` keys, which klppo trains with FSDP2 and says so (``config.checks``).
+``ppo_trainer``, ``ppo_megatron_trainer`` or ``sft_trainer``, or a YAML file of their own), and
+such a file starts from verl's tree with ``defaults: [ppo_trainer, _self_]``. klppo's PPO
+defaults are ``ppo_trainer``'s, so both forms load as they are: the name becomes the file, a
+built-in name needs none, and ``ppo_megatron_trainer`` adds what it sets that klppo reads, its
+three ``strategy: megatron`` keys, which klppo trains with FSDP2 and says so (``config.checks``).
+``sft_trainer`` adds where verl's SFT defaults differ from ``klppo sft``'s (betas, warm-up,
+cosine schedule, epochs, ...): verl's SFT module path (``klppo.trainer.fsdp_sft_trainer``) starts
+from it, as verl's does.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -18,9 +22,19 @@ from klppo.config.problems import Problem
 from klppo.errors import UserError
 
 MEGATRON_STRATEGIES = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
-# verl's built-in configs -> the keys each sets beyond ppo_trainer's (klppo's defaults) that klppo reads
-VERL_CONFIGS: dict[str, tuple[str, ...]] = {"ppo_trainer": (), "ppo_megatron_trainer": MEGATRON_STRATEGIES,
-                                             "sft_trainer": ()}
+# verl's sft_trainer.yaml, where it differs from klppo sft's defaults in what klppo reads (its
+# placeholder paths and its wandb logger aside): verl's SFT module path starts from these.
+VERL_SFT_TRAINER = {
+    "data.prompt_key": "question", "data.response_key": "answer", "data.micro_batch_size_per_gpu": 4,
+    "model.enable_gradient_checkpointing": True, "optim.betas": [0.9, 0.95], "optim.lr_warmup_steps_ratio": 0.1,
+    "optim.warmup_style": "cosine", "trainer.total_epochs": 4, "trainer.project_name": "gsm8k-sft",
+    "trainer.experiment_name": "test",
+}
+# verl's built-in configs -> what each sets beyond klppo's defaults (ppo_trainer's, for PPO) that klppo reads
+VERL_CONFIGS: dict[str, dict[str, object]] = {
+    "ppo_trainer": {}, "ppo_megatron_trainer": {key: "megatron" for key in MEGATRON_STRATEGIES},
+    "sft_trainer": VERL_SFT_TRAINER,
+}
 # Config groups verl's own files name in their defaults, whose settings the file itself sets again
 # (sft_trainer.yaml's optim section; klppo's optim defaults are the rest).
 VERL_GROUPS = ({"optim": "fsdp"},)
@@ -45,8 +59,8 @@ def command_line_config(args) -> tuple[Optional[str], list[str]]:
     file = os.path.join(folder, f"{stem}.yaml")
     if os.path.isfile(file):
         return file, overrides
-    if stem in VERL_CONFIGS:  # verl's own, from its package: klppo's defaults are ppo_trainer's
-        return None, [f"{key}=megatron" for key in VERL_CONFIGS[stem]] + overrides
+    if stem in VERL_CONFIGS:  # verl's own, from its package: what it sets beyond klppo's defaults comes first
+        return None, [f"{key}={json.dumps(value)}" for key, value in VERL_CONFIGS[stem].items()] + overrides
     raise UserError(f"--config-name {config_name}: no file {file} (--config-path {folder}); name a YAML file there, "
                     f"or one of verl's own configs ({', '.join(VERL_CONFIGS)})")
 
@@ -78,12 +92,12 @@ def hydra_sections(tree: dict, source: str, problems: list[Problem], notes: list
         problems.append(Problem(("defaults",), f"defaults of {source} put _self_ ahead of {bases[-1]}, so verl's "
                                 "defaults would override this file's values; put _self_ last"))
     for base in bases:
-        for key in VERL_CONFIGS[base]:
-            _set_default(tree, key.split("."), "megatron")
+        for key, value in VERL_CONFIGS[base].items():
+            _set_default(tree, key.split("."), value)
     return tree
 
 
-def _set_default(tree: dict, path: list[str], value: str) -> None:
+def _set_default(tree: dict, path: list[str], value: object) -> None:
     """``value`` at ``path`` in ``tree`` unless the file sets it (sections created as needed)."""
     node = tree
     for part in path[:-1]:

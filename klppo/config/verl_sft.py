@@ -3,8 +3,7 @@
 As ``verl.py`` does for PPO, before the typed tree is built every key of verl's SFT tree that
 is not a field of ``supervised.py`` leaves the raw config: a key klppo spells another way moves
 there and acts (``optim.lr_scheduler`` is ``optim.warmup_style``, ``trainer.seed`` is
-``data.seed``, ``model.fsdp_config.cpu_offload`` is ``offload_policy``); verl's global
-``data.micro_batch_size`` becomes the per-device size as verl computes it; any other key is
+``data.seed``, ``model.fsdp_config.cpu_offload`` is ``offload_policy``); any other key is
 dropped, listed in the one warning when set to anything but verl's default, or refused where
 ignoring it would train something else. A key neither has stays, for the builder to report.
 """
@@ -53,7 +52,6 @@ SFT_ALIASES: dict[str, str] = {
     "trainer.seed": "data.seed", "model.fsdp_config.cpu_offload": "model.fsdp_config.offload_policy",
     "model.fsdp_config.offload_params": "model.fsdp_config.param_offload",
 }
-GLOBAL_MICRO = ("data.micro_batch_size", "data.micro_batch_size_per_gpu")  # verl's global size, deprecated there too
 REFUSE = "refuse"
 # (patterns, why it has no effect[, REFUSE when a non-default value would train something else]); first match wins.
 SFT_RULES: tuple[tuple, ...] = (
@@ -67,6 +65,7 @@ SFT_RULES: tuple[tuple, ...] = (
     (("optim.optimizer", "optim.optimizer_impl"), "klppo trains with torch's AdamW only", REFUSE),
     (("optim.override_optimizer_config",), "klppo builds AdamW from the optim keys only", REFUSE),
     (("data.val_max_samples",), "klppo measures validation loss on every row of data.val_files"),
+    (("data.micro_batch_size",), "verl's SFT trainer reads data.micro_batch_size_per_gpu only, and so does klppo"),
     (("data.use_shm", "model.use_shm"), "klppo reads files where they are (no shared-memory copy)"),
     (("data.balance_dp_token",), "klppo splits a step's examples over the ranks by count"),
     (("model.fsdp_config.model_dtype",), "klppo keeps master weights in fp32 and sets the compute dtype with "
@@ -118,8 +117,6 @@ def _walk(node: dict, prefix: str, full: dict, fields: Mapping[str, str], proble
                 kept[name] = value  # (verl's null there means "not set": klppo's default applies)
         elif key in SFT_ALIASES:
             _alias(key, value, full, problems, moves)
-        elif key == GLOBAL_MICRO[0]:
-            _global_micro(value, full, problems, moves)
         elif key in VERL_SFT_DEFAULTS:
             _no_effect(key, value, problems, ignored)
         elif isinstance(value, dict) and any(k.startswith(key + ".") for k in VERL_SFT_DEFAULTS):
@@ -146,27 +143,6 @@ def _alias(key: str, value: Any, full: dict, problems: list[Problem], moves: lis
                                 "(verl's spelling and klppo's); keep one of them"))
         return
     moves.append((target, value))
-
-
-def _global_micro(value: Any, full: dict, problems: list[Problem], moves: list) -> None:
-    """verl's global micro-batch, divided by the world size as verl does."""
-    key, target = GLOBAL_MICRO
-    if value is None:
-        return
-    world = 1
-    for name in ("trainer.n_gpus_per_node", "trainer.nnodes"):
-        found, count = get_dotted(full, name)
-        world *= count if found and isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
-    found, per_gpu = get_dotted(full, target)
-    if found and per_gpu is not None:
-        problems.append(Problem((key, target), f"{key} (verl's global size, deprecated there too) and {target} are "
-                                f"both set; keep {target} only"))
-    elif not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % world:
-        problems.append(Problem((key, target), f"{key} = {show(value)} is verl's global micro-batch, split over "
-                                f"trainer.nnodes x n_gpus_per_node = {world} devices: set {target} (examples per "
-                                f"device) instead, e.g. {target}=4"))
-    else:
-        moves.append((target, value // world))
 
 
 def _no_effect(key: str, value: Any, problems: list[Problem], ignored: list) -> None:

@@ -33,17 +33,16 @@ def test_verls_gsm8k_sft_script_loads_with_one_warning_naming_what_has_no_effect
     notes = []
     cfg = load_sft_config(None, GSM8K_SCRIPT, notes=notes)
     assert (cfg.data.prompt_dict_keys, cfg.data.response_dict_keys) == (["question"], ["answer"])
-    assert cfg.data.micro_batch_size_per_gpu == 4  # verl's global size over trainer.n_gpus_per_node = 1 device
-    assert notes[0].startswith("warning: 2 verl settings in this config have no effect in klppo")
-    assert "ulysses_sequence_parallel_size=2" in notes[1] and "use_remove_padding=true" in notes[2]
+    assert notes[0].startswith("warning: 3 verl settings in this config have no effect in klppo")
+    assert "data.micro_batch_size=4: no effect in klppo (verl's SFT trainer reads data.micro_batch_size_per_gpu" \
+        in notes[1]  # verl's own SFT trainer never reads it
+    assert "ulysses_sequence_parallel_size=2" in notes[2] and "use_remove_padding=true" in notes[3]
 
 
 def test_verls_sft_spellings_act_where_klppo_has_the_knob():
     cfg = load_sft_config(None, ["data.train_files=t.parquet", "model.partial_pretrain=m", "optim.lr_scheduler=cosine",
-                                 "trainer.seed=7", "model.fsdp_config.cpu_offload=true", "trainer.n_gpus_per_node=2",
-                                 "data.train_batch_size=8", "data.micro_batch_size=4"])
+                                 "trainer.seed=7", "model.fsdp_config.cpu_offload=true"])
     assert (cfg.optim.warmup_style, cfg.data.seed, cfg.model.fsdp_config.offload_policy) == ("cosine", 7, True)
-    assert cfg.data.micro_batch_size_per_gpu == 2  # 4 over 2 devices, as verl divides it
 
 
 @pytest.mark.parametrize("override, problem", [
@@ -51,8 +50,6 @@ def test_verls_sft_spellings_act_where_klppo_has_the_knob():
     ("data.chat_template=x", "data.chat_template = x: verl's SFT refuses it too"),
     ("data.train_max_samples=100", "data.train_max_samples = 100: klppo trains on every row of data.train_files"),
     ("optim.lr_scheduler=wsd", "optim.warmup_style = 'wsd' is not one of 'constant', 'cosine'"),
-    ("data.micro_batch_size=3", "data.micro_batch_size = 3 is verl's global micro-batch, split over trainer.nnodes "
-                                "x n_gpus_per_node = 2 devices"),
     ("trainer.seed=3", "trainer.seed = 3 and data.seed = 5 set the same knob"),
 ])
 def test_verl_sft_settings_klppo_cannot_honour_are_errors_naming_the_key(override, problem):
@@ -64,3 +61,22 @@ def test_verl_sft_settings_klppo_cannot_honour_are_errors_naming_the_key(overrid
 def test_a_key_neither_has_is_still_unknown():
     with pytest.raises(UserError, match="unknown key 'data.prompt_dict_key'"):
         load_sft_config(None, ["data.train_files=t.parquet", "model.partial_pretrain=m", "data.prompt_dict_key=[a]"])
+
+
+def test_verls_sft_module_path_starts_from_verls_sft_defaults_and_klppo_sft_from_its_own(monkeypatch):
+    """verl's fsdp_sft_trainer loads its sft_trainer config; so does klppo's shim of that path."""
+    import klppo.commands.main_sft as main_sft
+    from klppo.trainer import fsdp_sft_trainer
+
+    loaded = {}
+    monkeypatch.setattr(main_sft, "run_sft", lambda cfg: loaded.setdefault("cfg", cfg))
+    required = ["data.train_files=t.parquet", "model.partial_pretrain=m"]
+    assert fsdp_sft_trainer.main(required) == 0
+    verl = loaded.pop("cfg")
+    assert (verl.optim.betas, verl.optim.lr_warmup_steps_ratio, verl.optim.warmup_style) == ([0.9, 0.95], 0.1, "cosine")
+    assert (verl.trainer.total_epochs, verl.data.prompt_key, verl.data.micro_batch_size_per_gpu) == (4, "question", 4)
+    assert main_sft.main(required) == 0
+    own = loaded.pop("cfg")
+    assert (own.optim.betas, own.optim.warmup_style, own.trainer.total_epochs) == ([0.9, 0.999], "constant", 1)
+    assert fsdp_sft_trainer.main(required + ["optim.betas=[0.8,0.9]", "trainer.total_epochs=2"]) == 0
+    assert (loaded["cfg"].optim.betas, loaded["cfg"].trainer.total_epochs) == ([0.8, 0.9], 2)  # the command line wins

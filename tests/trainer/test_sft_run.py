@@ -69,7 +69,7 @@ def test_verls_gsm8k_sft_command_trains_through_verls_module_path(tiny_model_dir
                  "trainer.logger=console", "trainer.total_training_steps=4", "ulysses_sequence_parallel_size=2",
                  "use_remove_padding=true", "trainer.device=cpu"])
     out = capsys.readouterr().out
-    assert code == 0 and out.startswith("warning: 2 verl settings in this config have no effect in klppo")
+    assert code == 0 and out.startswith("warning: 3 verl settings in this config have no effect in klppo")
     assert "warning: 32 of the 32 prompts in" in out  # the questions are plain text, encoded as they are
     records = read_metrics(tmp_path / "sft")
     assert len(records) == 4 and records[-1]["train/loss"] < records[0]["train/loss"]
