@@ -7,6 +7,7 @@ tensors (stats as 0-dim tensors). Names follow verl's `trainer/ppo/core_algos.py
 
 from klppo.algo.advantages import (
     ADV_ESTIMATORS,
+    PF_PPO_METHODS,
     compute_advantage,
     compute_gae_advantage_return,
     compute_gpg_outcome_advantage,
@@ -19,6 +20,8 @@ from klppo.algo.advantages import (
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
     compute_rloo_vectorized_outcome_advantage,
+    pf_ppo_sample,
+    pf_ppo_weights,
 )
 from klppo.algo.groups import (
     dynamic_sampling_keep,
@@ -72,6 +75,9 @@ from klppo.algo.stats import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "PF_PPO_METHODS",
+    "pf_ppo_sample",
+    "pf_ppo_weights",
     "compute_advantage",
     "KL_PENALTY_NAMES",
     "LOSS_AGG_MODES",

@@ -376,3 +376,31 @@ def compute_advantage(
     if adv_estimator == "remax":
         return compute_remax_outcome_advantage(token_level_rewards, reward_baselines, response_mask)
     raise ValueError(f"unknown adv_estimator {adv_estimator!r}; use one of {', '.join(ADV_ESTIMATORS)}")
+
+
+# ---- PF-PPO: resampling a batch towards its reliable rewards ----
+
+PF_PPO_METHODS = ("pow", "max_min", "max_random")
+
+
+def pf_ppo_weights(scores: torch.Tensor, method: str, weight_pow: float = 2.0) -> torch.Tensor:
+    """(B,) the sampling weight of each response by its score (verl's compute_pf_ppo_reweight_data,
+    Policy Filtration for PPO): ``pow`` |score|^weight_pow; ``max_min`` 1 for the batch's best and
+    worst scores, 0 otherwise; ``max_random`` 0.4 for the best score, 0.1 otherwise; then + 1e-8,
+    so that no weight is 0."""
+    if method == "pow":
+        weights = scores.abs().pow(weight_pow)
+    elif method == "max_min":
+        weights = ((scores == scores.max()) | (scores == scores.min())).to(scores.dtype)
+    elif method == "max_random":
+        weights = torch.where(scores == scores.max(), 0.4, 0.1).to(scores.dtype)
+    else:
+        raise ValueError(f"PF-PPO reweight method must be one of {PF_PPO_METHODS}, not {method!r}")
+    return torch.clamp(weights + 1e-8, min=1e-8)
+
+
+def pf_ppo_sample(scores: torch.Tensor, method: str, weight_pow: float, generator: torch.Generator) -> torch.Tensor:
+    """(B,) row indices drawn with replacement by ``pf_ppo_weights``: the batch PF-PPO trains on
+    (same size; rows may repeat). ``generator`` (on the CPU) makes the draw repeatable."""
+    weights = pf_ppo_weights(scores.detach().float().cpu(), method, weight_pow)
+    return torch.multinomial(weights, len(weights), replacement=True, generator=generator)

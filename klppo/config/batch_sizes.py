@@ -126,10 +126,13 @@ def update_forwards_first(cfg: PPOConfig, world: int) -> bool:
     critic; otherwise ``on_policy_update`` needs no such hold), the responses' log-probs are not
     compared with a behaviour policy's (HF generate, or offline data without rollout correction),
     the actor trains from the first step, and neither model's parameters or optimiser state are
-    offloaded between phases (the graphs would hold tensors of the device the model left).
+    offloaded between phases (the graphs would hold tensors of the device the model left). PF-PPO
+    trains on rows drawn after the advantages, which the forwards run before could not know.
     """
     arf, algo, critic = cfg.actor_rollout_ref, cfg.algorithm, uses_critic(cfg)
     if world < 1 or not (algo.use_kl_in_reward or critic) or not _one_optimizer_step(cfg):
+        return False
+    if algo.use_pf_ppo and algo.adv_estimator == "gae":
         return False
     rows, longest = cfg.data.train_batch_size * arf.rollout.n // world, longest_sequence(cfg)
     offloaded = [arf.actor.fsdp_config] + ([cfg.critic.model.fsdp_config] if critic else [])

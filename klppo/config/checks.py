@@ -60,6 +60,9 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
     _note_rollout_correction(cfg, notes)
     notes += rollout_notes(cfg)
     notes += filter_groups_notes(cfg) + reward_notes(cfg) + not_yet_supported_notes(cfg) + _generations_notes(cfg)
+    if cfg.algorithm.use_pf_ppo and cfg.algorithm.adv_estimator != "gae":
+        notes.append(f"warning: algorithm.use_pf_ppo has no effect with algorithm.adv_estimator = "
+                     f"'{cfg.algorithm.adv_estimator}': PF-PPO resamples the batch after GAE only, as in verl")
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:

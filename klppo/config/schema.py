@@ -425,6 +425,15 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class PFPPOConfig:
+    # How a response's score weighs its chance to be drawn: pow (|score|^weight_pow), max_min (only
+    # the batch's best and worst scores), max_random (the best 0.4, the others 0.1), as verl's.
+    reweight_method: Literal["pow", "max_min", "max_random"] = "pow"
+    # The exponent of pow.
+    weight_pow: float = 2.0
+
+
+@dataclass
 class AlgorithmConfig:
     # Discount factor of GAE.
     gamma: float = 1.0
@@ -447,6 +456,10 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     # Off-policy correction for responses sampled by another policy mu (offline data's rollout_log_probs).
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # PF-PPO (policy filtration, verl's): with gae, each step trains on a batch of the same size drawn
+    # with replacement from its responses, weighted by their scores (algorithm.pf_ppo).
+    use_pf_ppo: bool = False
+    pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
 
 
 @dataclass

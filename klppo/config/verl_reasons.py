@@ -39,7 +39,6 @@ _NOT_IMPLEMENTED = "not implemented in klppo"
 RULES: tuple[tuple, ...] = (
     # -- changes what is trained: refused when set to anything but verl's default --
     (("actor_rollout_ref.rollout.multi_turn.enable",), "multi-turn / tool rollouts are not implemented in klppo", REFUSE),
-    (("algorithm.use_pf_ppo",), "preference-feedback PPO reweighting is not implemented in klppo", REFUSE),
     (("algorithm.rollout_correction.rollout_token_veto_threshold",), "verl 0.6-0.7's token veto, gone from verl "
      "0.9.1 and not in klppo; reject outlier tokens with algorithm.rollout_correction.rollout_rs=token_k1", REFUSE),
     (("algorithm.rollout_correction.rollout_rs_threshold_lower",), "verl 0.6-0.7 key; verl 0.9.1 and klppo write "
@@ -158,8 +157,6 @@ RULES: tuple[tuple, ...] = (
     (("trainer.default_hdfs_dir", "trainer.del_local_ckpt_after_load", "trainer.checkpoint_callback_class",
       "trainer.max_critic_ckpt_to_keep"), _CHECKPOINT),
     (("skip.*",), "verl's rollout caching for debugging"),
-    (("algorithm.pf_ppo.*",),
-     "parameter of a verl algorithm variant klppo does not implement"),
 )
 
 _SPLIT = ("picks the tokens it holds back by covariances within each micro-batch{random}, so what trains would "

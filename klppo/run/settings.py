@@ -122,12 +122,22 @@ class ForwardSettings:
 
 
 @dataclass(frozen=True)
+class PFPPOSettings:
+    """algorithm.use_pf_ppo with GAE: each step's batch redrawn by its scores (``algo.pf_ppo_sample``)."""
+
+    method: str  # algorithm.pf_ppo.reweight_method
+    weight_pow: float
+    seed: int  # data.seed: with the step, the draw's seed (the same on every rank, and after a resume)
+
+
+@dataclass(frozen=True)
 class AdvantageSettings:
     estimator: str
     gamma: float
     lam: float
     norm_adv_by_std_in_grpo: bool
     grouped: bool = False  # a group estimator: each response against the others to its prompt
+    pf_ppo: Optional[PFPPOSettings] = None
 
 
 @dataclass(frozen=True)
@@ -248,7 +258,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         val_sampling=sampling_params(cfg, validation=True), val_batch_size=cfg.data.val_batch_size,
         actor=actor, critic=critic, forwards=_forwards(cfg, world_size),
         advantage=AdvantageSettings(algo.adv_estimator, algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo,
-                                    grouped=algo.adv_estimator in GROUP_ESTIMATORS),
+                                    grouped=algo.adv_estimator in GROUP_ESTIMATORS, pf_ppo=_pf_ppo(cfg)),
         kl=KLSettings(algo.use_kl_in_reward, algo.kl_penalty, kl.type, kl.kl_coef, kl.target_kl, kl.horizon,
                       offline_kl="sampled" if algo.rollout_correction.bypass_mode else kl.offline_kl,
                       probe_prompts=probe_prompts(cfg), probe_every=probe_every(cfg)),
@@ -268,6 +278,13 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         generations=GenerationsSettings(_folder(trainer.rollout_data_dir), _folder(trainer.validation_data_dir),
                                         trainer.log_val_generations),
     )
+
+
+def _pf_ppo(cfg: PPOConfig) -> Optional[PFPPOSettings]:
+    algo = cfg.algorithm
+    if not (algo.use_pf_ppo and algo.adv_estimator == "gae"):  # verl resamples after GAE only
+        return None
+    return PFPPOSettings(algo.pf_ppo.reweight_method, algo.pf_ppo.weight_pow, cfg.data.seed)
 
 
 def _folder(path: Optional[str]) -> Optional[Path]:

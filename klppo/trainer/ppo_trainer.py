@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from klppo.algo import apply_kl_penalty, compute_advantage, masked_mean
+from klppo.algo import apply_kl_penalty, masked_mean
 from klppo.checkpoint.state import checkpoint_steps
 from klppo.distributed import max_over_ranks, mean_over_ranks, on_rank_zero
 from klppo.monitoring.jsonl import EVENTS_FILE, append_jsonl
@@ -32,6 +32,7 @@ from klppo.run.build import GOLD_ROLE, PPOParts
 from klppo.run.collector import FrozenSetup
 from klppo.run.folder import RunFolder
 from klppo.safety.guards import GRAD_MODELS, Action, RunGuard, most_severe
+from klppo.trainer.advantages import estimate_advantages
 from klppo.trainer.dynamic_sampling import scored_step_batch
 from klppo.trainer.evaluate import importance_weighted, offline_policy_kl, sampled_offline_kl, validation_metrics
 from klppo.trainer.forwards import forwards_first, reward_model_roles
@@ -131,7 +132,7 @@ class PPOTrainer:
         return records
 
     def train_step(self) -> tuple[dict[str, float | torch.Tensor], Action]:
-        p, adv, timer = self.p, self.s.advantage, PhaseTimer(self.progress, self.memory)
+        p, timer = self.p, PhaseTimer(self.progress, self.memory)
         with timer.phase("step"):
             # steps 1-3. batch, responses, score: the next prompts in a resumable order, their responses
             # (with vLLM: the actor's weights streamed into the engine first), old and reference log-probs,
@@ -146,12 +147,10 @@ class PPOTrainer:
             metrics.update(drawn.metrics)
             # step 4. shape: token rewards = scores - beta * KL(old || ref)
             metrics.update(self._shape_rewards(batch, kl))
-            # step 5. advantages
+            # step 5. advantages (with algorithm.use_pf_ppo, the batch redrawn by its scores)
             with timer.phase("adv"):
-                batch.advantages, batch.returns = compute_advantage(
-                    adv.estimator, batch.token_level_rewards, batch.response_mask, batch.group_index,
-                    values=batch.values, gamma=adv.gamma, lam=adv.lam,
-                    norm_adv_by_std_in_grpo=adv.norm_adv_by_std_in_grpo, reward_baselines=drawn.reward_baselines)
+                batch, adv_metrics = estimate_advantages(p, batch, drawn.reward_baselines, self.step)
+            metrics.update(adv_metrics)
             # step 6. guard: KL of the sampling policy to the reference, finite rewards; an on-policy update
             # measured pi_old itself and asks the guard before it moves any weight (``update.OnPolicy``)
             on_policy = OnPolicy(lambda kl: self._guard_before_update(batch, kl)) if self.s.actor.on_policy else None

@@ -1,0 +1,37 @@
+"""Step 5 of a PPO iteration: advantages and returns, and PF-PPO's redrawn batch.
+
+PF-PPO (``algorithm.use_pf_ppo``, with GAE as in verl) trains each step on a batch of the same
+size drawn with replacement from the step's responses, each weighted by its score
+(``algo.pf_ppo_weights``): a response whose reward is more reliable is trained on more often.
+The draw is seeded by ``data.seed`` and the step, so every rank (each holding the whole batch)
+draws the same rows, and a resumed run draws what the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from klppo.algo import compute_advantage, pf_ppo_sample
+from klppo.rollout.batch import RolloutBatch
+
+if TYPE_CHECKING:
+    from klppo.run.build import PPOParts
+
+
+def estimate_advantages(parts: PPOParts, batch: RolloutBatch, reward_baselines: Optional[torch.Tensor], step: int
+                        ) -> tuple[RolloutBatch, dict[str, float]]:
+    """(the batch with its advantages and returns, or PF-PPO's draw of it; PF-PPO's metrics)."""
+    adv = parts.settings.advantage
+    batch.advantages, batch.returns = compute_advantage(
+        adv.estimator, batch.token_level_rewards, batch.response_mask, batch.group_index, values=batch.values,
+        gamma=adv.gamma, lam=adv.lam, norm_adv_by_std_in_grpo=adv.norm_adv_by_std_in_grpo,
+        reward_baselines=reward_baselines)
+    if adv.pf_ppo is None:
+        return batch, {}
+    pf = adv.pf_ppo
+    generator = torch.Generator().manual_seed(pf.seed * 1_000_003 + step)
+    rows = pf_ppo_sample(batch.token_level_scores.sum(-1), pf.method, pf.weight_pow, generator)  # host sync
+    # training/pf_ppo/unique_frac: the share of the step's responses the draw kept at least once
+    return batch.select(rows), {"training/pf_ppo/unique_frac": len(set(rows.tolist())) / len(rows)}
