@@ -182,16 +182,16 @@ def test_a_gradient_blow_up_skips_its_optimiser_steps_then_rolls_back(ppo_overri
 def test_a_batch_with_a_huge_advantage_is_skipped_by_the_default_guard(ppo_overrides, tmp_path, monkeypatch):
     """With every trainer.guard default, one step whose advantages are 1000x too large (a reward bug,
     a mis-scaled batch) has its actor optimiser steps skipped; no other step is touched."""
-    from klppo.trainer import ppo_trainer
+    from klppo.trainer import advantages
 
-    real, calls = ppo_trainer.compute_advantage, []
+    real, calls = advantages.compute_advantage, []
 
     def one_huge_batch(*args, **kwargs):
         advantages, returns = real(*args, **kwargs)
         calls.append(1)
         return (advantages * 1000.0 if len(calls) == 5 else advantages), returns
 
-    monkeypatch.setattr(ppo_trainer, "compute_advantage", one_huge_batch)
+    monkeypatch.setattr(advantages, "compute_advantage", one_huge_batch)
     records = run_ppo(None, ppo_overrides(**{"trainer.total_training_steps": 6}), print_fn=quiet)
     events = read_jsonl(tmp_path / "run" / EVENTS_FILE) if (tmp_path / "run" / EVENTS_FILE).exists() else []
     skips = [e for e in events if e["kind"] == "skip_grad_spike"]
