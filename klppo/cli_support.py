@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from typing import Callable, TypeVar
 
 from klppo.errors import UserError
+
+T = TypeVar("T")
 
 
 def quiet_libraries() -> None:
@@ -25,6 +27,14 @@ def show_notes(notes: list[str], print_fn: Callable = print) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         for note in notes:
             print_fn(note)
+
+
+def loaded_with_notes(load: Callable[[list[str]], T], print_fn: Callable = print) -> T:
+    """``load(notes)``'s config, its warnings (what it appended to ``notes``) shown first (``show_notes``)."""
+    notes: list[str] = []
+    cfg = load(notes)
+    show_notes(notes, print_fn)
+    return cfg
 
 
 def run_cli(action: Callable[[], object]) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
-from klppo.cli_support import parse_config_args, quiet_libraries, run_cli, show_notes
+from klppo.cli_support import loaded_with_notes, parse_config_args, quiet_libraries, run_cli
 from klppo.config import command_line_config, format_config, load_ppo_config
 
 
@@ -20,9 +20,9 @@ def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> li
     from klppo.run.build import start_processes
     from klppo.run.setup import check_run_dir, return_freed_memory
 
-    notes: list[str] = []
-    cfg = load_ppo_config(config_path, overrides, notes=notes, launched=launched_world_size())  # launch mismatch first
-    show_notes(notes, print_fn)  # the config's warnings, before anything loads
+    # a launch unlike the config is its first problem; its warnings are shown before anything loads
+    cfg = loaded_with_notes(lambda notes: load_ppo_config(config_path, overrides, notes=notes,
+                                                          launched=launched_world_size()), print_fn)
     check_run_dir(cfg.trainer.default_local_dir)
     return_freed_memory()
     quiet_libraries()

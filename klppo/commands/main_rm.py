@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from klppo.algo import bradley_terry_loss, plackett_luce_loss
-from klppo.cli_support import parse_config_args, run_cli, show_notes
+from klppo.cli_support import loaded_with_notes, parse_config_args, run_cli
 from klppo.config import RMConfig, command_line_config, load_rm_config
 from klppo.data.batching import row_chunks
 from klppo.data.ranked import RankedRecord, ranked_pairs, ranking_tiers
@@ -158,14 +158,8 @@ def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_config_args(argv, "klppo rm", "Train a reward model from ranked responses.")
-
-    def run() -> None:
-        notes: list[str] = []
-        cfg = load_rm_config(*command_line_config(args), notes=notes)
-        show_notes(notes)  # the config's warnings, before anything loads
-        run_rm(cfg)
-
-    return run_cli(run)
+    return run_cli(lambda: run_rm(loaded_with_notes(lambda notes: load_rm_config(*command_line_config(args),
+                                                                                 notes=notes))))
 
 
 if __name__ == "__main__":

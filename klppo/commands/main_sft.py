@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 import torch
 
-from klppo.cli_support import parse_config_args, run_cli, show_notes
+from klppo.cli_support import loaded_with_notes, parse_config_args, run_cli
 from klppo.config import SFTConfig, command_line_config, load_sft_config
 from klppo.data.batching import row_chunks
 from klppo.distributed import DistEnv, all_reduce_sum
@@ -111,14 +111,8 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_config_args(argv, "klppo sft", "Supervised fine-tuning (warm start).")
-
-    def run() -> None:
-        notes: list[str] = []
-        cfg = load_sft_config(*command_line_config(args), notes=notes)
-        show_notes(notes)  # the config's warnings, before anything loads
-        run_sft(cfg)
-
-    return run_cli(run)
+    return run_cli(lambda: run_sft(loaded_with_notes(lambda notes: load_sft_config(*command_line_config(args),
+                                                                                   notes=notes))))
 
 
 if __name__ == "__main__":

@@ -186,3 +186,13 @@ def get_dotted(tree: Any, key: str) -> tuple[bool, Any]:
             return False, None
         tree = tree[part]
     return True, tree
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    """Set a dotted key in nested dicts, making (or replacing with) a dict at each level above it."""
+    *parents, last = key.split(".")
+    for part in parents:
+        if not isinstance(tree.get(part), dict):
+            tree[part] = {}
+        tree = tree[part]
+    tree[last] = value

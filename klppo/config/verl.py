@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Optional
 import yaml
 
 from klppo.config.problems import Problem
-from klppo.config.interpolate import absolute_key, get_dotted
+from klppo.config.interpolate import absolute_key, get_dotted, set_dotted
 from klppo.config.verl_reasons import FOLLOWS, REFUSE, RULES
 
 VERL_VERSION = "0.9.1"
@@ -195,7 +195,7 @@ def split_verl_keys(
     split = _Split(raw, fields, is_default, unknown, problems)
     kept = _walk(split, raw, "")
     for key, value in split.moves:
-        _set_dotted(kept, key, value)
+        set_dotted(kept, key, value)
     return kept, split.ignored
 
 
@@ -303,15 +303,6 @@ def _global_micro(split: _Split, key: str, value: Any) -> None:
 
 
 # ---- helpers ----
-
-
-def _set_dotted(tree: dict, key: str, value: Any) -> None:
-    *parents, last = key.split(".")
-    for part in parents:
-        if not isinstance(tree.get(part), dict):
-            tree[part] = {}
-        tree = tree[part]
-    tree[last] = value
 
 
 def show(value: Any, limit: int = 80) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any, Mapping
 
-from klppo.config.interpolate import get_dotted
+from klppo.config.interpolate import get_dotted, set_dotted
 from klppo.config.problems import Problem
 from klppo.config.verl import show
 
@@ -91,17 +91,8 @@ def split_verl_sft_keys(raw: dict, fields: Mapping[str, str], problems: list[Pro
     ignored: list[tuple[str, Any, str]] = []
     kept = _walk(raw, "", raw, fields, problems, moves, ignored)
     for key, value in moves:
-        _set_dotted(kept, key, value)
+        set_dotted(kept, key, value)
     return kept, ignored
-
-
-def _set_dotted(tree: dict, key: str, value: Any) -> None:
-    *parents, last = key.split(".")
-    for part in parents:
-        if not isinstance(tree.get(part), dict):
-            tree[part] = {}
-        tree = tree[part]
-    tree[last] = value
 
 
 def _walk(node: dict, prefix: str, full: dict, fields: Mapping[str, str], problems: list[Problem],
