@@ -7,6 +7,7 @@ tensors (stats as 0-dim tensors). Names follow verl's `trainer/ppo/core_algos.py
 
 from klppo.algo.advantages import (
     ADV_ESTIMATORS,
+    OTB_ESTIMATORS,
     PF_PPO_METHODS,
     compute_advantage,
     compute_gae_advantage_return,
@@ -15,6 +16,7 @@ from klppo.algo.advantages import (
     compute_grpo_passk_outcome_advantage,
     compute_grpo_vectorized_outcome_advantage,
     compute_opo_outcome_advantage,
+    compute_optimal_token_baseline_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
@@ -22,6 +24,7 @@ from klppo.algo.advantages import (
     compute_rloo_vectorized_outcome_advantage,
     pf_ppo_sample,
     pf_ppo_weights,
+    score_norms,
 )
 from klppo.algo.groups import (
     dynamic_sampling_keep,
@@ -54,6 +57,7 @@ from klppo.algo.losses import (
     explained_variance,
     kl_loss,
     logprobs_from_logits,
+    sum_pi_squared_from_logits,
 )
 from klppo.algo.ranking import (
     bradley_terry_loss,
@@ -75,9 +79,11 @@ from klppo.algo.stats import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "OTB_ESTIMATORS",
     "PF_PPO_METHODS",
     "pf_ppo_sample",
     "pf_ppo_weights",
+    "score_norms",
     "compute_advantage",
     "KL_PENALTY_NAMES",
     "LOSS_AGG_MODES",
@@ -96,6 +102,7 @@ __all__ = [
     "compute_grpo_vectorized_outcome_advantage",
     "compute_offpolicy_metrics",
     "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
     "compute_policy_loss",
     "compute_policy_loss_cispo",
     "compute_policy_loss_geo_mean",
@@ -116,6 +123,7 @@ __all__ = [
     "compute_value_loss",
     "dynamic_sampling_keep",
     "entropy_from_logits",
+    "sum_pi_squared_from_logits",
     "explained_variance",
     "group_has_spread",
     "importance_weighted_kl",

@@ -334,8 +334,83 @@ def compute_remax_outcome_advantage(
     return _zero_padding(returns - reward_baselines.unsqueeze(-1), mask), _zero_padding(returns, mask)
 
 
+# ---- the optimal token baseline (OTB, verl's optimal_token_baseline) ----
+#
+# A group baseline (GRPO, RLOO) gives every token of a response one number. OTB gives each
+# position t its own, the baseline that minimises the variance of the policy gradient there:
+#     B*_t = sum_i G_{i,t} W_{i,t} / sum_i W_{i,t}      over the group's responses i,
+# with G_{i,t} the return from t on and W_{i,t} = sum_{j <= t} w_{i,j}, where
+# w = ||e_a - pi||^2 = 1 - 2 pi(a) + sum_v pi(v)^2 is the squared norm of the log-prob's gradient
+# with respect to the logits at the sampled token a: the "energy" a path has taken on by t. It
+# needs each token's sum of squared probabilities (``sum_pi_squared``, from the pi_old forward) and
+# pi_old(a); with rollout correction's importance weights rho, w becomes rho^2 w. The group sums
+# are vectorised with index_add (verl loops over groups in Python).
+
+OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
+
+
+def score_norms(old_log_prob: torch.Tensor, sum_pi_squared: torch.Tensor,
+                rollout_is_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B, T) w = 1 - 2 pi(a) + sum pi^2 per token, times rho^2 where importance weights are given."""
+    w = 1.0 - 2.0 * old_log_prob.exp() + sum_pi_squared
+    return w if rollout_is_weights is None else w * rollout_is_weights.square()
+
+
+@torch.no_grad()
+def compute_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    old_log_prob: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    *,
+    handle_zero_tail: bool = False,
+    skip_empty: bool = False,
+    epsilon: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), each (B, T): returns G_t (reward-to-go, undiscounted), advantages
+    G_t - B*_t at real tokens. Not whitened.
+
+    A response alone in its group gets no baseline (advantage = return). ``handle_zero_tail``:
+    where a group's longest response is the only one that long, its baseline past the
+    second-longest response's end is 0 (there, B*_t would be its own return, its advantage 0).
+    ``skip_empty``: responses with no token do not count as group members (verl's
+    ``tir_optimal_token_baseline``, which also sets ``handle_zero_tail``).
+    """
+    mask = response_mask.bool()
+    rewards = _zero_padding(token_level_rewards, mask)
+    returns = rewards.flip(-1).cumsum(-1).flip(-1)
+    energy = torch.where(mask, score_norms(old_log_prob, sum_pi_squared, rollout_is_weights), 0.0).cumsum(-1)
+    ids, groups = _group_ids(index, len(mask), mask.device)
+    lengths = mask.sum(-1)  # (B,)
+    member = (lengths > 0) if skip_empty else torch.ones_like(lengths, dtype=torch.bool)
+    size = torch.zeros(groups, device=mask.device, dtype=torch.long).index_add(0, ids, member.long())  # (G,)
+    weighted = torch.where(mask, energy, 0.0)  # (B, T): W where the token is real
+    numerator = returns.new_zeros(groups, mask.shape[1]).index_add(0, ids, returns * weighted)
+    denominator = returns.new_zeros(groups, mask.shape[1]).index_add(0, ids, weighted) + epsilon
+    baseline = (numerator / denominator)[ids]  # (B, T)
+    baseline = torch.where((size[ids] > 1)[:, None] & member[:, None], baseline, 0.0)
+    if handle_zero_tail:
+        baseline = torch.where(_lone_tail(lengths, ids, groups, size, mask.shape[1]), 0.0, baseline)
+    return _zero_padding(returns - baseline, mask), _zero_padding(returns, mask)
+
+
+def _lone_tail(lengths: torch.Tensor, ids: torch.Tensor, groups: int, size: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, width) bool: the positions of a group's longest response past the group's second-longest
+    response, where that response is the only one of its length (nothing elsewhere)."""
+    longest = lengths.new_zeros(groups).scatter_reduce(0, ids, lengths, "amax", include_self=False)
+    at_longest = lengths == longest[ids]
+    count = lengths.new_zeros(groups).index_add(0, ids, at_longest.long())
+    others = torch.where(at_longest, torch.zeros_like(lengths), lengths)
+    second = lengths.new_zeros(groups).scatter_reduce(0, ids, others, "amax", include_self=True)
+    lone = at_longest & (count[ids] == 1) & (size[ids] > 1)
+    positions = torch.arange(width, device=lengths.device)
+    return lone[:, None] & (positions[None, :] >= second[ids][:, None])
+
+
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_vectorized",
-                  "rloo_vectorized", "opo", "grpo_passk", "gpg", "remax")
+                  "rloo_vectorized", "opo", "grpo_passk", "gpg", "remax", *OTB_ESTIMATORS)
 _GROUP_OUTCOME = {  # estimators of (token_level_rewards, response_mask, index)
     "rloo": compute_rloo_outcome_advantage,
     "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
@@ -361,9 +436,13 @@ def compute_advantage(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     reward_baselines: Optional[torch.Tensor] = None,
+    old_log_prob: Optional[torch.Tensor] = None,
+    sum_pi_squared: Optional[torch.Tensor] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), each (B, T), by the named estimator; ``values`` only for "gae",
-    ``reward_baselines`` (B,) only for "remax"."""
+    ``reward_baselines`` (B,) only for "remax", ``old_log_prob``, ``sum_pi_squared`` and
+    ``rollout_is_weights`` (B, T) (None: no importance weights) only for the OTB estimators."""
     if adv_estimator == "gae":
         return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
     if adv_estimator in _GROUP_OUTCOME_NORMED:
@@ -375,6 +454,11 @@ def compute_advantage(
         return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
     if adv_estimator == "remax":
         return compute_remax_outcome_advantage(token_level_rewards, reward_baselines, response_mask)
+    if adv_estimator in OTB_ESTIMATORS:
+        multi_turn = adv_estimator == "tir_optimal_token_baseline"
+        return compute_optimal_token_baseline_advantage(token_level_rewards, response_mask, index, old_log_prob,
+                                                        sum_pi_squared, rollout_is_weights,
+                                                        handle_zero_tail=multi_turn, skip_empty=multi_turn)
     raise ValueError(f"unknown adv_estimator {adv_estimator!r}; use one of {', '.join(ADV_ESTIMATORS)}")
 
 

@@ -459,6 +459,16 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
+def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """sum_j softmax(logits)_j^2 over the last dim: (..., V) -> (...), float32 or wider.
+
+    exp(logsumexp(2 z) - 2 logsumexp(z)) (verl's calculate_sum_pi_squared_from_logits): 1 for a
+    one-hot distribution, 1 / V for a uniform one.
+    """
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * torch.logsumexp(logits, dim=-1))
+
+
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[label] for each position: logits (..., V), labels (...) -> (...).
 

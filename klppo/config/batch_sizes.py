@@ -64,6 +64,13 @@ def uses_reference(cfg: PPOConfig) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
 
 
+def measures_sum_pi_squared(cfg: PPOConfig) -> bool:
+    """Whether pi_old's forward measures each token's sum of squared probabilities: the optimal token
+    baseline reads it, and ``actor.calculate_sum_pi_squared`` asks for it (for the variance proxies)."""
+    return (cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
+            or cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
+
+
 def update_gives_old_log_prob(cfg: PPOConfig, world: int) -> bool:
     """Whether the actor's update gives pi_old's log-probs itself, so that the scoring phase runs
     no forward for them (no ``old_log_prob`` phase): either ``update_forwards_first`` or an
@@ -85,15 +92,16 @@ def on_policy_update(cfg: PPOConfig) -> bool:
     as verl's dp_actor does then ("on_policy") and TRL's GRPOTrainer with one iteration. klppo
     then skips the separate forward where nothing before the update reads pi_old: the actor
     sampled the responses with HF generate (vLLM's and offline data's behaviour log-probs are
-    compared with pi_old, and may correct the update), the KL is not in the reward, and the
-    actor trains from the first step (no critic warm-up). The KL the guard checks before the
+    compared with pi_old, and may correct the update), the KL is not in the reward, pi_old's
+    sum of squared probabilities is not measured (``measures_sum_pi_squared``: the optimal token
+    baseline reads it), and the actor trains from the first step (no critic warm-up). The KL the guard checks before the
     update is measured by the update's forward, before its optimiser step. Any number of
     micro-batches. Where ``update_forwards_first`` holds too, it is used instead.
     """
     arf, algo = cfg.actor_rollout_ref, cfg.algorithm
     one_step = arf.actor.ppo_epochs == 1 and arf.actor.ppo_mini_batch_size >= cfg.data.train_batch_size
     return (one_step and arf.rollout.name == "hf" and not algo.use_kl_in_reward
-            and not (uses_critic(cfg) and cfg.trainer.critic_warmup > 0))
+            and not (uses_critic(cfg) and cfg.trainer.critic_warmup > 0) and not measures_sum_pi_squared(cfg))
 
 
 def longest_sequence(cfg: PPOConfig) -> int:
@@ -127,10 +135,13 @@ def update_forwards_first(cfg: PPOConfig, world: int) -> bool:
     compared with a behaviour policy's (HF generate, or offline data without rollout correction),
     the actor trains from the first step, and neither model's parameters or optimiser state are
     offloaded between phases (the graphs would hold tensors of the device the model left). PF-PPO
-    trains on rows drawn after the advantages, which the forwards run before could not know.
+    trains on rows drawn after the advantages, which the forwards run before could not know; the
+    sum of squared probabilities (``measures_sum_pi_squared``) comes from pi_old's own forward.
     """
     arf, algo, critic = cfg.actor_rollout_ref, cfg.algorithm, uses_critic(cfg)
     if world < 1 or not (algo.use_kl_in_reward or critic) or not _one_optimizer_step(cfg):
+        return False
+    if measures_sum_pi_squared(cfg):
         return False
     if algo.use_pf_ppo and algo.adv_estimator == "gae":
         return False

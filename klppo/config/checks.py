@@ -15,7 +15,9 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from klppo.config.batch_sizes import batch_size_problems, divisor_below, launch_mismatch, world_size
+from klppo.config.batch_sizes import (
+    batch_size_problems, divisor_below, launch_mismatch, measures_sum_pi_squared, world_size,
+)
 from klppo.config.lora import lora_enabled, lora_problems
 from klppo.config.problems import Problem, check_at_least, check_positive
 from klppo.config.group_checks import filter_groups_notes, group_of_one_notes, group_problems
@@ -416,6 +418,14 @@ def _check_rollout_correction(cfg: PPOConfig, out: list[Problem]) -> None:
                            f"trains with its own loss ({key}.loss_type: ppo_clip or reinforce, against the behaviour "
                            f"policy), where verl replaces the loss mode without a word; set bypass_mode=false to "
                            f"train {mode} with the correction's weights, or loss_mode=vanilla"))
+    if rc.bypass_mode and measures_sum_pi_squared(cfg) and cfg.actor_rollout_ref.rollout.name != "hf":
+        why = (f"algorithm.adv_estimator = '{cfg.algorithm.adv_estimator}'"
+               if not cfg.actor_rollout_ref.actor.calculate_sum_pi_squared else f"{ACTOR}.calculate_sum_pi_squared")
+        out.append(Problem((f"{key}.bypass_mode", "algorithm.adv_estimator", f"{ACTOR}.calculate_sum_pi_squared"),
+                           f"{why} needs pi_old's forward (each token's sum of squared probabilities), which "
+                           f"{key}.bypass_mode = true skips (pi_old = the recorded behaviour log-probs); set "
+                           f"bypass_mode=false (decoupled correction: the optimal token baseline then weighs each "
+                           f"token by its squared importance weight)"))
     if rc.rollout_is is not None:
         try:
             parse_is_threshold(rc.rollout_is_threshold)

@@ -10,7 +10,7 @@ ROLLOUT = "actor_rollout_ref.rollout"
 FILTER = "algorithm.filter_groups"
 # Estimators that use the other responses to the same prompt as the baseline.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_vectorized", "rloo_vectorized", "opo",
-                    "grpo_passk", "gpg")
+                    "grpo_passk", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline")
 # Group estimators that cannot run on groups of one (the others give a lone response its raw
 # score, as verl does, with a warning: ``group_of_one_notes``).
 NEEDS_TWO = {"grpo_passk": "it rewards each group's best response by its margin over the second best",

@@ -17,7 +17,8 @@ from klppo.config.rollout import RolloutConfig, ValKwargsConfig  # noqa: F401 (p
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLPenalty = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+"]
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                     "grpo_vectorized", "rloo_vectorized", "opo", "grpo_passk", "gpg", "remax"]
+                     "grpo_vectorized", "rloo_vectorized", "opo", "grpo_passk", "gpg", "remax",
+                     "optimal_token_baseline", "tir_optimal_token_baseline"]
 
 
 @dataclass
@@ -197,6 +198,10 @@ class ActorConfig:
     entropy_from_logits_chunk_size: int = 2048
     # Recompute the entropy in the backward pass instead of keeping its activations.
     entropy_checkpointing: bool = False
+    # Measure each response token's sum of squared probabilities in pi_old's forward: the optimal
+    # token baseline reads it (it is on for those estimators whatever this says), and every step
+    # logs verl's variance_proxy/ metrics from it. pi_old then always has its own forward.
+    calculate_sum_pi_squared: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

@@ -132,8 +132,9 @@ RULES: tuple[tuple, ...] = (
      "parameter of one of verl's policy losses klppo does not have (clip-cov, KL-cov, DRO); klppo's vanilla, gspo, "
      "cispo, gpg and geo_mean take none, sapo takes actor.tau_pos and tau_neg"),
     (("*.loss_scale_factor",), "klppo's seq-mean-token-sum-norm divides by the response length"),
-    (("actor_rollout_ref.actor.calculate_entropy", "actor_rollout_ref.actor.calculate_sum_pi_squared",
-      "actor_rollout_ref.actor.sum_pi_squared_checkpointing"), "klppo always computes and logs the entropy"),
+    (("actor_rollout_ref.actor.calculate_entropy",), "klppo always computes and logs the entropy"),
+    (("actor_rollout_ref.actor.sum_pi_squared_checkpointing",), "klppo measures the sum of squared probabilities "
+     "without a graph (in pi_old's no-grad forward), so there is nothing to checkpoint"),
     (("trainer.wandb_proxy",), "klppo's wandb logger takes the proxy from the environment (HTTPS_PROXY)"),
     (("*.shuffle",), "klppo takes each batch's mini-batches in order (verl's default)"),
     (("*.checkpoint.*",), _CHECKPOINT),
@@ -171,7 +172,4 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     ("actor_rollout_ref.actor.policy_loss.loss_mode", "bypass_mode"):
         "verl's name for the loss of bypass-mode rollout correction; set algorithm.rollout_correction.bypass_mode=true "
         "(with rollout_correction.loss_type) instead",
-    **{("algorithm.adv_estimator", name): "it needs each token's sum of squared probabilities "
-       "(actor.calculate_sum_pi_squared), which klppo does not compute"
-       for name in ("optimal_token_baseline", "tir_optimal_token_baseline")},
 }

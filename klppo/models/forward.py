@@ -35,11 +35,12 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from klppo.algo import entropy_from_logits, logprobs_from_logits
+from klppo.algo import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from klppo.data.batching import PackedBatch, RowSpans, host_to, pack, row_spans, span_index
 from klppo.models.attention import ROW_BOUNDS, ROW_BOUNDS_IMPLEMENTATIONS
 from klppo.models.fused_head import DEFAULT_CHUNK_LOGITS, fused_head_unsupported, fused_lm_head
@@ -180,6 +181,14 @@ class HeadSettings:
         return self.fused if self.fused is not None else fused_head_unsupported(model, device) is None
 
 
+class TokenScores(NamedTuple):
+    """What one forward reads at the response tokens, each (B, T) and 0 on padding (None where not asked)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None  # sum_j pi_j^2 of each token's distribution, measured (no graph)
+
+
 def response_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -204,47 +213,77 @@ def response_logprobs(
     ``entropy_grad=False``: the entropies are measured, not differentiated (no loss term uses
     them), and backward skips their pass over the logits.
     """
+    scores = response_token_scores(model, input_ids, attention_mask, response_length, temperature=temperature,
+                                   with_entropy=with_entropy, entropy_grad=entropy_grad, packed=packed,
+                                   max_tokens=max_tokens, head=head, spans=spans)
+    return scores.log_probs, scores.entropy
+
+
+def response_token_scores(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    with_sum_pi_squared: bool = False,
+    packed: bool = False,
+    max_tokens: int | None = None,
+    head: HeadSettings = HeadSettings(),
+    spans: RowSpans | None = None,
+) -> TokenScores:
+    """``response_logprobs``, and with ``with_sum_pi_squared`` each response token's sum of squared
+    probabilities (verl's ``actor.calculate_sum_pi_squared``, which the optimal token baseline
+    reads) from the same forward, measured without a graph."""
     spans = spans if spans is not None else row_spans(attention_mask)
     groups = _row_groups(spans.lengths, max_tokens) if packed else [slice(None)]
     if len(groups) > 1:
-        parts = [response_logprobs(model, input_ids[g], attention_mask[g], response_length, temperature=temperature,
-                                   with_entropy=with_entropy, entropy_grad=entropy_grad, packed=True, head=head,
-                                   spans=spans.select(g)) for g in groups]
-        return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
+        parts = [response_token_scores(model, input_ids[g], attention_mask[g], response_length, temperature=temperature,
+                                       with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                       with_sum_pi_squared=with_sum_pi_squared, packed=True, head=head,
+                                       spans=spans.select(g)) for g in groups]
+        return TokenScores(*(None if part[0] is None else torch.cat(part) for part in zip(*parts)))
     rows, mask = input_ids.shape[0], attention_mask.bool()
     head = replace(head, fused=head.fused_for(model, input_ids.device))
     fused = partial(fused_lm_head, model, temperature=temperature, chunk_logits=head.chunk_logits,
-                    with_entropy=with_entropy, entropy_grad=entropy_grad, compiled=head.compiled) if head.fused else None
+                    with_entropy=with_entropy, entropy_grad=entropy_grad, with_sum_pi_squared=with_sum_pi_squared,
+                    compiled=head.compiled) if head.fused else None
+    wanted = (True, with_entropy, with_sum_pi_squared)
     if packed:
         out, labels, out_rows, slots = _packed_forward(model, input_ids, mask, response_length, lm=True, spans=spans,
                                                        head=fused)
-        lp, ent = _token_scores(out, labels, temperature, with_entropy, head, entropy_grad)  # (n,)
-        log_probs = torch.zeros(rows, response_length, device=input_ids.device)
-        entropy = torch.zeros_like(log_probs).index_put((out_rows, slots), ent) if with_entropy else None
-        return log_probs.index_put((out_rows, slots), lp), entropy
+        scores = _token_scores(out, labels, temperature, wanted, head, entropy_grad)  # each (n,)
+        blank = torch.zeros(rows, response_length, device=input_ids.device)
+        return TokenScores(*(None if x is None else blank.index_put((out_rows, slots), x) for x in scores))
     out, labels, t = _padded_forward(model, input_ids, mask, response_length, lm=True, spans=spans, head=fused)
-    lp, ent = _token_scores(out, labels, temperature, with_entropy, head, entropy_grad)  # (B, T')
+    scores = _token_scores(out, labels, temperature, wanted, head, entropy_grad)  # each (B, T')
     real = mask[:, -response_length:]  # (B, T)
-    log_probs = torch.where(real, _widen(lp, response_length), 0.0)
-    entropy = torch.where(real, _widen(ent, response_length), 0.0) if with_entropy else None
-    return log_probs, entropy
+    return TokenScores(*(None if x is None else torch.where(real, _widen(x, response_length), 0.0) for x in scores))
 
 
-def _token_scores(out: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool, head: HeadSettings,
-                  entropy_grad: bool = True):
-    """(..., V) logits, or the fused head's (..., 1 or 2) scores -> log-probs (...) and entropies (...) or None."""
-    if head.fused:  # the head's output stacks [log-prob, entropy]; a measured entropy is cut from the graph
-        entropy = (out[..., 1] if entropy_grad else out[..., 1].detach()) if with_entropy else None
-        return out[..., 0], entropy
+def _token_scores(out: torch.Tensor, labels: torch.Tensor, temperature: float, wanted: tuple[bool, bool, bool],
+                  head: HeadSettings, entropy_grad: bool = True) -> tuple:
+    """(..., V) logits, or the fused head's (..., 1 to 3) scores -> log-probs (...), and entropies (...)
+    and sums of squared probabilities (...) where ``wanted`` (log-probs, entropy, sum_pi_squared) asks."""
+    _, with_entropy, with_sum_pi_squared = wanted
+    if head.fused:  # the head's output stacks the wanted columns; a measured entropy is cut from the graph
+        columns = iter(out.unbind(-1))
+        log_probs = next(columns)
+        entropy = next(columns) if with_entropy else None
+        entropy = entropy.detach() if entropy is not None and not entropy_grad else entropy
+        return log_probs, entropy, next(columns) if with_sum_pi_squared else None
     logits = out.float() / temperature
+    squares = sum_pi_squared_from_logits(logits.detach()) if with_sum_pi_squared else None
     if not with_entropy:
-        return logprobs_from_logits(logits, labels), None
+        return logprobs_from_logits(logits, labels), None, squares
     entropy = partial(_chunked_entropy, rows=head.entropy_chunk_rows) if head.entropy_chunking else entropy_from_logits
     if not entropy_grad:
-        return logprobs_from_logits(logits, labels), entropy(logits.detach())
+        return logprobs_from_logits(logits, labels), entropy(logits.detach()), squares
     if head.entropy_checkpointing and logits.requires_grad:
-        return logprobs_from_logits(logits, labels), checkpoint(entropy, logits, use_reentrant=False)
-    return logprobs_from_logits(logits, labels), entropy(logits)
+        return logprobs_from_logits(logits, labels), checkpoint(entropy, logits, use_reentrant=False), squares
+    return logprobs_from_logits(logits, labels), entropy(logits), squares
 
 
 def _chunked_entropy(logits: torch.Tensor, rows: int = 2048) -> torch.Tensor:

@@ -26,6 +26,9 @@ The math per token, with z = (h W^T + b) / temperature in fp32, p = softmax(z):
   d log_prob / dz = onehot(label) - p
   d entropy  / dz = -p * (z - mu)          (from H = -sum p log p)
 so dz = g_lp * onehot - p * (g_lp + g_H * (z - mu)), and d(h W^T + b) = dz / temperature.
+The sum of squared probabilities (the optimal token baseline's input) rides along as one more
+running sum, sum_j p_j^2 = sum_j exp(2 (z_j - m)) / s^2 with s = sum_j exp(z_j - m); it is
+measured, never differentiated.
 
 ``fused_lm_head`` plugs this into a Hugging Face causal LM without calling its parts separately:
 for the duration of one forward, the output embedding's ``forward`` (an instance attribute, so
@@ -67,20 +70,23 @@ def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _fold_slice(z, labels, m, s, t, picked, temperature: float):
+def _fold_slice(z, labels, m, s, t, q, picked, temperature: float):
     """One slice's logits (N, W), in the model's dtype, folded into the running max ``m``, sum of
-    exp(z - m) ``s``, sum of exp(z - m) * z ``t`` (None without entropy) and ``picked`` z[label]
-    (``labels`` relative to the slice): the running-max form of the online softmax. Returns the
-    four new (N,) statistics. Eager, this is 8 passes over the slice in fp32; compiled on CUDA
-    (``_on_device``) inductor fuses them into two reads of the slice."""
+    exp(z - m) ``s``, sum of exp(z - m) * z ``t`` (None without entropy), sum of exp(2 (z - m)) ``q``
+    (None without the sum of squared probabilities) and ``picked`` z[label] (``labels`` relative to
+    the slice): the running-max form of the online softmax. Returns the five new (N,) statistics.
+    Eager, this is 8 passes over the slice in fp32; compiled on CUDA (``_on_device``) inductor
+    fuses them into two reads of the slice."""
     z = _scaled(z, temperature)
     new_m = torch.maximum(m, z.amax(-1))
     scale = torch.exp(m - new_m)  # 0 on the first slice (m = -inf)
     e = torch.sub(z, new_m[:, None]).exp_()
     s = s * scale + e.sum(-1)
+    if q is not None:
+        q = q * scale.square() + e.square().sum(-1)
     if t is not None:
         t = t * scale + e.mul_(z).sum(-1)
-    return new_m, s, t, picked + _at_labels(z, labels)
+    return new_m, s, t, q, picked + _at_labels(z, labels)
 
 
 def _slice_grad(z, labels, lse, mu, g_lp, g_ent, temperature: float) -> torch.Tensor:
@@ -131,46 +137,52 @@ def _compiles(compiled: bool | None, tensor: torch.Tensor) -> bool:
 
 
 class _ChunkedHead(torch.autograd.Function):
-    """(hidden (N, H), weight (V, H), bias (V,) | None, labels (N,)) -> log-probs (N,) [, entropies (N,)]."""
+    """(hidden (N, H), weight (V, H), bias (V,) | None, labels (N,)) -> log-probs (N,) [, entropies (N,)]
+    [, sums of squared probabilities (N,), never differentiable]."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature: float, chunk_logits: int, with_entropy: bool,
-                entropy_grad: bool = True, compiled: bool | None = None):
+                entropy_grad: bool = True, compiled: bool | None = None, with_sum_pi_squared: bool = False):
         n, vocab = hidden.shape[0], weight.shape[0]
         width = _slice_width(n, vocab, chunk_logits)
         m = hidden.new_full((n,), float("-inf"), dtype=torch.float32)  # running max of z
         s = torch.zeros_like(m)  # running sum of exp(z - m)
         t = torch.zeros_like(m) if with_entropy else None  # running sum of exp(z - m) * z
+        q = torch.zeros_like(m) if with_sum_pi_squared else None  # running sum of exp(2 (z - m))
         picked = torch.zeros_like(m)  # z[label]
         ctx.logits = None  # (N, V) fp32 logits / temperature of the one slice, kept for backward
         if _keeps_logits(width, vocab, any(ctx.needs_input_grad[:3]), compiled, hidden):
             ctx.logits = _scaled(_slice_logits(hidden, weight, bias, 0, width), temperature)  # what _fold_slice makes
-            m, s, t, picked = _fold_slice(ctx.logits, labels, m, s, t, picked, 1.0)
+            m, s, t, q, picked = _fold_slice(ctx.logits, labels, m, s, t, q, picked, 1.0)
         for start in range(0, vocab, width) if ctx.logits is None else ():
             z = _slice_logits(hidden, weight, bias, start, width)  # (N, W)
-            m, s, t, picked = _on_device(_fold_slice, compiled, z, labels - start, m, s, t, picked, temperature)
+            m, s, t, q, picked = _on_device(_fold_slice, compiled, z, labels - start, m, s, t, q, picked, temperature)
         lse = m + s.log()
         mu = t / s if with_entropy else None
         ctx.save_for_backward(hidden, weight, bias, labels, lse, mu)
         ctx.temperature, ctx.width, ctx.compiled = temperature, width, compiled
         ctx.set_materialize_grads(False)
-        log_probs = picked - lse
-        if not with_entropy:
-            return log_probs
-        entropy = lse - mu
-        if not entropy_grad:  # measured only: backward gets no gradient for it and skips its term
-            ctx.mark_non_differentiable(entropy)
-        return log_probs, entropy
+        ctx.with_entropy = with_entropy
+        outputs = [picked - lse]
+        if with_entropy:
+            outputs.append(lse - mu)
+            if not entropy_grad:  # measured only: backward gets no gradient for it and skips its term
+                ctx.mark_non_differentiable(outputs[-1])
+        if with_sum_pi_squared:  # sum_j p_j^2 = sum_j exp(2 (z_j - m)) / s^2: a measurement, never differentiated
+            outputs.append(q / s.square())
+            ctx.mark_non_differentiable(outputs[-1])
+        return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy=None):
+    def backward(ctx, grad_log_probs, *grad_measured):
+        grad_entropy = grad_measured[0] if ctx.with_entropy else None
         hidden, weight, bias, labels, lse, mu = ctx.saved_tensors
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden, dtype=torch.float32) if want_h else None  # summed over slices
         grad_w = torch.zeros_like(weight) if want_w else None  # one slice of rows at a time
         grad_b = torch.zeros_like(bias) if want_b else None
         if grad_log_probs is None and grad_entropy is None:
-            return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None, None
+            return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None, None, None
         for start in range(0, weight.shape[0], ctx.width):
             cols = slice(start, start + ctx.width)
             if ctx.logits is not None:  # the one slice's, kept: _slice_grad on them without its _scaled
@@ -186,7 +198,7 @@ class _ChunkedHead(torch.autograd.Function):
                 grad_b[cols] = dz.float().sum(0)
             if want_h:
                 _accumulate(grad_h, dz, weight[cols])
-        return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None, None
+        return _as(grad_h, hidden), grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def _at_labels(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -249,11 +261,35 @@ def chunked_logprobs(
     term, one pass less over each slice's logits.
     ``compiled``: each slice's elementwise work compiled by torch.compile (None: on CUDA; ``_on_device``).
     """
+    log_probs, entropy, _ = chunked_token_scores(hidden, weight, labels, bias=bias, temperature=temperature,
+                                                 chunk_logits=chunk_logits, with_entropy=with_entropy,
+                                                 entropy_grad=entropy_grad, compiled=compiled)
+    return log_probs, entropy
+
+
+def chunked_token_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_logits: int = DEFAULT_CHUNK_LOGITS,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    with_sum_pi_squared: bool = False,
+    compiled: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``chunked_logprobs``, and with ``with_sum_pi_squared`` each token's sum of squared
+    probabilities sum_j softmax(z)_j^2 (N,) from the same pass over the slices (one more running
+    sum; measured, never differentiable)."""
     if chunk_logits < 1:
         raise ValueError(f"chunk_logits={chunk_logits}: the logits per chunk must be at least 1")
     out = _ChunkedHead.apply(hidden, weight, bias, labels, float(temperature), int(chunk_logits), with_entropy,
-                             entropy_grad, compiled)
-    return out if with_entropy else (out, None)
+                             entropy_grad, compiled, with_sum_pi_squared)
+    out = list(out) if isinstance(out, tuple) else [out]
+    log_probs, entropy = out.pop(0), out.pop(0) if with_entropy else None
+    return log_probs, entropy, out.pop(0) if with_sum_pi_squared else None
 
 
 # What the output embedding returns in the probe forward: 1.0 first, so the scale is read off
@@ -350,11 +386,12 @@ def fused_lm_head(
     chunk_logits: int = DEFAULT_CHUNK_LOGITS,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    with_sum_pi_squared: bool = False,
     compiled: bool | None = None,
 ) -> Iterator[None]:
-    """While open, ``model(...).logits`` is (..., 2) [log-prob, entropy] (or (..., 1) [log-prob])
-    of ``labels`` at the positions the head sees, instead of (..., V) logits (``entropy_grad``:
-    as ``chunked_logprobs``').
+    """While open, ``model(...).logits`` is (..., 1 to 3) [log-prob, entropy if ``with_entropy``, sum
+    of squared probabilities if ``with_sum_pi_squared``] of ``labels`` at the positions the head
+    sees, instead of (..., V) logits (``entropy_grad``: as ``chunked_logprobs``').
 
     ``labels`` has the shape of the head's input without the hidden dim (what ``logits_to_keep``
     selects): (B, T') for the padded path, (1, n) or (n,) for a packed row. One forward only.
@@ -369,14 +406,15 @@ def fused_lm_head(
     head, scale = model.get_output_embeddings(), head_logit_scale(model, labels.device)
     calls = []
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., 1 or 2)
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., 1 to 3)
         assert not calls, "fused_lm_head serves one forward; open it again for the next"
         calls.append(1)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        lp, ent = chunked_logprobs(flat, head.weight, labels.reshape(-1), bias=head.bias,
-                                   temperature=temperature / scale, chunk_logits=chunk_logits, with_entropy=with_entropy,
-                                   entropy_grad=entropy_grad, compiled=compiled)
-        out = torch.stack([lp, ent], -1) if with_entropy else lp[:, None]
+        scores = chunked_token_scores(flat, head.weight, labels.reshape(-1), bias=head.bias,
+                                      temperature=temperature / scale, chunk_logits=chunk_logits,
+                                      with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                      with_sum_pi_squared=with_sum_pi_squared, compiled=compiled)
+        out = torch.stack([score for score in scores if score is not None], -1)
         out = out if scale == 1.0 else out / scale
         return out.view(*hidden.shape[:-1], out.shape[-1])
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from klppo.algo import (
-    explained_variance, masked_mean, rollout_probs_diff_metrics, zero_advantage_fraction, zero_std_group_fraction,
+    explained_variance, masked_mean, rollout_probs_diff_metrics, score_norms, zero_advantage_fraction,
+    zero_std_group_fraction,
 )
 from klppo.rollout.batch import RolloutBatch
 
@@ -81,4 +82,40 @@ def compute_throughput_metrics(batch: RolloutBatch, step_seconds: float, n_devic
         "perf/total_num_tokens": float(total_tokens),
         "perf/time_per_step": step_seconds,
         "perf/throughput": total_tokens / max(step_seconds, 1e-9) / n_devices,
+    }
+
+
+def variance_proxy_metrics(advantages: torch.Tensor, response_mask: torch.Tensor, old_log_prob: torch.Tensor,
+                           sum_pi_squared: torch.Tensor, rollout_is_weights: Optional[torch.Tensor] = None,
+                           grad_norm: Optional[float] = None) -> dict[str, float]:
+    """verl's ``variance_proxy/`` metrics of a step: how much of the policy gradient is noise.
+
+    Per response, A its mean advantage over real tokens and W = sum_t w_t its score-norm proxy;
+    ``proxy2_total_power`` E[A^2 W] approximates E[||g_i||^2] (with rollout correction, the
+    mean weight squared times the unweighted W); ``proxy1_signal_strength`` is ||g||^2, the
+    actor's gradient norm squared (0 without one); ``proxy3_pure_noise`` (proxy2 - proxy1) /
+    (B - 1), at least 0, the variance of the batch's mean gradient.
+    """
+    mask = response_mask.bool()
+    real = mask.sum(-1).clamp(min=1)
+    adv = torch.where(mask, advantages, 0.0).sum(-1) / real  # (B,)
+    w = torch.where(mask, score_norms(old_log_prob, sum_pi_squared), 0.0).sum(-1)  # (B,), unweighted
+    if rollout_is_weights is None:
+        power = (adv.square() * w.clamp(min=0.0)).mean()
+        w_logged = w
+    else:  # verl divides the weighted w by rho^2 (at least 1e-10) again: tokens with rho = 0 drop out
+        rho = torch.where(mask, rollout_is_weights, 0.0).sum(-1) / real
+        weighted = torch.where(mask, score_norms(old_log_prob, sum_pi_squared, rollout_is_weights), 0.0)
+        unweighted = (weighted / rollout_is_weights.square().clamp(min=1e-10)).sum(-1)
+        power = (rho.square() * adv.square() * unweighted.clamp(min=0.0)).mean()
+        w_logged = weighted.sum(-1)
+    signal = 0.0 if grad_norm is None else float(grad_norm) ** 2
+    power = float(power)  # host sync
+    noise = max(0.0, (power - signal) / (len(adv) - 1)) if grad_norm is not None and len(adv) > 1 else 0.0
+    return {
+        "variance_proxy/proxy1_signal_strength": signal,
+        "variance_proxy/proxy2_total_power": power,
+        "variance_proxy/proxy3_pure_noise": noise,
+        "variance_proxy/expected_a_squared": float(adv.square().mean()),
+        "variance_proxy/expected_w": float(w_logged.mean()),
     }

@@ -44,6 +44,9 @@ class RolloutBatch:
     has_rollout_log_probs: Optional[torch.Tensor] = None  # (B,) bool: the rows whose response has them
 
     old_log_prob: Optional[torch.Tensor] = None  # (B, T) actor log-probs before the update
+    # (B, T) sum_v pi_old(v)^2 of each response token's distribution, where measured
+    # (``config.batch_sizes.measures_sum_pi_squared``): the optimal token baseline reads it.
+    sum_pi_squared: Optional[torch.Tensor] = None
     ref_log_prob: Optional[torch.Tensor] = None  # (B, T) reference log-probs
     values: Optional[torch.Tensor] = None  # (B, T) critic values before the update
     token_level_scores: Optional[torch.Tensor] = None  # (B, T) score at the last response token

@@ -17,8 +17,8 @@ import torch
 
 from klppo.config import PPOConfig
 from klppo.config.batch_sizes import (
-    batch_size_problems, on_policy_update, shard_chunk_rows, update_forwards_first, update_sizes, uses_critic,
-    uses_reference,
+    batch_size_problems, measures_sum_pi_squared, on_policy_update, shard_chunk_rows, update_forwards_first,
+    update_sizes, uses_critic, uses_reference,
 )
 from klppo.config.group_checks import GROUP_ESTIMATORS
 from klppo.config.rollout_correction import rollout_correction_active
@@ -119,6 +119,8 @@ class ForwardSettings:
     old_log_prob_from_update: bool = False  # no forward: the actor's update gives pi_old (``on_policy``)
     # Nor for the values: the updates' forwards run first and give both (``update_forwards_first``).
     update_forwards_first: bool = False
+    # pi_old's forward also measures each token's sum of squared probabilities (``measures_sum_pi_squared``).
+    sum_pi_squared: bool = False
 
 
 @dataclass(frozen=True)
@@ -436,6 +438,7 @@ def _forwards(cfg: PPOConfig, world_size: int) -> ForwardSettings:
         old_log_prob_from_rollout=rollout_correction_settings(cfg).bypass_mode,
         old_log_prob_from_update=update_forwards_first(cfg, world_size) or on_policy_update(cfg),
         update_forwards_first=update_forwards_first(cfg, world_size),
+        sum_pi_squared=measures_sum_pi_squared(cfg),
     )
 
 

@@ -1,5 +1,8 @@
 """Step 5 of a PPO iteration: advantages and returns, and PF-PPO's redrawn batch.
 
+The optimal token baseline reads pi_old's log-probs and sums of squared probabilities, and with
+rollout correction's importance weights (decoupled mode) scales each token's weight by their square.
+
 PF-PPO (``algorithm.use_pf_ppo``, with GAE as in verl) trains each step on a batch of the same
 size drawn with replacement from the step's responses, each weighted by its score
 (``algo.pf_ppo_weights``): a response whose reward is more reliable is trained on more often.
@@ -13,8 +16,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from klppo.algo import compute_advantage, pf_ppo_sample
+from klppo.algo import OTB_ESTIMATORS, compute_advantage, pf_ppo_sample
 from klppo.rollout.batch import RolloutBatch
+from klppo.trainer.rollout_correction import step_is_weights
 
 if TYPE_CHECKING:
     from klppo.run.build import PPOParts
@@ -24,10 +28,12 @@ def estimate_advantages(parts: PPOParts, batch: RolloutBatch, reward_baselines: 
                         ) -> tuple[RolloutBatch, dict[str, float]]:
     """(the batch with its advantages and returns, or PF-PPO's draw of it; PF-PPO's metrics)."""
     adv = parts.settings.advantage
+    otb = adv.estimator in OTB_ESTIMATORS
     batch.advantages, batch.returns = compute_advantage(
         adv.estimator, batch.token_level_rewards, batch.response_mask, batch.group_index, values=batch.values,
         gamma=adv.gamma, lam=adv.lam, norm_adv_by_std_in_grpo=adv.norm_adv_by_std_in_grpo,
-        reward_baselines=reward_baselines)
+        reward_baselines=reward_baselines, old_log_prob=batch.old_log_prob, sum_pi_squared=batch.sum_pi_squared,
+        rollout_is_weights=step_is_weights(batch, parts.settings.actor.rollout_correction) if otb else None)
     if adv.pf_ppo is None:
         return batch, {}
     pf = adv.pf_ppo

@@ -19,7 +19,7 @@ from klppo.data.batching import (
     MicroBatching, RowSpans, micro_batch_plan, rank_shards, restore_order, row_chunks, row_spans,
 )
 from klppo.distributed import all_gather_objects, all_gather_rows, all_reduce_max_int
-from klppo.models.forward import HeadSettings, response_logprobs, response_values, sequence_scores
+from klppo.models.forward import HeadSettings, response_token_scores, response_values, sequence_scores
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rewards.distill import group_ranking_rewards
 from klppo.rewards.overlong import OverlongPenalty, overlong_components, overlong_rewards
@@ -87,13 +87,27 @@ def _forward_in_parts(batch: RolloutBatch, forward: Callable[[RolloutBatch, RowS
 def compute_log_prob(model, batch: RolloutBatch, split: MicroBatching, *, temperature: float,
                      head: HeadSettings = HeadSettings()) -> torch.Tensor:
     """(B, T) response log-probs under ``model``, a micro-batch (rows or token budget) at a time."""
+    return _log_prob_in_parts(model, batch, split, temperature, head, with_sum_pi_squared=False)[..., 0]
+
+
+@torch.no_grad()
+def compute_log_prob_and_sum_pi_squared(model, batch: RolloutBatch, split: MicroBatching, *, temperature: float,
+                                        head: HeadSettings = HeadSettings()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compute_log_prob``, and each response token's sum of squared probabilities (B, T) from the same forwards."""
+    scores = _log_prob_in_parts(model, batch, split, temperature, head, with_sum_pi_squared=True)
+    return scores[..., 0].contiguous(), scores[..., 1].contiguous()
+
+
+def _log_prob_in_parts(model, batch: RolloutBatch, split: MicroBatching, temperature: float, head: HeadSettings,
+                       with_sum_pi_squared: bool) -> torch.Tensor:
+    """(B, T, 1 or 2): the log-probs, and the sums of squared probabilities where asked."""
     model.eval()
 
     def forward(micro: RolloutBatch, spans: RowSpans) -> torch.Tensor:
-        log_prob, _ = response_logprobs(model, micro.input_ids, micro.attention_mask, micro.response_length,
-                                        temperature=temperature, packed=split.packed, max_tokens=split.max_tokens,
-                                        head=head, spans=spans)
-        return log_prob
+        scores = response_token_scores(model, micro.input_ids, micro.attention_mask, micro.response_length,
+                                       temperature=temperature, with_sum_pi_squared=with_sum_pi_squared,
+                                       packed=split.packed, max_tokens=split.max_tokens, head=head, spans=spans)
+        return torch.stack([scores.log_probs, *([scores.sum_pi_squared] if with_sum_pi_squared else [])], -1)
 
     return _forward_in_parts(batch, forward, split)
 
@@ -197,6 +211,11 @@ def score_log_probs(parts: PPOParts, batch: RolloutBatch, shards: StepShards, ti
     if f.old_log_prob_from_rollout:  # rollout correction's bypass mode: pi_old is the recorded mu
         assert batch.rollout_log_probs is not None, "the reader requires rollout_log_probs in bypass mode"
         batch.old_log_prob = batch.rollout_log_probs.to(batch.response_mask.device)
+    elif f.sum_pi_squared:
+        with timer.phase("old_log_prob"), resident("actor"):
+            measured = compute_log_prob_and_sum_pi_squared(parts.actor, mine, f.old_log_prob,
+                                                           temperature=f.temperature, head=f.head)
+            batch.old_log_prob, batch.sum_pi_squared = (shards.gather(x) for x in measured)
     elif not f.old_log_prob_from_update:
         with timer.phase("old_log_prob"), resident("actor"):
             batch.old_log_prob = shards.gather(compute_log_prob(parts.actor, mine, f.old_log_prob,

@@ -165,7 +165,7 @@ class PPOTrainer:
                     metrics.update(updated)
                     action = self._guard_after_update(metrics, steps)
         # step 8. metrics
-        metrics.update(data_metrics(p, batch, kl, self.guard))
+        metrics.update(data_metrics(p, batch, kl, self.guard, metrics.get("actor/grad_norm")))
         metrics.update(timer.metrics())
         metrics.update(memory_metrics(timer, self.setup_peak_gb))
         self.setup_peak_gb = None  # the setup's peak is logged with the first step only

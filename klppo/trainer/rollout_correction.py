@@ -64,6 +64,16 @@ def with_rollout_correction(batch: RolloutBatch, s: RolloutCorrectionSettings
                                loss_mask=my_rows(keep)), metrics
 
 
+def step_is_weights(batch: RolloutBatch, s: RolloutCorrectionSettings) -> torch.Tensor | None:
+    """Decoupled mode's importance weights (B, T) over a batch every rank holds whole, as the
+    update applies them (``with_rollout_correction``), for what reads them before it (the optimal
+    token baseline, verl's ``rollout_is_weights`` there); None where no weights apply."""
+    if batch.rollout_log_probs is None or s.bypass_mode or s.rollout_is is None:
+        return None
+    mask = batch.response_mask & batch.has_rollout_log_probs[:, None]
+    return _correct(batch.old_log_prob, batch.rollout_log_probs, mask, s)[0]
+
+
 def policy_loss(micro: RolloutBatch, log_prob: torch.Tensor, s: ActorUpdateSettings, counts: dict
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of one micro-batch: the one ``policy_loss.loss_mode`` names (with the weights

@@ -15,23 +15,33 @@ import torch
 from klppo.data.batching import seqlen_balance_metrics
 from klppo.distributed import max_over_ranks
 from klppo.monitoring.flops import UpdateWork, decoder_weights_per_token, update_efficiency_metrics
-from klppo.monitoring.metrics import compute_data_metrics, compute_throughput_metrics, reward_component_metrics
+from klppo.monitoring.metrics import (
+    compute_data_metrics, compute_throughput_metrics, reward_component_metrics, variance_proxy_metrics,
+)
 from klppo.monitoring.timer import PEAK_MEMORY, PhaseTimer
 from klppo.rollout.batch import RolloutBatch
 from klppo.safety.guards import RunGuard
+from klppo.trainer.rollout_correction import step_is_weights
 
 if TYPE_CHECKING:
     from klppo.run.build import PPOParts
     from klppo.trainer.forwards import StepShards
 
 
-def data_metrics(parts: PPOParts, batch: RolloutBatch, kl: float | None, guard: RunGuard) -> dict:
-    """The batch's metrics (verl's names), the response length's trend and the reward's components.
+def data_metrics(parts: PPOParts, batch: RolloutBatch, kl: float | None, guard: RunGuard,
+                 grad_norm: float | None = None) -> dict:
+    """The batch's metrics (verl's names), the response length's trend and the reward's components,
+    and verl's ``variance_proxy/`` metrics where pi_old's sums of squared probabilities were measured
+    (``grad_norm``: the actor's, where it stepped).
 
     Offline, the batch's own log-ratio is a KL of the recorded responses, not of the policy: it is
     logged as ``actor/kl_to_ref_recorded``, and ``actor/kl_to_ref`` is the step's measured ``kl``."""
     s = parts.settings
     metrics = compute_data_metrics(batch, s.response_length, grouped=s.advantage.grouped)
+    if batch.sum_pi_squared is not None and batch.advantages is not None:
+        weights = step_is_weights(batch, s.actor.rollout_correction)
+        metrics.update(variance_proxy_metrics(batch.advantages, batch.response_mask, batch.old_log_prob,
+                                              batch.sum_pi_squared, weights, grad_norm))
     metrics["response_length/mean_trend"] = guard.observe_response_length(
         float(metrics["response_length/mean"]))  # host sync
     if batch.reward_components is not None:

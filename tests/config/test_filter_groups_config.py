@@ -42,7 +42,7 @@ def test_dynamic_sampling_compiles_into_its_sizes(metric):
 def test_dynamic_sampling_needs_a_group_estimator():
     message = problems_of(f"{FG}.enable=true")  # adv_estimator: gae
     assert f"{FG}.enable needs a group estimator (grpo, rloo, reinforce_plus_plus_baseline, grpo_vectorized, " \
-           "rloo_vectorized, opo, grpo_passk, gpg), not " \
+           "rloo_vectorized, opo, grpo_passk, gpg, optimal_token_baseline, tir_optimal_token_baseline), not " \
            "algorithm.adv_estimator = 'gae'" in message and "set algorithm.adv_estimator=grpo" in message
 
 

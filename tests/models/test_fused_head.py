@@ -25,10 +25,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from klppo.algo import entropy_from_logits, logprobs_from_logits
+from klppo.algo import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from klppo.errors import UserError
-from klppo.models.forward import HeadSettings, position_ids_from_mask, response_logprobs
-from klppo.models.fused_head import chunked_logprobs, fused_lm_head, head_logit_scale
+from klppo.models.forward import HeadSettings, position_ids_from_mask, response_logprobs, response_token_scores
+from klppo.models.fused_head import chunked_logprobs, chunked_token_scores, fused_lm_head, head_logit_scale
 from klppo.models.tiny import tiny_model_config
 
 HERE = Path(__file__).parent
@@ -87,6 +87,32 @@ def test_chunked_head_equals_the_naive_path_in_values_and_gradients(seed, temper
     got = torch.autograd.grad(_loss(lp_c, ent_c, g, uses), inputs)
     for name, a, b in zip(["hidden", "weight", "bias"], got, expected):
         torch.testing.assert_close(a, b, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_the_sum_of_squared_probabilities_comes_from_the_same_pass_measured_and_leaves_the_gradients_alone(
+        seed, temperature):
+    hidden, weight, bias, labels, g, chunk = _case(seed, with_bias=seed % 2 == 0)
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+    logits = F.linear(hidden, weight, bias).float() / temperature
+    lp, ent, squares = chunked_token_scores(hidden, weight, labels, bias=bias, temperature=temperature,
+                                            chunk_logits=chunk, with_entropy=seed % 2 == 1, with_sum_pi_squared=True)
+    torch.testing.assert_close(squares, torch.softmax(logits, -1).square().sum(-1), **TOL)
+    torch.testing.assert_close(squares, sum_pi_squared_from_logits(logits), **TOL)
+    assert not squares.requires_grad and (ent is None) == (seed % 2 == 0)
+    got = torch.autograd.grad((lp * g).sum(), inputs)
+    expected = torch.autograd.grad((logprobs_from_logits(logits, labels) * g).sum(), inputs)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_sum_of_squared_probabilities_is_one_over_v_for_a_uniform_distribution_and_one_for_a_certain_one():
+    v = 50
+    assert sum_pi_squared_from_logits(torch.zeros(3, v)).allclose(torch.full((3,), 1 / v))
+    certain = torch.full((1, v), -1e4)
+    certain[0, 7] = 0.0
+    assert sum_pi_squared_from_logits(certain).item() == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -254,6 +280,24 @@ def test_fused_head_gives_the_unfused_log_probs_entropies_and_parameter_gradient
     assert grads_f.keys() == grads.keys()
     for name in grads:
         torch.testing.assert_close(grads_f[name], grads[name], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_a_models_sums_of_squared_probabilities_are_the_same_fused_or_not_packed_or_padded(packed, with_entropy):
+    model, (ids, mask, width) = _model(tied=False), _batch()
+    with torch.no_grad():
+        reference = response_token_scores(model, ids, mask, width, temperature=0.7, with_sum_pi_squared=True,
+                                          head=HeadSettings(fused=False))
+        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask)).logits
+        by_hand = torch.softmax(logits[:, -width - 1:-1].float() / 0.7, -1).square().sum(-1)
+        torch.testing.assert_close(reference.sum_pi_squared, torch.where(mask[:, -width:], by_hand, 0.0), **TOL)
+        for head in (HeadSettings(fused=False), HeadSettings(fused=True, chunk_logits=40)):
+            got = response_token_scores(model, ids, mask, width, temperature=0.7, with_entropy=with_entropy,
+                                        with_sum_pi_squared=True, packed=packed, head=head)
+            torch.testing.assert_close(got.sum_pi_squared, reference.sum_pi_squared, **TOL)
+            torch.testing.assert_close(got.log_probs, reference.log_probs, **TOL)
+            assert (got.entropy is not None) == with_entropy
 
 
 def test_fused_head_works_with_gradient_checkpointing_and_split_packed_rows():

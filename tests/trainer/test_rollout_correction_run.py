@@ -170,3 +170,19 @@ def test_offline_kl_is_importance_weighted_when_the_data_has_behaviour_log_probs
                                           "algorithm.kl_ctrl.offline_kl": "sampled", "algorithm.kl_ctrl.probe_every": 1}),
                      print_fn=quiet)[-1]
     assert sampled["actor/kl_to_ref"] == sampled["actor/kl_to_ref_sampled"]
+
+
+def test_the_optimal_token_baseline_weighs_tokens_by_the_corrections_squared_weights(ppo_overrides, scored_file,
+                                                                                    monkeypatch):
+    import klppo.algo.advantages as advantages
+
+    given, otb = [], advantages.compute_optimal_token_baseline_advantage
+    monkeypatch.setattr(advantages, "compute_optimal_token_baseline_advantage",
+                        lambda *args, **kwargs: given.append(args[5]) or otb(*args, **kwargs))
+    records = run_ppo(None, ppo_overrides(**{"data.train_files": scored_file, **CORRECTED,
+                                             "algorithm.adv_estimator": "optimal_token_baseline",
+                                             "algorithm.use_kl_in_reward": "false"}), print_fn=quiet)
+    # the weights the update applies (truncated at 1.2), over the whole step's batch
+    assert len(given) == 2 and all(w is not None and 0 < w.max() <= 1.2 for w in given)
+    assert given[0].max() == pytest.approx(1.2)
+    assert all("variance_proxy/proxy2_total_power" in r and "rollout_corr/rollout_is_mean" in r for r in records)
