@@ -86,8 +86,8 @@ def compute_throughput_metrics(batch: RolloutBatch, step_seconds: float, n_devic
 
 
 def variance_proxy_metrics(advantages: torch.Tensor, response_mask: torch.Tensor, old_log_prob: torch.Tensor,
-                           sum_pi_squared: torch.Tensor, rollout_is_weights: Optional[torch.Tensor] = None,
-                           grad_norm: Optional[float] = None) -> dict[str, float]:
+                           sum_pi_squared: torch.Tensor, rollout_is_weights: torch.Tensor | None = None,
+                           grad_norm: float | None = None) -> dict[str, float]:
     """verl's ``variance_proxy/`` metrics of a step: how much of the policy gradient is noise.
 
     Per response, A its mean advantage over real tokens and W = sum_t w_t its score-norm proxy;

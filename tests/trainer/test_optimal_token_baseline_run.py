@@ -3,7 +3,6 @@ pi_old's forward measures each token's sum of squared probabilities, the advanta
 returns less the per-position baseline of those numbers, and the variance proxies are logged."""
 
 import pytest
-import torch
 
 from klppo.algo import compute_optimal_token_baseline_advantage
 from klppo.commands.main_ppo import run_ppo
