@@ -124,7 +124,7 @@ def _note_rollout_correction(cfg: PPOConfig, notes: list[str]) -> None:
 
 # verl's loggers that klppo does not have: dropped from trainer.logger with one warning (the run's
 # metrics.jsonl holds every step's metrics either way). verl's deprecated "tracking" is its wandb.
-VERL_ONLY_LOGGERS = ("mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio", "file")
+VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml", "trackio", "file")
 
 
 def _resolve_trainer(trainer: TrainerConfig | SFTTrainerConfig, notes: list[str]) -> None:
@@ -135,7 +135,7 @@ def _resolve_trainer(trainer: TrainerConfig | SFTTrainerConfig, notes: list[str]
     if dropped:
         trainer.logger = [name for name in trainer.logger if name not in VERL_ONLY_LOGGERS]
         notes.append(f"warning: trainer.logger {', '.join(repr(name) for name in dropped)} has no effect: a logger "
-                     "of verl's that klppo does not have (klppo logs to console, jsonl, tensorboard and wandb); "
+                     "of verl's that klppo does not have (klppo logs to console, jsonl, tensorboard, wandb and mlflow); "
                      "every step's metrics are in metrics.jsonl in the run folder")
     if trainer.default_local_dir is None:
         trainer.default_local_dir = f"checkpoints/{trainer.project_name}/{trainer.experiment_name}"

@@ -1,4 +1,4 @@
-"""Optional metric sinks besides ``metrics.jsonl``: TensorBoard and Weights & Biases.
+"""Optional metric sinks besides ``metrics.jsonl``: TensorBoard, Weights & Biases and MLflow.
 
 Each is built from a ``trainer.logger`` entry. The package behind it is optional; a run that
 names one that is not installed fails when its logger is built (before training) with the
@@ -9,15 +9,19 @@ config checks can ask ``missing_package`` without paying for either.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
+import time
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from klppo.errors import UserError
 from klppo.monitoring.generations import GENERATIONS_KEY, Generation
 
 # trainer.logger entries and the package each needs (None: nothing beyond klppo's own).
-LOGGER_PACKAGES: dict[str, str | None] = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}
+LOGGER_PACKAGES: dict[str, str | None] = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb",
+                                          "mlflow": "mlflow"}
 TENSORBOARD_DIR = "tensorboard"
 
 
@@ -111,10 +115,97 @@ class WandbBackend:
         self.run.finish()
 
 
+# MLflow's limits: characters a metric key may hold, and a parameter value's length.
+_MLFLOW_KEY_INVALID = re.compile(r"[^/\w.\- :]")
+_MLFLOW_PARAM_CHARS = 6000
+
+
+def mlflow_key(key: str) -> str:
+    """A metric name MLflow accepts, as verl's adapter writes it: ``@`` as ``_at_``, runs of slashes as
+    one, any other character MLflow refuses as ``_`` (``val-core/gsm8k/acc/mean@4`` -> ``..._at_4``)."""
+    return _MLFLOW_KEY_INVALID.sub("_", re.sub("/+", "/", key.replace("@", "_at_")))
+
+
+def mlflow_params(config: Mapping | None) -> dict[str, str]:
+    """The run's config as MLflow parameters: dotted paths joined by ``/`` (verl's), a list as its
+    length and its items by index, each value at most MLflow's 6,000 characters."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}" if prefix else str(key), item)
+        elif isinstance(value, (list, tuple)):
+            flat[f"{prefix}/list_len"] = str(len(value))
+            for i, item in enumerate(value):
+                walk(f"{prefix}/{i}", item)
+        else:
+            flat[prefix] = str(value)[:_MLFLOW_PARAM_CHARS]
+
+    walk("", dict(config or {}))
+    return flat
+
+
+class MlflowBackend:
+    """An MLflow run: the step's metrics (keys made valid, ``mlflow_key``), the config as parameters
+    and each validation's generations as a JSON artifact (verl's ``val_step<N>.json``).
+
+    Where it goes: ``MLFLOW_TRACKING_URI`` (a server, a database), or by default a SQLite store in
+    the run folder (``sqlite:///<run_dir>/mlflow.db``, artifacts in ``<run_dir>/mlruns``: read it with
+    ``mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db``), so a run needs no server. The
+    experiment is ``trainer.project_name`` and the run ``trainer.experiment_name``, as in verl;
+    ``MLFLOW_RUN_ID`` (set by Azure ML or Databricks) attaches to that run instead.
+    """
+
+    BATCH = 1000  # metrics per log_batch call (MLflow's limit)
+
+    def __init__(self, run_dir: Path, project_name: str, experiment_name: str, config: Mapping | None) -> None:
+        try:
+            from mlflow.entities import Param
+            from mlflow.tracking import MlflowClient
+        except ImportError as exc:
+            raise UserError(install_hint("mlflow")) from exc
+        run_dir.mkdir(parents=True, exist_ok=True)
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+        if uri.startswith("sqlite:") and importlib.util.find_spec("sqlalchemy") is None:
+            raise UserError(f"trainer.logger entry 'mlflow' writes to {uri}, which needs the sqlalchemy package: "
+                            "pip install mlflow (or pip install sqlalchemy alembic beside mlflow-skinny), or set "
+                            "MLFLOW_TRACKING_URI to a tracking server")
+        self.client = MlflowClient(tracking_uri=uri)
+        if os.environ.get("MLFLOW_RUN_ID"):
+            self.run_id = os.environ["MLFLOW_RUN_ID"]
+        else:
+            experiment = self.client.get_experiment_by_name(project_name)
+            experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(
+                project_name, artifact_location=(run_dir.resolve() / "mlruns").as_uri()
+                if "MLFLOW_TRACKING_URI" not in os.environ else None)
+            self.run_id = self.client.create_run(experiment_id, run_name=experiment_name).info.run_id
+        params = [Param(k, v) for k, v in mlflow_params(config).items()]
+        for start in range(0, len(params), 100):  # MLflow takes 100 parameters per call
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
+
+    def log(self, step: int, record: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(mlflow_key(k), float(v), now, step) for k, v in record.items() if k != "step"]
+        for start in range(0, len(metrics), self.BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + self.BATCH])
+
+    def log_generations(self, step: int, generations: Sequence[Generation]) -> None:
+        """verl's artifact: ``val_step<step>.json``, a list of each response's input, output and score."""
+        rows = [{"input": g.input, "output": g.output, "score": g.score} for g in generations]
+        self.client.log_text(self.run_id, json.dumps(rows), f"val_step{step}.json")
+
+    def close(self) -> None:
+        if not os.environ.get("MLFLOW_RUN_ID"):  # a run someone else opened is theirs to end
+            self.client.set_terminated(self.run_id)
+
+
 def build_backends(
     loggers: list[str], run_dir: Path, project_name: str, experiment_name: str, config: Mapping | None
 ) -> list[Backend]:
-    """The TensorBoard / W&B sinks that ``loggers`` names (console and jsonl need none)."""
+    """The TensorBoard / W&B / MLflow sinks that ``loggers`` names (console and jsonl need none)."""
     unknown = [name for name in loggers if name not in LOGGER_PACKAGES]
     if unknown:
         raise UserError(f"trainer.logger entry {unknown[0]!r} is unknown; use a list of {', '.join(LOGGER_PACKAGES)}")
@@ -124,6 +215,8 @@ def build_backends(
             out.append(TensorBoardBackend(run_dir))
         if "wandb" in loggers:
             out.append(WandbBackend(run_dir, project_name, experiment_name, config))
+        if "mlflow" in loggers:
+            out.append(MlflowBackend(run_dir, project_name, experiment_name, config))
     except Exception:
         for backend in out:  # do not leave a half-built set of writers open
             backend.close()

@@ -265,10 +265,10 @@ def test_unknown_loggers_are_refused_with_the_nearest_one():
 
 
 def test_verls_loggers_klppo_lacks_are_dropped_with_one_warning_and_its_old_tracking_is_wandb():
-    notes = []  # verl's MLflow example script logs to [console, mlflow]
-    cfg = load_ppo_config(None, REQUIRED + ["trainer.logger=[console,mlflow,swanlab]"], notes=notes)
-    assert cfg.trainer.logger == ["console"]
-    assert [n for n in notes if "trainer.logger 'mlflow', 'swanlab' has no effect" in n and "metrics.jsonl" in n]
+    notes = []  # verl's MLflow example script logs to [console, mlflow]: klppo has that one
+    cfg = load_ppo_config(None, REQUIRED + ["trainer.logger=[console,mlflow,swanlab,clearml]"], notes=notes)
+    assert cfg.trainer.logger == ["console", "mlflow"]
+    assert [n for n in notes if "trainer.logger 'swanlab', 'clearml' has no effect" in n and "metrics.jsonl" in n]
     assert load("trainer.logger=tracking").trainer.logger == ["wandb"]  # verl's deprecated name of its wandb logger
     sft = load_sft_config(None, ["data.train_files=t.parquet", "model.partial_pretrain=m", "trainer.logger=[clearml]"])
     assert sft.trainer.logger == []

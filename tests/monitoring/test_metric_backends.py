@@ -35,7 +35,33 @@ def test_wandb_logger_writes_an_offline_run_without_a_network(tmp_path, monkeypa
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
 
 
-@pytest.mark.parametrize("logger, module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
+def test_mlflow_logger_writes_a_run_in_the_run_folder_with_verls_keys_params_and_generations(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from klppo.monitoring.generations import GENERATIONS_KEY, Generation
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    logger = MetricsLogger(tmp_path / "run", ["mlflow"], print_fn=None, project_name="proj", experiment_name="exp",
+                           config={"algorithm": {"gamma": 1.0}, "trainer": {"logger": ["console", "mlflow"]}})
+    logger.log(1, {"actor/pg_loss": 0.5, "val-core/gsm8k/acc/mean@4": 0.25})
+    logger.log(2, {"actor/pg_loss": 0.25, GENERATIONS_KEY: [Generation("1+1=", "2", "2", 1.0)]})
+    logger.close()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    assert run.info.run_name == "exp" and run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")] == [(1, 0.5), (2, 0.25)]
+    assert client.get_metric_history(run.info.run_id, "val-core/gsm8k/acc/mean_at_4")[0].value == 0.25
+    assert run.data.params == {"algorithm/gamma": "1.0", "trainer/logger/list_len": "2", "trainer/logger/0": "console",
+                               "trainer/logger/1": "mlflow"}
+    artifact = tmp_path / "run" / "mlruns"
+    (written,) = artifact.rglob("val_step2.json")
+    assert written.read_text() == '[{"input": "1+1=", "output": "2", "score": 1.0}]'
+    assert read_metrics(tmp_path / "run")[0] == {"step": 1, "actor/pg_loss": 0.5, "val-core/gsm8k/acc/mean@4": 0.25}
+
+
+@pytest.mark.parametrize("logger, module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb"),
+                                            ("mlflow", "mlflow.tracking")])
 def test_a_missing_logger_package_is_a_user_error_naming_pip_install(tmp_path, monkeypatch, logger, module):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     with pytest.raises(UserError) as info:
@@ -57,9 +83,9 @@ def test_config_check_names_pip_install_for_a_missing_logger_package_before_any_
     assert "trainer.logger entry 'tensorbord': unknown logger (did you mean 'tensorboard'?)" in lines[1]
 
 
-def test_all_four_loggers_pass_the_config_check_when_installed():
-    cfg = load_ppo_config(None, REQUIRED + ["trainer.logger=[console,jsonl,tensorboard,wandb]"])
-    assert cfg.trainer.logger == ["console", "jsonl", "tensorboard", "wandb"]
+def test_all_five_loggers_pass_the_config_check_when_installed():
+    cfg = load_ppo_config(None, REQUIRED + ["trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]"])
+    assert cfg.trainer.logger == ["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 
 
 def test_metrics_become_the_floats_item_gives_in_one_copy_per_device(monkeypatch):
