@@ -71,6 +71,12 @@ def measures_sum_pi_squared(cfg: PPOConfig) -> bool:
             or cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
 
 
+def picks_cov_tokens(cfg: PPOConfig) -> bool:
+    """Whether the policy loss picks tokens by their covariance over each mini-batch (clip_cov, kl_cov):
+    a no-grad forward per mini-batch, before its micro-batches, at the weights they train."""
+    return cfg.actor_rollout_ref.actor.policy_loss.loss_mode in ("clip_cov", "kl_cov")
+
+
 def update_gives_old_log_prob(cfg: PPOConfig, world: int) -> bool:
     """Whether the actor's update gives pi_old's log-probs itself, so that the scoring phase runs
     no forward for them (no ``old_log_prob`` phase): either ``update_forwards_first`` or an
@@ -94,14 +100,17 @@ def on_policy_update(cfg: PPOConfig) -> bool:
     sampled the responses with HF generate (vLLM's and offline data's behaviour log-probs are
     compared with pi_old, and may correct the update), the KL is not in the reward, pi_old's
     sum of squared probabilities is not measured (``measures_sum_pi_squared``: the optimal token
-    baseline reads it), and the actor trains from the first step (no critic warm-up). The KL the guard checks before the
+    baseline reads it), the loss does not pick tokens by covariance (``picks_cov_tokens``: its own
+    no-grad forward gives it pi_old's log-probs anyway), and the actor trains from the first step
+    (no critic warm-up). The KL the guard checks before the
     update is measured by the update's forward, before its optimiser step. Any number of
     micro-batches. Where ``update_forwards_first`` holds too, it is used instead.
     """
     arf, algo = cfg.actor_rollout_ref, cfg.algorithm
     one_step = arf.actor.ppo_epochs == 1 and arf.actor.ppo_mini_batch_size >= cfg.data.train_batch_size
     return (one_step and arf.rollout.name == "hf" and not algo.use_kl_in_reward
-            and not (uses_critic(cfg) and cfg.trainer.critic_warmup > 0) and not measures_sum_pi_squared(cfg))
+            and not (uses_critic(cfg) and cfg.trainer.critic_warmup > 0) and not measures_sum_pi_squared(cfg)
+            and not picks_cov_tokens(cfg))
 
 
 def longest_sequence(cfg: PPOConfig) -> int:
@@ -136,12 +145,13 @@ def update_forwards_first(cfg: PPOConfig, world: int) -> bool:
     the actor trains from the first step, and neither model's parameters or optimiser state are
     offloaded between phases (the graphs would hold tensors of the device the model left). PF-PPO
     trains on rows drawn after the advantages, which the forwards run before could not know; the
-    sum of squared probabilities (``measures_sum_pi_squared``) comes from pi_old's own forward.
+    sum of squared probabilities (``measures_sum_pi_squared``) comes from pi_old's own forward, and
+    Clip-Cov and KL-Cov run their own forward over each mini-batch first (``picks_cov_tokens``).
     """
     arf, algo, critic = cfg.actor_rollout_ref, cfg.algorithm, uses_critic(cfg)
     if world < 1 or not (algo.use_kl_in_reward or critic) or not _one_optimizer_step(cfg):
         return False
-    if measures_sum_pi_squared(cfg):
+    if measures_sum_pi_squared(cfg) or picks_cov_tokens(cfg):
         return False
     if algo.use_pf_ppo and algo.adv_estimator == "gae":
         return False

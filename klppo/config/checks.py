@@ -356,6 +356,23 @@ def _check_actor(actor: ActorConfig, out: list[Problem]) -> None:
     check_positive(out, f"{ACTOR}.entropy_from_logits_chunk_size", actor.entropy_from_logits_chunk_size, "number of tokens")
     for side in ("tau_pos", "tau_neg"):  # SAPO's gate divides by them
         check_positive(out, f"{ACTOR}.{side}", getattr(actor, side), "temperature (SAPO's gate, verl's default 1.0 / 1.05)")
+    _check_cov_losses(actor, out)
+
+
+def _check_cov_losses(actor: ActorConfig, out: list[Problem]) -> None:
+    """Clip-Cov's and KL-Cov's shares in (0, 1] and Clip-Cov's window, where their mode is on (as verl)."""
+    pl, key = actor.policy_loss, f"{ACTOR}.policy_loss"
+    shares = {"clip_cov": "clip_cov_ratio", "kl_cov": "kl_cov_ratio"}
+    if pl.loss_mode in shares and not 0 < (share := getattr(pl, shares[pl.loss_mode])) <= 1:
+        out.append(Problem((f"{key}.{shares[pl.loss_mode]}",), f"{key}.{shares[pl.loss_mode]} = {share!r} must lie in "
+                           "(0, 1]: the share of a mini-batch's tokens held back (verl's default 0.0002)"))
+    if pl.loss_mode == "clip_cov":
+        if not pl.clip_cov_lb < pl.clip_cov_ub:
+            out.append(Problem((f"{key}.clip_cov_lb", f"{key}.clip_cov_ub"),
+                               f"{key}.clip_cov_lb = {pl.clip_cov_lb!r} must be below clip_cov_ub = {pl.clip_cov_ub!r}: "
+                               "Clip-Cov cuts tokens whose covariance lies between them (verl's 1.0 and 5.0)"))
+    if pl.loss_mode == "kl_cov" and pl.ppo_kl_coef < 0:
+        out.append(Problem((f"{key}.ppo_kl_coef",), f"{key}.ppo_kl_coef = {pl.ppo_kl_coef!r} must be >= 0"))
 
 
 def _check_sampling(sampling: RolloutConfig | ValKwargsConfig, prefix: str, out: list[Problem]) -> None:

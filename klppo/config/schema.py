@@ -148,7 +148,18 @@ class PolicyLossConfig:
     # cispo (REINFORCE weighted by the clipped, detached ratio, MiniMax 2025), sapo (a smooth gate
     # on the ratio, actor.tau_pos/tau_neg), gpg (the plain policy gradient) or geo_mean (GMPO: the
     # geometric mean of a sequence's clipped ratios).
-    loss_mode: Literal["vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean"] = "vanilla"
+    # clip_cov and kl_cov (Cui et al. 2025) hold back the tokens whose log-prob and advantage covary
+    # most, picked over the whole mini-batch (verl: within each micro-batch), which costs one no-grad
+    # forward per mini-batch.
+    loss_mode: Literal["vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean", "clip_cov", "kl_cov"] = "vanilla"
+    # clip_cov: the share of tokens whose gradient is cut, picked at random among those with a
+    # covariance in (clip_cov_lb, clip_cov_ub) that the ratio clip left alone.
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    # kl_cov: the share of tokens, those of largest covariance, whose loss gets ppo_kl_coef * |log pi - log pi_old|.
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
 
 
 @dataclass

@@ -129,8 +129,8 @@ RULES: tuple[tuple, ...] = (
     (("*.optim.num_cycles",), "klppo's cosine schedule is verl's default half cycle"),
     (("*.optim.zero_indexed_step",), "klppo counts scheduler steps from 0, as verl's default"),
     (("actor_rollout_ref.actor.policy_loss.*",),
-     "parameter of one of verl's policy losses klppo does not have (clip-cov, KL-cov, DRO); klppo's vanilla, gspo, "
-     "cispo, gpg and geo_mean take none, sapo takes actor.tau_pos and tau_neg"),
+     "parameter of one of verl's policy losses klppo does not have (DRO); klppo's vanilla, gspo, cispo, gpg and "
+     "geo_mean take none, sapo takes actor.tau_pos and tau_neg, clip_cov and kl_cov their policy_loss keys"),
     (("*.loss_scale_factor",), "klppo's seq-mean-token-sum-norm divides by the response length"),
     (("actor_rollout_ref.actor.calculate_entropy",), "klppo always computes and logs the entropy"),
     (("actor_rollout_ref.actor.sum_pi_squared_checkpointing",), "klppo measures the sum of squared probabilities "
@@ -160,15 +160,9 @@ RULES: tuple[tuple, ...] = (
     (("skip.*",), "verl's rollout caching for debugging"),
 )
 
-_SPLIT = ("picks the tokens it holds back by covariances within each micro-batch{random}, so what trains would "
-          "depend on how a batch is split over ranks and micro-batches; klppo's losses train the same on any split")
-
 # Values of verl's that klppo's schema does not offer, with why (the config error says it in place
 # of a nearest valid value): (dotted key, value) -> reason.
 REFUSED_VALUES: dict[tuple[str, str], str] = {
-    ("actor_rollout_ref.actor.policy_loss.loss_mode", "clip_cov"):
-        "verl's clip-cov " + _SPLIT.format(random=" (and an unseeded random draw)"),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode", "kl_cov"): "verl's KL-cov " + _SPLIT.format(random=""),
     ("actor_rollout_ref.actor.policy_loss.loss_mode", "bypass_mode"):
         "verl's name for the loss of bypass-mode rollout correction; set algorithm.rollout_correction.bypass_mode=true "
         "(with rollout_correction.loss_type) instead",

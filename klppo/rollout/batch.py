@@ -59,6 +59,12 @@ class RolloutBatch:
     # Set by the actor update when rollout correction is on (``klppo.trainer.rollout_correction``):
     rollout_is_weights: Optional[torch.Tensor] = None  # (B, T) detached importance weights, 0 on padding
     loss_mask: Optional[torch.Tensor] = None  # (B, T) bool: response tokens rejection keeps; None = response_mask
+    # (B,) long: each row's place in the batch the step trains on (set with its advantages), which
+    # orders what the ranks gather whatever rows each holds (``trainer.cov_selection``).
+    row_id: Optional[torch.Tensor] = None
+    # Set per mini-batch by Clip-Cov / KL-Cov (``trainer.cov_selection``): (B, T) bool, the tokens
+    # whose gradient is cut, or whose loss gets the KL term.
+    cov_tokens: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

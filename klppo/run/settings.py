@@ -60,6 +60,18 @@ class RolloutCorrectionSettings:
 
 
 @dataclass(frozen=True)
+class CovSettings:
+    """actor.policy_loss.loss_mode clip_cov or kl_cov: its tokens picked over each mini-batch (``trainer.cov_selection``)."""
+
+    mode: str  # clip_cov | kl_cov
+    ratio: float  # the share of a mini-batch's tokens picked: clip_cov_ratio or kl_cov_ratio
+    clip_cov_lb: float
+    clip_cov_ub: float
+    ppo_kl_coef: float
+    seed: int  # data.seed: with the step, the epoch and the mini-batch, seeds Clip-Cov's random pick
+
+
+@dataclass(frozen=True)
 class ActorUpdateSettings:
     mini_batch_rows: int  # this rank's rows per mini-batch: ppo_mini_batch_size * rollout.n / ranks
     micro: MicroBatching  # how a mini-batch splits (ppo_micro_batch_size_per_gpu or a token budget)
@@ -83,6 +95,7 @@ class ActorUpdateSettings:
     policy_loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode (klppo.algo.POLICY_LOSS_MODES)
     tau_pos: float = 1.0  # SAPO's gate temperatures
     tau_neg: float = 1.05
+    cov: Optional[CovSettings] = None  # clip_cov / kl_cov's picking (None: another loss mode)
 
 
 @dataclass(frozen=True)
@@ -367,7 +380,16 @@ def _actor(cfg: PPOConfig, mini_batch_rows: int, world_size: int) -> ActorUpdate
         rollout_correction=rollout_correction_settings(cfg), compute_dtype=compute_dtype(actor.fsdp_config),
         on_policy=on_policy_update(cfg) and not update_forwards_first(cfg, world_size),
         policy_loss_mode=actor.policy_loss.loss_mode, tau_pos=actor.tau_pos, tau_neg=actor.tau_neg,
+        cov=_cov_settings(cfg),
     )
+
+
+def _cov_settings(cfg: PPOConfig) -> Optional[CovSettings]:
+    pl = cfg.actor_rollout_ref.actor.policy_loss
+    if pl.loss_mode not in ("clip_cov", "kl_cov"):
+        return None
+    ratio = pl.clip_cov_ratio if pl.loss_mode == "clip_cov" else pl.kl_cov_ratio
+    return CovSettings(pl.loss_mode, ratio, pl.clip_cov_lb, pl.clip_cov_ub, pl.ppo_kl_coef, cfg.data.seed)
 
 
 def overlong_penalty(cfg: PPOConfig) -> Optional[OverlongPenalty]:

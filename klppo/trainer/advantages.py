@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 def estimate_advantages(parts: PPOParts, batch: RolloutBatch, reward_baselines: Optional[torch.Tensor], step: int
                         ) -> tuple[RolloutBatch, dict[str, float]]:
-    """(the batch with its advantages and returns, or PF-PPO's draw of it; PF-PPO's metrics)."""
+    """(the batch with its advantages and returns, or PF-PPO's draw of it, its rows numbered (``row_id``);
+    PF-PPO's metrics)."""
     adv = parts.settings.advantage
     otb = adv.estimator in OTB_ESTIMATORS
     batch.advantages, batch.returns = compute_advantage(
@@ -34,10 +35,12 @@ def estimate_advantages(parts: PPOParts, batch: RolloutBatch, reward_baselines: 
         gamma=adv.gamma, lam=adv.lam, norm_adv_by_std_in_grpo=adv.norm_adv_by_std_in_grpo,
         reward_baselines=reward_baselines, old_log_prob=batch.old_log_prob, sum_pi_squared=batch.sum_pi_squared,
         rollout_is_weights=step_is_weights(batch, parts.settings.actor.rollout_correction) if otb else None)
-    if adv.pf_ppo is None:
-        return batch, {}
-    pf = adv.pf_ppo
-    generator = torch.Generator().manual_seed(pf.seed * 1_000_003 + step)
-    rows = pf_ppo_sample(batch.token_level_scores.sum(-1), pf.method, pf.weight_pow, generator)  # host sync
-    # training/pf_ppo/unique_frac: the share of the step's responses the draw kept at least once
-    return batch.select(rows), {"training/pf_ppo/unique_frac": len(set(rows.tolist())) / len(rows)}
+    metrics = {}
+    if adv.pf_ppo is not None:
+        pf = adv.pf_ppo
+        generator = torch.Generator().manual_seed(pf.seed * 1_000_003 + step)
+        rows = pf_ppo_sample(batch.token_level_scores.sum(-1), pf.method, pf.weight_pow, generator)  # host sync
+        # training/pf_ppo/unique_frac: the share of the step's responses the draw kept at least once
+        batch, metrics = batch.select(rows), {"training/pf_ppo/unique_frac": len(set(rows.tolist())) / len(rows)}
+    batch.row_id = torch.arange(len(batch), device=batch.response_mask.device)
+    return batch, metrics

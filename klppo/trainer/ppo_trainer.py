@@ -230,7 +230,7 @@ class PPOTrainer:
             with (timer.phase("update_actor"), p.offloader.resident("actor"),
                   profiled(p.device, overlap, measured) as micro_done):
                 metrics.update(update_actor(p.actor, p.actor_optimizer, batch, self.s.actor, micro_done,
-                                            steps["actor"], on_policy, forwarded.get("actor")))
+                                            steps["actor"], on_policy, forwarded.get("actor"), self.step))
             if on_policy is not None and on_policy.action is not Action.CONTINUE:
                 return metrics
             metrics["actor/lr"] = p.actor_scheduler.get_last_lr()[0]

@@ -30,6 +30,7 @@ from klppo.algo import (
     compute_rollout_correction_and_rejection_mask,
 )
 from klppo.distributed import all_gather_rows, my_rows
+from klppo.trainer.cov_selection import cov_policy_loss
 from klppo.rollout.batch import RolloutBatch
 from klppo.run.settings import ActorUpdateSettings, RolloutCorrectionSettings
 
@@ -77,10 +78,13 @@ def step_is_weights(batch: RolloutBatch, s: RolloutCorrectionSettings) -> torch.
 def policy_loss(micro: RolloutBatch, log_prob: torch.Tensor, s: ActorUpdateSettings, counts: dict
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of one micro-batch: the one ``policy_loss.loss_mode`` names (with the weights
-    the decoupled correction set), or in bypass mode the loss ``loss_type`` names, corrected
-    against mu (``config.checks`` refuses bypass mode with another loss mode than vanilla)."""
+    the decoupled correction set; Clip-Cov's and KL-Cov's on the tokens picked for the mini-batch),
+    or in bypass mode the loss ``loss_type`` names, corrected against mu (``config.checks`` refuses
+    bypass mode with another loss mode than vanilla)."""
     rc = s.rollout_correction
     clip = dict(clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c)
+    if s.cov is not None:  # Clip-Cov / KL-Cov (``config.checks`` refuses them in bypass mode)
+        return cov_policy_loss(micro, log_prob, s, counts)
     if not rc.bypass_mode:
         return compute_policy_loss_of_mode(s.policy_loss_mode, micro.old_log_prob, log_prob, micro.advantages,
                                            micro.update_mask, **clip, loss_agg_mode=s.loss_agg_mode,

@@ -47,11 +47,14 @@ from klppo.distributed import all_reduce_max_int, reduce_counts, reduce_stats
 from klppo.models.forward import response_logprobs, response_values
 from klppo.rollout.batch import RolloutBatch
 from klppo.safety.guards import Action
+from klppo.trainer.cov_selection import draw_seed, with_cov_tokens
 from klppo.trainer.rollout_correction import policy_loss, with_rollout_correction
 from klppo.run.settings import ActorUpdateSettings, CriticUpdateSettings
 
 # (micro-batch, its rows' spans, global token count, global sequence count) -> (loss, summed stats, token-mean stats)
 MicroLoss = Callable[[RolloutBatch, RowSpans, torch.Tensor, torch.Tensor], tuple]
+# (mini-batch, its rows' spans, its micro-batches' rows, epoch, its index) -> the mini-batch the micro-batches take
+PrepareMiniBatch = Callable[[RolloutBatch, RowSpans, list[list[int]], int, int], RolloutBatch]
 
 
 def _counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +199,8 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
                  after_micro_batch: Callable[[], None] = _nothing,
                  steps: Optional[OptimizerSteps] = None,
                  on_policy: Optional[OnPolicy] = None,
-                 forwarded: Optional[Forwarded] = None) -> dict[str, torch.Tensor]:
+                 forwarded: Optional[Forwarded] = None,
+                 prepare: Optional[PrepareMiniBatch] = None) -> dict[str, torch.Tensor]:
     """ppo_epochs x mini-batches x micro-batches of ``micro_loss``, one optimiser step per mini-batch.
 
     ``micro_loss(micro, spans, tokens, seqs) -> (loss, sums, means)``: ``sums`` are the micro-batch's
@@ -208,6 +212,8 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
     ``steps``: the optimiser steps' limit, and where their norms and verdicts go. ``on_policy``: an
     on-policy update's record of rows, and its approval before the step (none: no metrics, no step).
     ``forwarded``: the one micro-batch's forward, already run (``micro_loss`` then runs none).
+    ``prepare(mini, spans, plan, epoch, index)``: each mini-batch as its micro-batches take it
+    (Clip-Cov's and KL-Cov's tokens, ``cov_selection``).
     """
     model.train()
     steps = steps if steps is not None else OptimizerSteps()
@@ -218,9 +224,11 @@ def _run_updates(model, optimizer, batch: RolloutBatch, *, mini_rows: int, micro
     else:
         assert epochs == 1, "a forward run first serves one epoch"
         plans = [(list(range(len(batch))), [forwarded.rows])]
-    for _ in range(epochs):
-        for mini_idx, plan in plans:
+    for epoch in range(epochs):
+        for index, (mini_idx, plan) in enumerate(plans):
             mini, mini_spans = batch.select(mini_idx), spans.select(mini_idx)
+            if prepare is not None:
+                mini = prepare(mini, mini_spans, plan, epoch, index)
             tokens, seqs = reduce_counts(*_counts(mini.update_mask))
             stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
             for micro_idx in plan:
@@ -249,12 +257,14 @@ def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings,
                  after_micro_batch: Callable[[], None] = _nothing,
                  steps: Optional[OptimizerSteps] = None,
                  on_policy: Optional[OnPolicy] = None,
-                 forwarded: Optional[Forwarded] = None) -> dict[str, torch.Tensor]:
+                 forwarded: Optional[Forwarded] = None,
+                 step: int = 0) -> dict[str, torch.Tensor]:
     """One PPO actor update over ``batch`` (this rank's shard); returns metrics averaged over optimiser
     steps, and the step's ``rollout_corr/`` metrics when the batch carries behaviour log-probs.
     ``steps``: the optimiser steps' gradient limit and record (``OptimizerSteps``). ``on_policy``
     (with ``s.on_policy``; by default one that always steps): what the update gives, whom it asks.
-    ``forwarded``: its forward over ``batch``, run first (``forward_first``)."""
+    ``forwarded``: its forward over ``batch``, run first (``forward_first``). ``step``: the run's,
+    which seeds Clip-Cov's pick (with the epoch and the mini-batch)."""
     assert on_policy is None or s.on_policy, "only a one-step, one-epoch update is its own pi_old"
     assert not s.on_policy or (s.ppo_epochs == 1 and len(batch) <= s.mini_batch_rows), "one optimiser step"
     on_policy = on_policy if on_policy is not None or not s.on_policy else OnPolicy()
@@ -262,7 +272,9 @@ def update_actor(actor, optimizer, batch: RolloutBatch, s: ActorUpdateSettings,
     metrics = _run_updates(
         actor, optimizer, batch, mini_rows=s.mini_batch_rows, micro=s.micro, epochs=s.ppo_epochs,
         grad_clip=s.grad_clip, prefix="actor", after_micro_batch=after_micro_batch, steps=steps, on_policy=on_policy,
-        forwarded=forwarded,
+        forwarded=forwarded, prepare=None if s.cov is None else (
+            lambda mini, spans, plan, epoch, index: with_cov_tokens(
+                actor, mini, spans, plan, s, draw_seed(s.cov.seed, step, epoch, index))),
         micro_loss=lambda micro, spans, tokens, seqs: _actor_micro_loss(
             actor, micro, spans, s, tokens, seqs, on_policy, None if forwarded is None else forwarded.outputs),
     )
