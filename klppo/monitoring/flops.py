@@ -177,6 +177,7 @@ class UpdateWork:
     head_positions: int  # positions whose head output was computed: response tokens (actor), all (critic)
     head_outputs: int | None = None  # head outputs per position: None = the vocabulary; a value head's 1
     layer_weights: int | None = None  # decoder_weights_per_token of the model; None = the config's dense layout
+    no_grad_passes: int = 0  # forwards without gradients over the rows beside training (Clip-Cov's picks)
 
 
 def max_memory_gb(device: torch.device) -> float:
@@ -198,8 +199,10 @@ def update_efficiency_metrics(device: torch.device, seconds: dict[str, float], l
     for role, work in updated.items():
         if f"update_{role}" not in seconds:
             continue
-        flops = work.epochs * model_flops(work.config, lengths, training=True, head_positions=work.head_positions,
-                                          head_outputs=work.head_outputs, layer_weights=work.layer_weights)
+        shape = dict(head_positions=work.head_positions, head_outputs=work.head_outputs, layer_weights=work.layer_weights)
+        flops = work.epochs * model_flops(work.config, lengths, training=True, **shape)
+        if work.no_grad_passes:
+            flops += work.no_grad_passes * model_flops(work.config, lengths, training=False, **shape)
         value = mfu(flops, seconds[f"update_{role}"], peak_flops(device, work.dtype))
         if value is not None:
             metrics[f"perf/mfu/{role}"] = value

@@ -74,14 +74,16 @@ def performance_metrics(parts: PPOParts, batch: RolloutBatch, shards: StepShards
 
 
 def efficiency_metrics(parts: PPOParts, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, float]:
-    """perf/mfu/{actor,critic} where the device's peak is known."""
+    """perf/mfu/{actor,critic} where the device's peak is known (the actor's counts Clip-Cov's and
+    KL-Cov's no-grad forward per mini-batch, which its phase times too)."""
     responses = batch.response_mask.sum(-1)
     lengths, responses = torch.stack([batch.prompt_mask.sum(-1) + responses, responses]).tolist()  # host sync
     s, tokens = parts.settings, sum(lengths)
     # The actor's LM head runs at the response positions only; the critic's value head everywhere.
     actor, critic = parts.actor, parts.critic
     updated = {"actor": UpdateWork(actor.config, s.actor.ppo_epochs, s.actor.compute_dtype, sum(responses),
-                                   layer_weights=decoder_weights_per_token(actor, actor.config))}
+                                   layer_weights=decoder_weights_per_token(actor, actor.config),
+                                   no_grad_passes=s.actor.ppo_epochs if s.actor.cov is not None else 0)}
     if critic is not None:
         updated["critic"] = UpdateWork(critic.config, s.critic.ppo_epochs, s.critic.compute_dtype, tokens,
                                        head_outputs=1, layer_weights=decoder_weights_per_token(critic, critic.config))

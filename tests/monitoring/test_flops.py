@@ -51,6 +51,10 @@ def test_mfu_divides_by_the_compute_dtypes_peak_not_the_fp32_master_parameters(m
     work = flops.UpdateWork(CONFIG, epochs=2, dtype=torch.bfloat16, head_positions=2)
     metrics = flops.update_efficiency_metrics(cuda, {"update_actor": 1e-9}, [3], {"actor": work})
     assert metrics["perf/mfu/actor"] == pytest.approx(2 * 3 * 1120 / (1e-9 * 989e12))
+    # Clip-Cov's no-grad forward per epoch: a third of a training pass more
+    work = flops.UpdateWork(CONFIG, epochs=2, dtype=torch.bfloat16, head_positions=2, no_grad_passes=2)
+    metrics = flops.update_efficiency_metrics(cuda, {"update_actor": 1e-9}, [3], {"actor": work})
+    assert metrics["perf/mfu/actor"] == pytest.approx((2 + 2 / 3) * 3 * 1120 / (1e-9 * 989e12))
 
 
 def test_the_compute_dtype_of_each_trained_model_is_compiled_from_its_fsdp_config():
