@@ -137,7 +137,7 @@ def test_a_runs_mfu_counts_a_mixture_of_experts_actors_routed_experts(monkeypatc
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     model, config = _built("mixtral", intermediate_size=6, num_local_experts=4, num_experts_per_tok=2)
-    settings = SimpleNamespace(actor=SimpleNamespace(ppo_epochs=1, compute_dtype=torch.bfloat16))
+    settings = SimpleNamespace(actor=SimpleNamespace(ppo_epochs=1, compute_dtype=torch.bfloat16, cov=None))
     parts = SimpleNamespace(actor=model, critic=None, settings=settings, device=torch.device("cuda", 0))
     batch = SimpleNamespace(prompt_mask=torch.tensor([[1, 1]]), response_mask=torch.tensor([[1, 1, 0]]))
     metrics = efficiency_metrics(parts, batch, {"update_actor": 1.0})
