@@ -53,6 +53,10 @@ class DataConfig:
     shuffle: bool = True
     # Seed of the data order; also seeds sampling and initialisation of new heads.
     seed: int = 1
+    # Train (validate) on at most this many rows of data.train_files (val_files); -1: every row.
+    # The rows are drawn at random (seeded by `seed`) with `shuffle`, else the first ones, as in verl.
+    train_max_samples: int = -1
+    val_max_samples: int = -1
 
 
 @dataclass

@@ -58,6 +58,10 @@ class SFTDataConfig:
     shuffle: bool = True
     # Seed of the data order.
     seed: int = 1
+    # Train (validate) on at most this many rows of data.train_files (val_files); -1: every row.
+    # The rows are drawn at random (seeded by `seed`) with `shuffle`, else the first ones, as in verl.
+    train_max_samples: int = -1
+    val_max_samples: int = -1
 
 
 @dataclass

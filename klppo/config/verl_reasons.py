@@ -48,7 +48,6 @@ RULES: tuple[tuple, ...] = (
     (("distillation.enabled",), "on-policy distillation is not implemented in klppo", REFUSE),
     (("*.qat.enable",), "quantisation-aware training is not implemented in klppo", REFUSE),
     (("*.optim.optimizer",), "klppo trains with torch's AdamW only", REFUSE),
-    (("data.train_max_samples",), "klppo trains on every row of data.train_files; cut the Parquet file instead", REFUSE),
     (("data.reward_fn_key",), "klppo picks the reward function by the data_source column", REFUSE),
     (("data.custom_cls.path",), "klppo reads verl's RLHFDataset columns only (no custom dataset class)", REFUSE),
     (("*.model.tokenizer_path",), "klppo loads the tokenizer saved next to the model (model.path)", REFUSE),
@@ -150,7 +149,6 @@ RULES: tuple[tuple, ...] = (
     # -- data and trainer --
     (("data.tokenizer",), "klppo loads the tokenizer saved next to actor_rollout_ref.model.path"),
     (("data.return_raw_input_ids", "data.return_raw_chat", "data.return_full_prompt"), _DATA_IO),
-    (("data.val_max_samples",), "klppo validates on every row of data.val_files"),
     (("data.validation_shuffle",), "klppo validates in file order"),
     (("data.trust_remote_code",), "klppo loads tokenizers without remote code"),
     (("data.custom_cls.name", "data.datagen.*", "data.sampler.*"), "klppo reads its Parquet files in (shuffled) order, "

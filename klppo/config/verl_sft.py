@@ -55,8 +55,6 @@ SFT_ALIASES: dict[str, str] = {
 REFUSE = "refuse"
 # (patterns, why it has no effect[, REFUSE when a non-default value would train something else]); first match wins.
 SFT_RULES: tuple[tuple, ...] = (
-    (("data.train_max_samples",), "klppo trains on every row of data.train_files; cut the Parquet file instead",
-     REFUSE),
     (("data.custom_cls.*",), "klppo reads its own SFT columns only (no custom dataset class)", REFUSE),
     (("data.chat_template",), "verl's SFT refuses it too; klppo renders prompts with the template saved with the "
      "tokenizer", REFUSE),
@@ -64,7 +62,6 @@ SFT_RULES: tuple[tuple, ...] = (
     (("model.trust_remote_code",), "klppo never runs code from a model folder", REFUSE),
     (("optim.optimizer", "optim.optimizer_impl"), "klppo trains with torch's AdamW only", REFUSE),
     (("optim.override_optimizer_config",), "klppo builds AdamW from the optim keys only", REFUSE),
-    (("data.val_max_samples",), "klppo measures validation loss on every row of data.val_files"),
     (("data.micro_batch_size",), "verl's SFT trainer reads data.micro_batch_size_per_gpu only, and so does klppo"),
     (("data.use_shm", "model.use_shm"), "klppo reads files where they are (no shared-memory copy)"),
     (("data.balance_dp_token",), "klppo splits a step's examples over the ranks by count"),

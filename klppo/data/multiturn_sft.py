@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from klppo.data.chat_template import TEMPLATE_FIX
-from klppo.data.parquet import describe_files, read_parquet_rows, row_error, short_repr
+from klppo.data.parquet import EVERY_ROW, RowSample, describe_files, read_parquet_rows, row_error, short_repr
 from klppo.data.rl_dataset import check_messages, check_truncation
 from klppo.data.sft_dataset import SFTExample, fit_example
 from klppo.errors import UserError
@@ -38,6 +38,7 @@ def load_multiturn_sft_dataset(
     max_length: int,
     truncation: str = "error",
     template_kwargs: Mapping[str, Any] | None = None,
+    sample: RowSample = EVERY_ROW,
     log: Callable[[str], None] = print,
 ) -> list[SFTExample]:
     """Read, validate and tokenise multi-turn SFT rows; one ``SFTExample`` per conversation."""
@@ -47,7 +48,7 @@ def load_multiturn_sft_dataset(
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(f"{MULTITURN_KEY}.enable renders conversations with the chat template, but the model's "
                         f"tokenizer has none (a base model); {TEMPLATE_FIX}")
-    rows = read_parquet_rows(files, [messages_key])
+    rows = read_parquet_rows(files, [messages_key], sample)
     examples, n_truncated, n_split = [], 0, 0
     for row in rows:
         messages = check_messages(row, messages_key)

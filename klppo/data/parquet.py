@@ -11,7 +11,9 @@ pandas and pyarrow count), so that later validation can say exactly where a bad 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,17 +87,45 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def read_parquet_rows(files: str | Sequence[str], required: Sequence[str]) -> list[dict]:
-    """Read one or several Parquet files into a list of row dicts.
+@dataclass(frozen=True)
+class RowSample:
+    """Read at most ``max_samples`` rows of the files (verl's ``data.train_max_samples`` /
+    ``val_max_samples``; -1, 0 or more than the files hold: every row): a draw without replacement
+    seeded by ``seed`` (verl draws at random when ``data.shuffle`` is on), or the first rows when
+    ``seed`` is None. The rows keep the files' order; the draw comes before any check or filter."""
+
+    max_samples: int = -1
+    seed: int | None = None
+
+    def rows(self, total: int) -> list[int] | None:
+        """The global indices read, in order; None for every row."""
+        if self.max_samples <= 0 or self.max_samples >= total:
+            return None
+        if self.seed is None:
+            return list(range(self.max_samples))
+        return sorted(random.Random(self.seed).sample(range(total), self.max_samples))
+
+
+EVERY_ROW = RowSample()
+
+
+def read_parquet_rows(files: str | Sequence[str], required: Sequence[str], sample: RowSample = EVERY_ROW) -> list[dict]:
+    """Read one or several Parquet files into a list of row dicts (``sample``'s rows of them).
 
     Every file is checked (exists, Parquet, non-empty, has ``required``) before any rows are
     converted. Each row gets ``"_file"`` (path) and ``"_row"`` (0-based index in its file).
     """
     paths = as_file_list(files)
     tables = [(path, _read_table(path, required)) for path in paths]
+    picked = sample.rows(sum(table.num_rows for _, table in tables))
     rows: list[dict] = []
+    start = 0
     for path, table in tables:
-        for i, row in enumerate(table.to_pylist()):
+        mine = range(table.num_rows) if picked is None else [i - start for i in picked
+                                                              if start <= i < start + table.num_rows]
+        start += table.num_rows
+        taken = table if picked is None else table.take(list(mine))
+        for i, row in zip(mine, taken.to_pylist()):
             row = {k: _plain(v) for k, v in row.items()}
             row["_file"], row["_row"] = path, i
             rows.append(row)

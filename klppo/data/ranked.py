@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from klppo.data import rollout_log_probs as behaviour
-from klppo.data.parquet import read_parquet_rows, row_error, row_place, short_repr
+from klppo.data.parquet import EVERY_ROW, RowSample, read_parquet_rows, row_error, row_place, short_repr
 from klppo.data.rl_dataset import (
     check_data_source,
     check_extra_info,
@@ -172,6 +172,7 @@ def load_ranked_dataset(
     filter_overlong_prompts: bool = False,
     require_rollout_log_probs: behaviour.LogProbsNeed | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    sample: RowSample = EVERY_ROW,
     log: Callable[[str], None] = print,
 ) -> list[RankedRecord]:
     """Read, validate and tokenise ranked-response rows; returns one ``RankedRecord`` per kept row.
@@ -185,7 +186,7 @@ def load_ranked_dataset(
     check_truncation(truncation)
     if max_prompt_length <= 0:
         raise UserError(f"data.max_prompt_length is {max_prompt_length}; set it to a positive number of tokens")
-    rows = read_parquet_rows(files, [prompt_key])
+    rows = read_parquet_rows(files, [prompt_key], sample)
     checked = []
     for row in rows:
         prompt = check_prompt(row, prompt_key)

@@ -27,7 +27,9 @@ import torch
 
 from klppo.data import rollout_log_probs as behaviour
 from klppo.data.chat_template import encode_chats
-from klppo.data.parquet import describe_files, read_parquet_rows, row_error, row_place, short_repr
+from klppo.data.parquet import (
+    EVERY_ROW, RowSample, describe_files, read_parquet_rows, row_error, row_place, short_repr,
+)
 from klppo.errors import UserError
 
 ROLES = ("system", "user", "assistant")
@@ -221,6 +223,7 @@ def load_rl_dataset(
     require_responses: bool = False,
     require_rollout_log_probs: behaviour.LogProbsNeed | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    sample: RowSample = EVERY_ROW,
     log: Callable[[str], None] = print,
 ) -> list[PromptRecord]:
     """Read, validate and tokenise RL prompts; returns one ``PromptRecord`` per kept row.
@@ -232,12 +235,13 @@ def load_rl_dataset(
     dropped when ``filter_overlong_prompts`` (as verl does), else cut per ``truncation``
     ("left" keeps the end, "right" keeps the start) or rejected ("error").
     ``require_rollout_log_probs``: every row must carry its responses' behaviour log-probs, for this need.
+    ``sample``: the rows read (``RowSample``: verl's ``data.train_max_samples``), drawn before any check.
     """
     check_truncation(truncation)
     if max_prompt_length <= 0:
         raise UserError(f"data.max_prompt_length is {max_prompt_length}; set it to a positive number of tokens")
     required = ["data_source", prompt_key] + (["responses"] if require_responses else [])
-    rows = read_parquet_rows(files, required)
+    rows = read_parquet_rows(files, required, sample)
     checked = []
     for row in rows:
         prompt = check_prompt(row, prompt_key)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from klppo.data.parquet import describe_files, read_parquet_rows, row_error, short_repr
+from klppo.data.parquet import EVERY_ROW, RowSample, describe_files, read_parquet_rows, row_error, short_repr
 from klppo.data.rl_dataset import check_prompt, check_truncation, encode_prompts
 from klppo.errors import UserError
 
@@ -80,6 +80,7 @@ def load_sft_dataset(
     template_kwargs: Mapping[str, Any] | None = None,
     prompt_dict_keys: Sequence[str] = (),
     response_dict_keys: Sequence[str] = (),
+    sample: RowSample = EVERY_ROW,
     log: Callable[[str], None] = print,
 ) -> list[SFTExample]:
     """Read, validate and tokenise SFT examples; one ``SFTExample`` per row.
@@ -94,7 +95,7 @@ def load_sft_dataset(
         raise UserError(f"data.max_length is {max_length}; set it to a positive number of tokens")
     if tokenizer.eos_token_id is None:
         raise UserError("the tokenizer has no eos_token; set eos_token in the model's tokenizer_config.json")
-    rows = read_parquet_rows(files, [prompt_key, response_key])
+    rows = read_parquet_rows(files, [prompt_key, response_key], sample)
     rows, prompt_key = _nested(rows, prompt_key, prompt_dict_keys, "data.prompt_dict_keys")
     rows, response_key = _nested(rows, response_key, response_dict_keys, "data.response_dict_keys")
     prompts = [check_prompt(row, prompt_key) for row in rows]

@@ -38,7 +38,8 @@ class LengthSample:
 
     prompt_tokens: tuple[int, ...]  # each sample's prompt tokens (chat template applied, truncated)
     response_tokens: tuple[int, ...]  # each sample's response tokens (recorded), or the configured bound
-    num_prompts: int  # rows in data.train_files (Parquet footers), before filter_overlong_prompts
+    # rows in data.train_files (Parquet footers; at most data.train_max_samples), before filter_overlong_prompts
+    num_prompts: int
     note: str  # what these lengths are: measured, or upper bounds
     bounds: bool = False  # True: every length is the configured maximum, not a measurement
 
@@ -220,6 +221,8 @@ def sample_lengths(cfg: PPOConfig, tokenizer, rows: int = 256) -> LengthSample:
     """
     data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
     num_prompts = parquet_num_rows(data.train_files)
+    if data.train_max_samples > 0:  # the run reads that many rows (``data.parquet.RowSample``)
+        num_prompts = min(num_prompts, data.train_max_samples)
     if tokenizer is None:
         return bound_lengths(cfg, num_prompts, "no tokenizer")
     offline = rollout.name == "offline"

@@ -20,7 +20,7 @@ from klppo.config.lora import lora_enabled
 from klppo.config.rollout_correction import rollout_correction_active
 from klppo.config.schema import FSDPConfig
 from klppo.data.chat_template import template_kwargs_notes
-from klppo.data.parquet import parquet_columns
+from klppo.data.parquet import RowSample, parquet_columns
 from klppo.data.ranked import RankedRecord, load_ranked_dataset
 from klppo.data.rollout_log_probs import LogProbsNeed
 from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
@@ -156,11 +156,13 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable)
     needs_log_probs = behaviour_log_probs_need(cfg)  # checked here, before any model loads
     if offline and RANKING_COLUMNS & parquet_columns(data.train_files):
         ranking = cfg.reward_model.ranking
-        ranked = load_ranked_dataset(data.train_files, tokenizer, require_rollout_log_probs=needs_log_probs, **common)
+        ranked = load_ranked_dataset(data.train_files, tokenizer, require_rollout_log_probs=needs_log_probs,
+                                     sample=row_sample(data, data.train_max_samples), **common)
         train = with_ranking_rewards(ranked, ranking.method, scale=ranking.scale, center=ranking.center)
     else:
         train = load_rl_dataset(data.train_files, tokenizer, require_responses=offline,
-                                require_rollout_log_probs=needs_log_probs, **common)
+                                require_rollout_log_probs=needs_log_probs,
+                                sample=row_sample(data, data.train_max_samples), **common)
     if offline:
         check_enough_responses(train, cfg.actor_rollout_ref.rollout.n)
     rule_scored = not cfg.reward_model.enable  # else the reward model scores every response
@@ -185,14 +187,20 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable)
     return train, val, val_ranked
 
 
+def row_sample(data, max_samples: int) -> RowSample:
+    """The rows a loader reads (verl's data.train_max_samples / val_max_samples): drawn by data.seed
+    with data.shuffle, else the first ones."""
+    return RowSample(max_samples, data.seed if data.shuffle else None)
+
+
 def load_val_datasets(cfg: PPOConfig, tokenizer, common: dict):
     """Prompts to generate for, and held-out rankings (when data.val_files has ranking columns)."""
-    files = cfg.data.val_files
+    files, sample = cfg.data.val_files, row_sample(cfg.data, cfg.data.val_max_samples)
     if not files:
         return None, None
     if not RANKING_COLUMNS & parquet_columns(files):
-        return load_rl_dataset(files, tokenizer, **common), None
-    ranked = load_ranked_dataset(files, tokenizer, **common)
+        return load_rl_dataset(files, tokenizer, sample=sample, **common), None
+    ranked = load_ranked_dataset(files, tokenizer, sample=sample, **common)
     ranking = cfg.reward_model.ranking
     return with_ranking_rewards(ranked, ranking.method, scale=ranking.scale, center=ranking.center), ranked
 

@@ -48,7 +48,6 @@ def test_verls_sft_spellings_act_where_klppo_has_the_knob():
 @pytest.mark.parametrize("override, problem", [
     ("model.trust_remote_code=true", "model.trust_remote_code = true: klppo never runs code from a model folder"),
     ("data.chat_template=x", "data.chat_template = x: verl's SFT refuses it too"),
-    ("data.train_max_samples=100", "data.train_max_samples = 100: klppo trains on every row of data.train_files"),
     ("optim.lr_scheduler=wsd", "optim.warmup_style = 'wsd' is not one of 'constant', 'cosine'"),
     ("trainer.seed=3", "trainer.seed = 3 and data.seed = 5 set the same knob"),
 ])
@@ -56,6 +55,12 @@ def test_verl_sft_settings_klppo_cannot_honour_are_errors_naming_the_key(overrid
     with pytest.raises(UserError, match=problem.replace("(", r"\(").replace(")", r"\)")):
         load_sft_config(None, ["data.train_files=t.parquet", "model.partial_pretrain=m", "trainer.n_gpus_per_node=2",
                                "data.train_batch_size=8", "data.seed=5", override])
+
+
+def test_verls_row_caps_act_in_sft():
+    cfg = load_sft_config(None, ["data.train_files=t.parquet", "model.partial_pretrain=m", "data.train_max_samples=100",
+                                 "data.val_max_samples=10"])
+    assert (cfg.data.train_max_samples, cfg.data.val_max_samples) == (100, 10)
 
 
 def test_a_key_neither_has_is_still_unknown():

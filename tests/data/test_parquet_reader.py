@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from klppo.data.parquet import parquet_num_rows, read_parquet_rows, read_parquet_sample, row_error
+from klppo.data.parquet import RowSample, parquet_num_rows, read_parquet_rows, read_parquet_sample, row_error
 from klppo.errors import UserError
 
 
@@ -14,6 +14,21 @@ def test_rows_carry_their_file_and_row_index(write_parquet):
     b = write_parquet([{"x": 3}], "b.parquet")
     rows = read_parquet_rows([a, b], ["x"])
     assert [(r["x"], r["_file"], r["_row"]) for r in rows] == [(1, a, 0), (2, a, 1), (3, b, 0)]
+
+
+def test_a_row_cap_reads_the_first_rows_or_a_seeded_draw_across_files_keeping_where_each_row_is(write_parquet):
+    a = write_parquet([{"x": i} for i in range(6)], "a.parquet")
+    b = write_parquet([{"x": 6 + i} for i in range(6)], "b.parquet")
+    first = read_parquet_rows([a, b], ["x"], RowSample(8))
+    assert [r["x"] for r in first] == list(range(8)) and (first[-1]["_file"], first[-1]["_row"]) == (b, 1)
+    drawn = read_parquet_rows([a, b], ["x"], RowSample(5, seed=3))
+    xs = [r["x"] for r in drawn]
+    assert len(set(xs)) == 5 and xs == sorted(xs) and xs != list(range(5))  # in file order, not the first five
+    assert all(r["_row"] == r["x"] - (6 if r["_file"] == b else 0) for r in drawn)
+    assert [r["x"] for r in read_parquet_rows([a, b], ["x"], RowSample(5, seed=3))] == xs  # the same draw again
+    assert [r["x"] for r in read_parquet_rows([a, b], ["x"], RowSample(5, seed=4))] != xs
+    for everything in (RowSample(-1), RowSample(0), RowSample(12, seed=3), RowSample(99)):  # verl: <= 0 is every row
+        assert len(read_parquet_rows([a, b], ["x"], everything)) == 12
 
 
 def test_missing_file_is_a_user_error_naming_the_file_and_the_key(tmp_path):

@@ -268,6 +268,8 @@ def test_offline_lengths_are_the_tokenised_prompts_and_recorded_responses(tmp_pa
     filtered = config(f"data.train_files={files}", "actor_rollout_ref.rollout.name=offline",
                       "actor_rollout_ref.rollout.n=2", "data.max_prompt_length=6", "data.filter_overlong_prompts=true")
     assert sample_lengths(filtered, WordTokenizer()).prompt_tokens == (4, 4, 2, 2)
+    capped = config(f"data.train_files={files}", "actor_rollout_ref.rollout.name=offline", "data.train_max_samples=2")
+    assert sample_lengths(capped, WordTokenizer()).num_prompts == 2  # the rows the run reads
 
 
 def test_prompts_are_measured_as_the_run_renders_them_with_its_chat_template_kwargs(tmp_path):
