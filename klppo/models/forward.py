@@ -250,24 +250,23 @@ def response_token_scores(
     fused = partial(fused_lm_head, model, temperature=temperature, chunk_logits=head.chunk_logits,
                     with_entropy=with_entropy, entropy_grad=entropy_grad, with_sum_pi_squared=with_sum_pi_squared,
                     compiled=head.compiled) if head.fused else None
-    wanted = (True, with_entropy, with_sum_pi_squared)
+    measured = dict(with_entropy=with_entropy, entropy_grad=entropy_grad, with_sum_pi_squared=with_sum_pi_squared)
     if packed:
         out, labels, out_rows, slots = _packed_forward(model, input_ids, mask, response_length, lm=True, spans=spans,
                                                        head=fused)
-        scores = _token_scores(out, labels, temperature, wanted, head, entropy_grad)  # each (n,)
+        scores = _token_scores(out, labels, temperature, head, **measured)  # each (n,)
         blank = torch.zeros(rows, response_length, device=input_ids.device)
         return TokenScores(*(None if x is None else blank.index_put((out_rows, slots), x) for x in scores))
     out, labels, t = _padded_forward(model, input_ids, mask, response_length, lm=True, spans=spans, head=fused)
-    scores = _token_scores(out, labels, temperature, wanted, head, entropy_grad)  # each (B, T')
+    scores = _token_scores(out, labels, temperature, head, **measured)  # each (B, T')
     real = mask[:, -response_length:]  # (B, T)
     return TokenScores(*(None if x is None else torch.where(real, _widen(x, response_length), 0.0) for x in scores))
 
 
-def _token_scores(out: torch.Tensor, labels: torch.Tensor, temperature: float, wanted: tuple[bool, bool, bool],
-                  head: HeadSettings, entropy_grad: bool = True) -> tuple:
+def _token_scores(out: torch.Tensor, labels: torch.Tensor, temperature: float, head: HeadSettings, *,
+                  with_entropy: bool, entropy_grad: bool, with_sum_pi_squared: bool) -> tuple:
     """(..., V) logits, or the fused head's (..., 1 to 3) scores -> log-probs (...), and entropies (...)
-    and sums of squared probabilities (...) where ``wanted`` (log-probs, entropy, sum_pi_squared) asks."""
-    _, with_entropy, with_sum_pi_squared = wanted
+    and sums of squared probabilities (...) where asked (None where not)."""
     if head.fused:  # the head's output stacks the wanted columns; a measured entropy is cut from the graph
         columns = iter(out.unbind(-1))
         log_probs = next(columns)

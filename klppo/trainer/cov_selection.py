@@ -5,9 +5,9 @@ the mini-batch, under the weights its micro-batches train (``klppo.algo.cov_loss
 them, one no-grad forward over this rank's rows of the mini-batch gives their log-probs; every
 rank gathers the mini-batch's log-probs, advantages, pi_old's log-probs and masks, puts the rows
 in the step's order (``RolloutBatch.row_id``), picks the same tokens, and keeps its own rows'.
-Clip-Cov's random pick ranks the candidates by a uniform number per token, drawn for the whole
-step's batch from a generator seeded by ``data.seed``, the step, the epoch and the mini-batch: the
-same on every rank, for any micro-batch split, and after a resume. verl picks within each
+Clip-Cov's random pick ranks the candidates by a uniform number per token, drawn for the
+mini-batch's rows in the step's order from a generator seeded by ``data.seed``, the step, the epoch
+and the mini-batch: the same on every rank, for any micro-batch split, and after a resume. verl picks within each
 micro-batch instead; the two agree where a mini-batch is one micro-batch on one rank.
 """
 
