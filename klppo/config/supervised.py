@@ -155,6 +155,10 @@ class RMDataConfig:
     shuffle: bool = True
     # Seed of the data order and of the new score head.
     seed: int = 1
+    # Train (validate) on at most this many rows of data.train_files (val_files); -1: every row,
+    # drawn as PPO's data.train_max_samples.
+    train_max_samples: int = -1
+    val_max_samples: int = -1
 
 
 @dataclass

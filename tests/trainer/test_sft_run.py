@@ -73,3 +73,23 @@ def test_verls_gsm8k_sft_command_trains_through_verls_module_path(tiny_model_dir
     assert "warning: 32 of the 32 prompts in" in out  # the questions are plain text, encoded as they are
     records = read_metrics(tmp_path / "sft")
     assert len(records) == 4 and records[-1]["train/loss"] < records[0]["train/loss"]
+
+
+def test_sft_and_reward_model_training_read_at_most_their_row_caps(tiny_model_dir, task_dir, tmp_path,
+                                                                   word_ranking_file):
+    from klppo.commands.main_rm import run_rm
+    from klppo.config import load_rm_config
+
+    cfg = load_sft_config(None, [
+        f"data.train_files={task_dir / 'sft.parquet'}", "data.train_max_samples=32", "data.max_length=96",
+        "data.train_batch_size=16", f"model.partial_pretrain={tiny_model_dir}", "trainer.total_epochs=1",
+        f"trainer.default_local_dir={tmp_path / 'sft'}", "trainer.logger=[]", "trainer.device=cpu"])
+    run_sft(cfg, print_fn=quiet)
+    assert len(read_metrics(tmp_path / "sft")) == 2  # 32 of the 64 examples / 16 per step
+    rm = load_rm_config(None, [
+        f"data.train_files={word_ranking_file(tmp_path / 'ranked.parquet', 20, 0)}", "data.train_max_samples=8",
+        "data.train_batch_size=4",
+        f"model.partial_pretrain={tiny_model_dir}", "trainer.total_epochs=1",
+        f"trainer.default_local_dir={tmp_path / 'rm'}", "trainer.logger=[]", "trainer.device=cpu"])
+    run_rm(rm, print_fn=quiet)
+    assert len(read_metrics(tmp_path / "rm")) == 2  # 8 prompts / 4 per step
