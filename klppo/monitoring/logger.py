@@ -92,10 +92,10 @@ class MetricsLogger:
     """Appends one JSON object per step (with a ``step`` key) and fans it out to the asked backends.
 
     ``backends`` is ``trainer.logger``: ``console`` prints a table per step, ``jsonl`` changes
-    nothing (metrics.jsonl is always written), ``tensorboard`` and ``wandb`` need their packages
-    and raise a ``UserError`` naming the ``pip install`` here, before any step runs. Set
+    nothing (metrics.jsonl is always written), ``tensorboard``, ``wandb`` and ``mlflow`` need their
+    packages and raise a ``UserError`` naming the ``pip install`` here, before any step runs. Set
     ``console`` to switch the table off and on between steps. ``close()`` ends the TensorBoard /
-    W&B runs; each step is flushed as it is logged, so a run that never closes loses nothing.
+    W&B / MLflow runs; each step is flushed as it is logged, so a run that never closes loses nothing.
     """
 
     def __init__(
