@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from klppo.config import PPOConfig
 from klppo.config.batch_sizes import (
-    fsdp_sections, update_forwards_first, update_gives_old_log_prob, uses_critic, uses_reference,
+    fsdp_sections, picks_cov_tokens, update_forwards_first, update_gives_old_log_prob, uses_critic, uses_reference,
 )
 from klppo.config.kl_probe import probe_prompts
 from klppo.config.lora import lora_enabled
@@ -87,6 +87,8 @@ class PlanSettings:
     # The actor's entropy bonus is in its loss (actor.entropy_coeff != 0): backward then runs
     # through the entropy too, which the unfused head pays in whole logits.
     entropy_in_loss: bool = False
+    # Clip-Cov / KL-Cov: a no-grad forward of the actor over each mini-batch before it trains (``picks_cov_tokens``).
+    cov_forwards: bool = False
 
     def model(self, role: str) -> Optional[ModelPlan]:
         return next((m for m in self.models if m.role == role), None)
@@ -301,5 +303,5 @@ def plan_settings(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int
         whole_loads=world_size == 1 and all(f == FSDPConfig() for f in fsdp_sections(cfg).values()),
         uses_reference=uses_reference(cfg),
         device_bytes=device_bytes, old_log_prob_forward=not update_gives_old_log_prob(cfg, world_size),
-        entropy_in_loss=arf.actor.entropy_coeff != 0,
+        entropy_in_loss=arf.actor.entropy_coeff != 0, cov_forwards=picks_cov_tokens(cfg),
         update_forwards_first=update_forwards_first(cfg, world_size), generation_kept=kept_generation(cfg, device))

@@ -58,7 +58,10 @@ def step_flops(s: PlanSettings, prompts: list[int], responses: list[int], *, epo
         out.append(PhaseFlops("reward", model_flops(rm, seqs, training=False, head_positions=len(seqs), head_outputs=1)))
     if critic is not None:
         out.append(PhaseFlops("update_critic", epochs["critic"] * model_flops(critic, seqs, training=True, head_outputs=1)))
-    out.append(PhaseFlops("update_actor", epochs["actor"] * model_flops(actor, seqs, training=True, head_positions=resp)))
+    update = model_flops(actor, seqs, training=True, head_positions=resp)
+    if s.cov_forwards:  # Clip-Cov / KL-Cov's no-grad forward over each mini-batch, timed with the update
+        update += model_flops(actor, seqs, training=False, head_positions=resp)
+    out.append(PhaseFlops("update_actor", epochs["actor"] * update))
     return out
 
 

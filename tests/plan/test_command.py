@@ -184,3 +184,17 @@ def test_a_gold_reward_model_is_planned_as_a_resident_reward_model(ppo_overrides
     # loaded with the others: mapped from its fp32 file in setup (nothing read yet), resident after
     assert with_gold["setup"].total == without["setup"].total
     assert all(with_gold[name].total == without[name].total + weights for name in without if name != "setup")
+
+
+def test_clip_covs_forward_per_mini_batch_is_in_the_actors_update_time(qwen05_dir, plan_data, capsys, no_weights):
+    overrides = _example_overrides(ROOT / "examples/arithmetic/ppo.yaml", qwen05_dir, plan_data)
+    options = ("--device-memory", "80GiB", "--device", "cuda", "--peak-tflops", "100", "--mfu", "0.5")
+
+    def update_tflops(*extra) -> float:
+        out = _plan(capsys, "examples/arithmetic/ppo.yaml", *overrides, *extra, *options)
+        timed = out[out.index("Time per step"):]
+        return float(next(line for line in timed.splitlines() if line.startswith("update_actor ")).split()[1])
+
+    plain = update_tflops()
+    assert update_tflops("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov") == pytest.approx(plain * 4 / 3,
+                                                                                                      rel=0.01)
