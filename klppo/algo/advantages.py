@@ -398,7 +398,7 @@ def compute_optimal_token_baseline_advantage(
 
 def _lone_tail(lengths: torch.Tensor, ids: torch.Tensor, groups: int, size: torch.Tensor, width: int) -> torch.Tensor:
     """(B, width) bool: the positions of a group's longest response past the group's second-longest
-    response, where that response is the only one of its length (nothing elsewhere)."""
+    response, where that response is the only one of its length (False elsewhere)."""
     longest = lengths.new_zeros(groups).scatter_reduce(0, ids, lengths, "amax", include_self=False)
     at_longest = lengths == longest[ids]
     count = lengths.new_zeros(groups).index_add(0, ids, at_longest.long())
