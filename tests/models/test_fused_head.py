@@ -193,6 +193,19 @@ def test_the_compiled_slices_give_the_eager_values_and_gradients_for_any_token_c
     assert sorted(set(aot_compiled)) == ["_fold_slice", "_slice_grad"] and len(aot_compiled) == 2
 
 
+def test_the_compiled_slices_measure_the_sum_of_squared_probabilities_as_the_eager_ones(aot_compiled):
+    """The optimal token baseline's running sum, through the compiled fold (one more argument)."""
+    hidden, weight, bias, labels, _, chunk = _case(3, with_bias=True)
+    with torch.no_grad():
+        eager, compiled = (chunked_token_scores(hidden, weight, labels, bias=bias, temperature=0.7, chunk_logits=chunk,
+                                                with_sum_pi_squared=True, compiled=c) for c in (False, True))
+    for a, b in zip(eager, compiled):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, **TOL)
+    assert aot_compiled == ["_fold_slice"]
+
+
 def test_a_head_whose_compilation_fails_runs_eagerly_after_one_warning(monkeypatch):
     import warnings
 
