@@ -19,3 +19,4 @@ def test_two_ranks_cut_the_tokens_one_process_cuts_and_train_the_same(tiny_model
     assert all(r["actor/pg_clipfrac"] > 0.1 for r in one)  # tokens were cut
     assert_same_metrics(one, two)
     assert_same_weights(tmp_path / "one" / "actor_hf", tmp_path / "two" / "actor_hf")
+
