@@ -138,9 +138,10 @@ def _prepare_rm(cfg: RMConfig, env: DistEnv, tokenizer, sharder, print_fn):
     common = dict(prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                   filter_overlong_prompts=data.filter_overlong_prompts,
                   template_kwargs=data.apply_chat_template_kwargs, log=print_fn)
-    seed = data.seed if data.shuffle else None  # data.train_max_samples / val_max_samples, drawn as PPO's
-    train = load_ranked_dataset(data.train_files, tokenizer, sample=RowSample(data.train_max_samples, seed), **common)
-    val = (load_ranked_dataset(data.val_files, tokenizer, sample=RowSample(data.val_max_samples, seed), **common)
+    train = load_ranked_dataset(data.train_files, tokenizer,
+                                sample=RowSample.drawn(data.train_max_samples, data.shuffle, data.seed), **common)
+    val = (load_ranked_dataset(data.val_files, tokenizer,
+                               sample=RowSample.drawn(data.val_max_samples, data.shuffle, data.seed), **common)
            if data.val_files else None)
     # The loss reads the score head at every position (sequence_scores), not the root's output.
     model = load_model("reward_model", cfg.model.partial_pretrain, key=key, env=env, sharder=sharder,

@@ -90,9 +90,9 @@ def _prepare_sft(cfg: SFTConfig, env: DistEnv, tokenizer, sharder, print_fn):
         load = partial(load_sft_dataset, prompt_key=data.prompt_key, response_key=data.response_key,
                        prompt_dict_keys=data.prompt_dict_keys or (), response_dict_keys=data.response_dict_keys or (),
                        **common)
-    seed = data.seed if data.shuffle else None  # verl's train_max_samples / val_max_samples draw
-    train = load(data.train_files, tokenizer, sample=RowSample(data.train_max_samples, seed))
-    val = load(data.val_files, tokenizer, sample=RowSample(data.val_max_samples, seed)) if data.val_files else None
+    train = load(data.train_files, tokenizer, sample=RowSample.drawn(data.train_max_samples, data.shuffle, data.seed))
+    val = (load(data.val_files, tokenizer, sample=RowSample.drawn(data.val_max_samples, data.shuffle, data.seed))
+           if data.val_files else None)
     model = load_model("causal_lm", cfg.model.partial_pretrain, key=key, env=env, sharder=sharder,
                        fsdp=cfg.model.fsdp_config, gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                        seed=data.seed, lora=lora_spec(cfg.model, "model"))

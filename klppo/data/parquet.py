@@ -97,6 +97,11 @@ class RowSample:
     max_samples: int = -1
     seed: int | None = None
 
+    @classmethod
+    def drawn(cls, max_samples: int, shuffle: bool, seed: int) -> RowSample:
+        """verl's rule for its data configs: a draw seeded by ``seed`` where ``shuffle`` is on, else the first rows."""
+        return cls(max_samples, seed if shuffle else None)
+
     def rows(self, total: int) -> list[int] | None:
         """The global indices read, in order; None for every row."""
         if self.max_samples <= 0 or self.max_samples >= total:

@@ -157,12 +157,12 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable)
     if offline and RANKING_COLUMNS & parquet_columns(data.train_files):
         ranking = cfg.reward_model.ranking
         ranked = load_ranked_dataset(data.train_files, tokenizer, require_rollout_log_probs=needs_log_probs,
-                                     sample=row_sample(data, data.train_max_samples), **common)
+                                     sample=RowSample.drawn(data.train_max_samples, data.shuffle, data.seed), **common)
         train = with_ranking_rewards(ranked, ranking.method, scale=ranking.scale, center=ranking.center)
     else:
         train = load_rl_dataset(data.train_files, tokenizer, require_responses=offline,
                                 require_rollout_log_probs=needs_log_probs,
-                                sample=row_sample(data, data.train_max_samples), **common)
+                                sample=RowSample.drawn(data.train_max_samples, data.shuffle, data.seed), **common)
     if offline:
         check_enough_responses(train, cfg.actor_rollout_ref.rollout.n)
     rule_scored = not cfg.reward_model.enable  # else the reward model scores every response
@@ -187,15 +187,9 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable)
     return train, val, val_ranked
 
 
-def row_sample(data, max_samples: int) -> RowSample:
-    """The rows a loader reads (verl's data.train_max_samples / val_max_samples): drawn by data.seed
-    with data.shuffle, else the first ones."""
-    return RowSample(max_samples, data.seed if data.shuffle else None)
-
-
 def load_val_datasets(cfg: PPOConfig, tokenizer, common: dict):
     """Prompts to generate for, and held-out rankings (when data.val_files has ranking columns)."""
-    files, sample = cfg.data.val_files, row_sample(cfg.data, cfg.data.val_max_samples)
+    files, sample = cfg.data.val_files, RowSample.drawn(cfg.data.val_max_samples, cfg.data.shuffle, cfg.data.seed)
     if not files:
         return None, None
     if not RANKING_COLUMNS & parquet_columns(files):

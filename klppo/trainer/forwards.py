@@ -87,7 +87,7 @@ def _forward_in_parts(batch: RolloutBatch, forward: Callable[[RolloutBatch, RowS
 def compute_log_prob(model, batch: RolloutBatch, split: MicroBatching, *, temperature: float,
                      head: HeadSettings = HeadSettings()) -> torch.Tensor:
     """(B, T) response log-probs under ``model``, a micro-batch (rows or token budget) at a time."""
-    return _log_prob_in_parts(model, batch, split, temperature, head, with_sum_pi_squared=False)[..., 0]
+    return _log_prob_in_parts(model, batch, split, temperature, head, with_sum_pi_squared=False)
 
 
 @torch.no_grad()
@@ -100,14 +100,16 @@ def compute_log_prob_and_sum_pi_squared(model, batch: RolloutBatch, split: Micro
 
 def _log_prob_in_parts(model, batch: RolloutBatch, split: MicroBatching, temperature: float, head: HeadSettings,
                        with_sum_pi_squared: bool) -> torch.Tensor:
-    """(B, T, 1 or 2): the log-probs, and the sums of squared probabilities where asked."""
+    """(B, T) log-probs, or with the sums of squared probabilities (B, T, 2) stacked after them."""
     model.eval()
 
     def forward(micro: RolloutBatch, spans: RowSpans) -> torch.Tensor:
         scores = response_token_scores(model, micro.input_ids, micro.attention_mask, micro.response_length,
                                        temperature=temperature, with_sum_pi_squared=with_sum_pi_squared,
                                        packed=split.packed, max_tokens=split.max_tokens, head=head, spans=spans)
-        return torch.stack([scores.log_probs, *([scores.sum_pi_squared] if with_sum_pi_squared else [])], -1)
+        if not with_sum_pi_squared:
+            return scores.log_probs
+        return torch.stack([scores.log_probs, scores.sum_pi_squared], -1)
 
     return _forward_in_parts(batch, forward, split)
 
