@@ -17,7 +17,7 @@ ALLOWED = {
     "data": {"errors"},
     "distributed": {"errors"},
     "models": {"algo", "data", "errors"},
-    "rollout": {"data", "models", "errors"},
+    "rollout": {"data", "models", "rewards", "errors"},
     "rewards": {"algo", "data", "errors"},
     "checkpoint": {"distributed", "errors"},
     "monitoring": {"algo", "rollout", "errors", "cli_support"},

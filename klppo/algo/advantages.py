@@ -279,17 +279,19 @@ def compute_reinforce_plus_plus_outcome_advantage(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted return-to-go, whitened over the batch.
 
-    token_level_rewards, response_mask: (B, T). returns_t = r_t + gamma * returns_{t+1},
-    where the running return restarts after each padded position (verl). Returns
+    token_level_rewards, response_mask: (B, T). returns_t = r_t + gamma * returns_{t'}, t' the
+    next real token: a masked position inside a response (a tool's reply in a multi-turn
+    rollout) is skipped, neither discounting nor resetting the return, as GAE skips it. verl
+    restarts the return there instead, which would cut every turn but the last from the score;
+    on single-turn batches (padding only after the response) the two agree. Returns
     (advantages, returns), (B, T); both 0 at padding.
     """
     mask = response_mask.bool()
     returns = torch.zeros_like(token_level_rewards)
     running = torch.zeros_like(token_level_rewards[:, 0])  # (B,)
     for t in reversed(range(token_level_rewards.shape[1])):
-        running = token_level_rewards[:, t] + gamma * running
+        running = torch.where(mask[:, t], token_level_rewards[:, t] + gamma * running, running)
         returns[:, t] = running
-        running = _zero_padding(running, mask[:, t])  # nothing flows back across padding
     advantages = _zero_padding(masked_whiten(returns, mask), mask)
     return advantages, _zero_padding(returns, mask)
 

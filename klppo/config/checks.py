@@ -23,7 +23,7 @@ from klppo.config.problems import Problem, check_at_least, check_positive
 from klppo.config.group_checks import filter_groups_notes, group_of_one_notes, group_problems
 from klppo.config.hydra import resolve_megatron
 from klppo.config.reward_checks import reward_notes, reward_problems
-from klppo.config.rollout_checks import engine_problems, resolve_rollout_engine, rollout_notes
+from klppo.config.rollout_checks import engine_problems, multi_turn_problems, resolve_rollout_engine, rollout_notes
 from klppo.config.rollout_correction import parse_is_threshold, parse_rs, rollout_correction_active
 from klppo.config.schema import (
     ActorConfig,
@@ -191,7 +191,7 @@ def check_ppo(cfg: PPOConfig, launched: Optional[int] = None) -> list[Problem]:
     _check_algorithm(cfg, out)
     group_problems(cfg, out)
     _check_rollout_correction(cfg, out)
-    out += [Problem(keys, message) for keys, message in engine_problems(cfg)]
+    out += [Problem(keys, message) for keys, message in engine_problems(cfg) + multi_turn_problems(cfg)]
     _check_trainer(cfg.trainer, out)
     _check_guard(cfg.trainer.guard, out)
     out += reward_problems(cfg)

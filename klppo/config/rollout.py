@@ -35,6 +35,28 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    # Each response is a conversation: where a turn of the policy calls tools (Hermes' <tool_call>
+    # format), their replies are appended and the policy speaks again (hf, and verl's sglang /
+    # trtllm names, which generate with hf). The policy trains on its own turns only.
+    enable: bool = False
+    # Turns of the policy per response; None: until a turn calls no tool or response_length is reached.
+    max_assistant_turns: Optional[int] = None
+    # Tool replies per response; None: no limit but response_length.
+    max_user_turns: Optional[int] = None
+    # verl's tool config YAML (tools: class_name, config, tool_schema); verl.tools.gsm8k_tool.Gsm8kTool
+    # is built in, any other class_name is imported. None: no tools (every response one turn).
+    tool_config_path: Optional[str] = None
+    # Calls of one turn that run (the rest are dropped, as verl drops them).
+    max_parallel_calls: int = 1
+    # Characters of one tool reply kept; the rest is cut at tool_response_truncate_side.
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    # How tool calls are written: hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>).
+    format: Literal["hermes"] = "hermes"
+
+
+@dataclass
 class RolloutConfig:
     # Where responses come from: recorded in the data (offline), generated with Hugging Face
     # generate (hf) or with vLLM (vllm: the `klppo[vllm]` extra). verl's sglang and trtllm
@@ -128,3 +150,4 @@ class RolloutConfig:
     # stream of its own, so the same responses come on any number of ranks and after a resume.
     seed: int = 42
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

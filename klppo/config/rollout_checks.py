@@ -79,6 +79,48 @@ def engine_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
     return out
 
 
+MULTI_TURN = f"{ROLLOUT}.multi_turn"
+
+
+def multi_turn_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
+    """(keys, message) of multi-turn settings that cannot work: where its turns are generated, and limits below 1."""
+    rollout, mt, out = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.rollout.multi_turn, []
+    for key in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length"):
+        value = getattr(mt, key)
+        if value is not None and value < 1:
+            out.append(((f"{MULTI_TURN}.{key}",), f"{MULTI_TURN}.{key} = {value} must be >= 1"
+                        + (" (or null: no limit)" if key.endswith("_turns") else "")))
+    if not mt.enable:
+        return out
+    enabled = f"{MULTI_TURN}.enable"
+    if rollout.name == "offline":
+        out.append(((enabled, f"{ROLLOUT}.name"), f"{enabled} = true needs generated conversations, but "
+                    f"{ROLLOUT}.name = 'offline' reads recorded responses; set {ROLLOUT}.name=hf"))
+    elif rollout.name == "vllm":
+        out.append(((enabled, f"{ROLLOUT}.name"), f"{enabled} = true: klppo's multi-turn loop generates each turn "
+                    f"with Hugging Face generate, not yet with vLLM; set {ROLLOUT}.name=hf"))
+    if rollout.hf_decoding in ("static", "compiled"):
+        out.append(((enabled, f"{ROLLOUT}.hf_decoding"), f"{ROLLOUT}.hf_decoding = '{rollout.hf_decoding}' sizes one "
+                    f"static cache per batch shape, and a conversation's length changes at every turn; with "
+                    f"{enabled} set {ROLLOUT}.hf_decoding=dynamic (or auto)"))
+    if rollout.ignore_eos:
+        out.append(((enabled, f"{ROLLOUT}.ignore_eos"), f"{ROLLOUT}.ignore_eos = true never ends a turn, so no turn "
+                    f"could call a tool; set it to false with {enabled}"))
+    return out
+
+
+def multi_turn_notes(cfg: PPOConfig) -> list[str]:
+    """Tools that are configured but never called, and a loop with nothing to call."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable and mt.tool_config_path is not None:
+        return [f"warning: {MULTI_TURN}.tool_config_path has no effect while {MULTI_TURN}.enable = false: every "
+                "response is one turn; set enable=true to let the policy call the tools"]
+    if mt.enable and mt.tool_config_path is None:
+        return [f"warning: {MULTI_TURN}.enable = true without {MULTI_TURN}.tool_config_path: no turn can call a tool, "
+                "so every response is one turn"]
+    return []
+
+
 def rollout_notes(cfg: PPOConfig) -> list[str]:
     """Warnings about the rollout that is asked for: engine keys that configure nothing, and
     sampling that is not from the policy's own distribution softmax(z / T)."""
@@ -92,6 +134,7 @@ def rollout_notes(cfg: PPOConfig) -> list[str]:
                          f"effect with {ROLLOUT}.name = 'hf'; set {ROLLOUT}.name=vllm to use them")
     notes += _decoding_notes(rollout)
     notes += _truncated_sampling_notes(cfg)
+    notes += multi_turn_notes(cfg)
     if rollout.name == "vllm" and rollout.dtype in ("bfloat16", "float16") and lora_enabled(cfg.actor_rollout_ref.model):
         notes.append(f"warning: {ROLLOUT}.dtype = '{rollout.dtype}' with a LoRA actor: the engine takes the merged "
                      f"weights W + s * B @ A rounded to {rollout.dtype}, which loses every update below its resolution "

@@ -38,7 +38,12 @@ _NOT_IMPLEMENTED = "not implemented in klppo"
 
 RULES: tuple[tuple, ...] = (
     # -- changes what is trained: refused when set to anything but verl's default --
-    (("actor_rollout_ref.rollout.multi_turn.enable",), "multi-turn / tool rollouts are not implemented in klppo", REFUSE),
+    (("actor_rollout_ref.rollout.multi_turn.interaction_config_path",), "multi-turn interactions (a simulated user "
+     "answering each turn) are not implemented in klppo; tools are (multi_turn.tool_config_path)", REFUSE),
+    (("actor_rollout_ref.rollout.multi_turn.function_tool_path",), "klppo builds tools from "
+     "verl's tool config YAML only; list them in actor_rollout_ref.rollout.multi_turn.tool_config_path", REFUSE),
+    (("actor_rollout_ref.rollout.multi_turn.completion_callback",), "verl 0.4's SGLang completion callback; klppo's "
+     "multi-turn loop reads Hermes tool calls (multi_turn.format)", REFUSE),
     (("algorithm.rollout_correction.rollout_token_veto_threshold",), "verl 0.6-0.7's token veto, gone from verl "
      "0.9.1 and not in klppo; reject outlier tokens with algorithm.rollout_correction.rollout_rs=token_k1", REFUSE),
     (("algorithm.rollout_correction.rollout_rs_threshold_lower",), "verl 0.6-0.7 key; verl 0.9.1 and klppo write "
@@ -89,8 +94,13 @@ RULES: tuple[tuple, ...] = (
       "actor_rollout_ref.rollout.agent.*", "actor_rollout_ref.rollout.skip_rollout",
       "actor_rollout_ref.rollout.skip_dump_dir"), _ENGINE),
     (("actor_rollout_ref.rollout.use_fire_sampling",), "FIRE sampling is " + _NOT_IMPLEMENTED),
-    (("actor_rollout_ref.rollout.multi_turn.*", "data.tool_config_path", "data.function_tool_path"),
-     "multi-turn / tool setting, used only with multi_turn.enable (not implemented in klppo)"),
+    (("data.tool_config_path", "data.function_tool_path"), "verl's dataset reads the multi-turn tools to render "
+     "prompts; klppo renders them from actor_rollout_ref.rollout.multi_turn.tool_config_path"),
+    (("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
+      "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode"), "klppo renders each tool reply with the "
+     "chat template and appends its tokens to the conversation's, never re-tokenising what the policy said"),
+    (("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts",), "verl's rollout repeats for its interaction "
+     "curriculum; klppo samples rollout.n conversations per prompt"),
     (("reward_model.rollout.*", "reward.reward_model.rollout.*", "reward_model.use_reward_loop",
       "reward_model.launch_reward_fn_async"), _RM_SERVER),
     (("distillation.*",), "on-policy distillation (distillation.enabled) is " + _NOT_IMPLEMENTED),

@@ -314,13 +314,18 @@ def collate_prompts(records: Sequence[PromptRecord], pad_token_id: int) -> tuple
     real tokens.
     """
     assert records, "collate_prompts needs at least one record"
-    width = max(len(r.prompt_ids) for r in records)  # P
-    input_ids = torch.full((len(records), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(records), width), dtype=torch.bool)
-    for i, r in enumerate(records):
-        n = len(r.prompt_ids)
+    return left_pad([r.prompt_ids for r in records], pad_token_id)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists left-padded to the longest: ids (B, P) long and mask (B, P) bool."""
+    width = max(len(s) for s in sequences)  # P
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, seq in enumerate(sequences):
+        n = len(seq)
         if n:
-            input_ids[i, width - n:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            input_ids[i, width - n:] = torch.tensor(list(seq), dtype=torch.long)
             attention_mask[i, width - n:] = True
     return input_ids, attention_mask
 

@@ -48,8 +48,9 @@ _FIELDS = ("input", "output", "gts", "score", "step")
 
 
 def batch_generations(batch: RolloutBatch, tokenizer, scores: Sequence[float]) -> list[Generation]:
-    """Each response of ``batch`` as text, in batch order, with ``scores`` (one per row)."""
-    prompt_mask, response_mask = batch.prompt_mask.cpu(), batch.response_mask.cpu()
+    """Each response of ``batch`` as text (a multi-turn response with the tools' replies), in batch
+    order, with ``scores`` (one per row)."""
+    prompt_mask, response_mask = batch.prompt_mask.cpu(), batch.response_attention.cpu()
     prompts = [ids[mask].tolist() for ids, mask in zip(batch.prompt_ids.cpu(), prompt_mask)]
     responses = [ids[mask].tolist() for ids, mask in zip(batch.response_ids.cpu(), response_mask)]
     inputs = tokenizer.batch_decode(prompts, skip_special_tokens=True)

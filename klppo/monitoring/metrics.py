@@ -26,8 +26,8 @@ def compute_data_metrics(batch: RolloutBatch, max_response_length: int, grouped:
     ``training/filter_groups/*`` say what was dropped). The fraction of response tokens whose advantage is exactly 0 (``critic/advantages/zero_frac``)
     is logged for every estimator.
     """
-    mask = batch.response_mask
-    response_length = mask.sum(-1).float()  # (B,)
+    mask = batch.response_mask  # the policy's tokens
+    response_length = batch.response_attention.sum(-1).float()  # (B,) every token, tools' replies too (verl's)
     scores = batch.token_level_scores.sum(-1)  # (B,)
     metrics = {
         **_summary("critic/score", scores),
@@ -42,6 +42,8 @@ def compute_data_metrics(batch: RolloutBatch, max_response_length: int, grouped:
     }
     if grouped:
         metrics["critic/score/zero_std_frac"] = zero_std_group_fraction(scores, batch.group_index)
+    if batch.num_turns is not None:
+        metrics.update(_summary("num_turns", batch.num_turns))
     if batch.values is not None:
         metrics.update(_summary("critic/values", batch.values[mask]))
         metrics["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, mask)
@@ -77,7 +79,7 @@ def reward_component_metrics(components: list[dict[str, float]]) -> dict[str, fl
 
 def compute_throughput_metrics(batch: RolloutBatch, step_seconds: float, n_devices: int = 1) -> dict[str, float]:
     """Tokens processed (prompt + response, real tokens only) per second per device."""
-    total_tokens = int(batch.prompt_mask.sum() + batch.response_mask.sum())  # host-device sync
+    total_tokens = int(batch.attention_mask.sum())  # host-device sync
     return {
         "perf/total_num_tokens": float(total_tokens),
         "perf/time_per_step": step_seconds,

@@ -4,6 +4,13 @@ Legend: B responses in the batch (prompts x rollout.n), P prompt length (left-pa
 T response length (right-padded). Masks are bool, True = real token. A response includes its
 closing EOS when it has one.
 
+``response_mask`` marks the tokens the policy sampled: the ones every loss, KL, advantage and
+entropy counts (verl's ``response_mask``). A multi-turn rollout (``rollout.multi_turn``) puts a
+tool's reply between two of the policy's turns: those tokens are read as context by every forward
+but never trained on, so such a batch also has ``response_attention_mask`` (every token of the
+response, verl's ``attention_mask`` over it); ``response_attention`` is that mask, or
+``response_mask`` where the two are one.
+
 The rollout fills the first block of fields; the scoring phases fill the ``Optional`` ones in
 the order of the loop (old log-probs, reference log-probs, values, scores, rewards,
 advantages and returns).
@@ -38,6 +45,10 @@ class RolloutBatch:
     ground_truths: list[Any]  # (B,)
     extra_infos: list[dict]  # (B,)
     recorded_scores: Optional[torch.Tensor] = None  # (B,) float: scores recorded in offline data
+    # Multi-turn rollouts: (B, T) bool, every response token a forward reads (the policy's turns and the
+    # tools' replies between them); None = response_mask (a single turn).
+    response_attention_mask: Optional[torch.Tensor] = None
+    num_turns: Optional[torch.Tensor] = None  # (B,) long, multi-turn rollouts: turns of the conversation (verl's)
     # Offline data's behaviour log-probs (the ``rollout_log_probs`` column; verl's name for the
     # rollout's log-probs): (B, T) float, 0 on padding and on rows without them; None when no row has them.
     rollout_log_probs: Optional[torch.Tensor] = None
@@ -79,14 +90,19 @@ class RolloutBatch:
         return self.response_mask if self.loss_mask is None else self.loss_mask
 
     @property
+    def response_attention(self) -> torch.Tensor:
+        """(B, T) bool: every response token the model reads (``response_mask`` but in multi-turn rollouts)."""
+        return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
+
+    @property
     def input_ids(self) -> torch.Tensor:
         """(B, P + T) prompt then response."""
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        """(B, P + T) bool."""
-        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        """(B, P + T) bool: the tokens every forward reads."""
+        return torch.cat([self.prompt_mask, self.response_attention], dim=1)
 
     def select(self, indices: torch.Tensor | list[int]) -> RolloutBatch:
         """The sub-batch of rows ``indices`` (tensors indexed, lists picked), in that order.
@@ -159,10 +175,12 @@ def assemble_batch(
     response_mask: torch.Tensor,
     recorded_scores: Optional[torch.Tensor] = None,
     rollout_log_probs: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    turns: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> RolloutBatch:
     """Pair ``n`` responses per record (grouped by prompt) with the record's repeated prompt.
 
     ``rollout_log_probs``: the behaviour log-probs (B, T) and which rows have them (B,), or None.
+    ``turns``: a multi-turn rollout's ``response_attention_mask`` (B, T) and ``num_turns`` (B,), or None.
     """
     prompt_ids, prompt_mask = collate_prompts(records, pad_token_id)
 
@@ -179,6 +197,8 @@ def assemble_batch(
         ground_truths=repeat([r.ground_truth for r in records]),
         extra_infos=repeat([r.extra_info for r in records]),
         recorded_scores=recorded_scores,
+        response_attention_mask=None if turns is None else turns[0],
+        num_turns=None if turns is None else turns[1],
         rollout_log_probs=None if rollout_log_probs is None else rollout_log_probs[0],
         has_rollout_log_probs=None if rollout_log_probs is None else rollout_log_probs[1],
     )

@@ -21,14 +21,15 @@ import copy
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from transformers import CompileConfig, GenerationConfig, LogitsProcessorList, StaticCache
 from transformers.generation import utils as generation_utils
 
-from klppo.data.rl_dataset import PromptRecord, collate_prompts
+from klppo.data.rl_dataset import PromptRecord, collate_prompts, left_pad
 from klppo.rollout.batch import RolloutBatch, assemble_batch, eos_token_ids, mask_after_eos
+from klppo.rollout.multi_turn import MultiTurn, TurnGenerator, multi_turn_rollout
 from klppo.rollout.sampling import with_sampling
 
 
@@ -111,7 +112,8 @@ DYNAMIC = Decoding()
 @torch.no_grad()
 def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingParams, *,
                synced_gpus: bool = False, device: torch.device | None = None,
-               decoding: Decoding = DYNAMIC) -> RolloutBatch:
+               decoding: Decoding = DYNAMIC, multi_turn: Optional[MultiTurn] = None,
+               keep_going: Optional[Callable[[bool], bool]] = None) -> RolloutBatch:
     """Sample ``params.n`` responses per prompt; rows grouped by prompt as in ``offline_rollout``.
 
     ``synced_gpus`` (sharded models): every rank keeps running forwards until all ranks have
@@ -134,8 +136,17 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
 
     ``decoding``: the KV cache and compilation (``Decoding``, resolved for ``device``); a model that
     runs FSDP2's hooks per layer decodes with the dynamic cache (``DYNAMIC``), eagerly.
+
+    ``multi_turn``: each response is a conversation with tools (``multi_turn.multi_turn_rollout``),
+    every turn sampled as above, with the dynamic cache (a conversation's length changes at every
+    turn); ``keep_going`` is the ranks' agreement that ``synced_gpus`` needs (any rank has a
+    conversation left).
     """
     device = device if device is not None else next(model.parameters()).device
+    if multi_turn is not None:
+        generate_turn = _turn_generator(model, tokenizer, params, device, synced_gpus)
+        return multi_turn_rollout(records, params.n, tokenizer, generate_turn, multi_turn, params.max_new_tokens,
+                                  **({"keep_going": keep_going} if keep_going is not None else {}))
     prompt_ids, prompt_mask = collate_prompts(records, tokenizer.pad_token_id)
     prompt_ids = prompt_ids.repeat_interleave(params.n, dim=0).to(device)
     prompt_mask = prompt_mask.repeat_interleave(params.n, dim=0).to(device)
@@ -151,6 +162,26 @@ def hf_rollout(model, records: list[PromptRecord], tokenizer, params: SamplingPa
     response_mask = mask_after_eos(response_ids, eos)
     response_ids = response_ids.masked_fill(~response_mask, tokenizer.pad_token_id)
     return assemble_batch(records, params.n, tokenizer.pad_token_id, response_ids, response_mask)
+
+
+def _turn_generator(model, tokenizer, params: SamplingParams, device: torch.device, synced_gpus: bool
+                    ) -> TurnGenerator:
+    """One turn of every conversation given: sampled as ``hf_rollout`` samples, up to the turn's
+    first EOS and at most its budget of tokens."""
+    eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
+
+    def generate_turn(contexts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        ids, mask = left_pad(contexts, tokenizer.pad_token_id)
+        config = neutral_generation_config(replace(params, n=1, max_new_tokens=max(budgets)), tokenizer, eos)
+        was_training = model.training
+        model.eval()
+        output = _generate(model, ids.to(device), mask.to(device), config, DYNAMIC, synced_gpus)
+        model.train(was_training)
+        turns = output[:, ids.shape[1]:].cpu()
+        kept = mask_after_eos(turns, eos)
+        return [turn[keep][:budget].tolist() for turn, keep, budget in zip(turns, kept, budgets)]
+
+    return generate_turn
 
 
 # Model classes whose compiled decoding failed in this process: they decode with the dynamic cache

@@ -34,6 +34,8 @@ from klppo.plan.model_shape import GOLD_ROLE
 from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.hf import StaticCaches
+from klppo.rollout.multi_turn import MultiTurn
+from klppo.rollout.tools import NO_TOOLS, load_tools
 from klppo.rollout.vllm import VLLMEngine, require_vllm
 from klppo.run.offload import Offloader
 from klppo.run.settings import KLSettings, PPOSettings, compile_ppo, compute_dtype, uses_critic, uses_reference
@@ -80,6 +82,8 @@ class PPOParts:
     # generation copy, built once and refreshed in place, and the caches decoding writes into.
     kept_generation_model: Optional[torch.nn.Module] = None
     kv_caches: StaticCaches = field(default_factory=StaticCaches)
+    multi_turn: Optional[MultiTurn] = None  # rollout.multi_turn.enable: conversations with tools, its tools built
+
 
     @property
     def device(self) -> torch.device:
@@ -140,15 +144,29 @@ def behaviour_log_probs_need(cfg: PPOConfig) -> LogProbsNeed | None:
     return None
 
 
-def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable):
-    """(train prompts, validation prompts or None, held-out ranked records or None)."""
+def build_multi_turn(cfg: PPOConfig) -> Optional[MultiTurn]:
+    """``rollout.multi_turn`` with its tools built (once per run), or None where it is off."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable:
+        return None
+    tools = load_tools(mt.tool_config_path) if mt.tool_config_path else NO_TOOLS
+    return MultiTurn(tools, mt.max_assistant_turns, mt.max_user_turns, mt.max_parallel_calls,
+                     mt.max_tool_response_length, mt.tool_response_truncate_side,
+                     dict(cfg.data.apply_chat_template_kwargs))
+
+
+def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable,
+                  multi_turn: Optional[MultiTurn] = None):
+    """(train prompts, validation prompts or None, held-out ranked records or None). With tools, each
+    prompt is rendered with their schemas, as the chat template shows them to the model."""
     data, offline = cfg.data, cfg.actor_rollout_ref.rollout.name == "offline"
+    tools = {"tools": multi_turn.tools.schemas} if multi_turn is not None and multi_turn.tools else {}
     common = dict(
         prompt_key=data.prompt_key,
         max_prompt_length=data.max_prompt_length,
         truncation=data.truncation,
         filter_overlong_prompts=data.filter_overlong_prompts,
-        template_kwargs=data.apply_chat_template_kwargs,
+        template_kwargs={**data.apply_chat_template_kwargs, **tools},
         log=log,
     )
     for note in template_kwargs_notes(tokenizer, data.apply_chat_template_kwargs):
@@ -305,7 +323,8 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     gold_fn = make_reward_fn(gold.path, gold.name, "trainer.gold_reward", gold.reward_kwargs) if gold.path else None
     actor_model = cfg.actor_rollout_ref.model
     tokenizer = load_tokenizer(actor_model.path, chat_template=actor_model.custom_chat_template)
-    train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log)
+    multi_turn = build_multi_turn(cfg)  # its tools' file is read here, before any model loads
+    train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log, multi_turn)
     batches = prompt_batches(cfg, len(train))
     total_steps = run_length(trainer.total_training_steps, trainer.total_epochs, batches.steps_per_epoch)
     attention = run_attention(cfg, env)  # once, for every model
@@ -334,7 +353,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
         kl_ctrl=build_kl_controller(settings.kl), reward_fn=reward_fn, train_records=train, val_records=val,
         val_ranked=val_ranked, batches=batches, total_steps=total_steps, offloader=offloader,
         initial_adapters=initial, reference_adapters=_reference_adapters(cfg, initial), engine=engine,
-        gold_reward_fn=gold_fn, gold_reward_model=gold_model,
+        gold_reward_fn=gold_fn, gold_reward_model=gold_model, multi_turn=multi_turn,
     )
 
 

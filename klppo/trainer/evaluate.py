@@ -25,11 +25,12 @@ from klppo.monitoring.text_metrics import bleu, rouge_l
 from klppo.monitoring.timer import PhaseTimer
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.hf import DYNAMIC, Decoding, SamplingParams, hf_rollout
+from klppo.rollout.multi_turn import MultiTurn
 from klppo.trainer.forwards import (
     compute_log_prob, compute_rm_scores, compute_scores, decode_responses, reference_model, response_scores, token_scores,
 )
 from klppo.trainer.responses import (
-    VALIDATION, engine_seeds, generation_decoding, generation_model, sync_engine_weights,
+    VALIDATION, engine_seeds, generation_decoding, generation_model, sync_engine_weights, turns_together,
 )
 from klppo.run.setup import same_on_every_rank
 from klppo.safety.guards import RunGuard
@@ -60,14 +61,17 @@ def validation_sampler(parts: PPOParts) -> Iterator[tuple[Sample, int]]:
         yield with_engine, parts.settings.engine.tensor_parallel_size
         return
     with generation_model(parts) as (model, sharded):
-        yield hf_sampler(model, parts.tokenizer, parts.env, sharded, generation_decoding(parts, sharded)), 1
+        yield hf_sampler(model, parts.tokenizer, parts.env, sharded, generation_decoding(parts, sharded),
+                         parts.multi_turn), 1
 
 
-def hf_sampler(model, tokenizer, env: DistEnv, sharded: bool, decoding: Decoding = DYNAMIC) -> Sample:
+def hf_sampler(model, tokenizer, env: DistEnv, sharded: bool, decoding: Decoding = DYNAMIC,
+               multi_turn: Optional[MultiTurn] = None) -> Sample:
     """Sampling with ``model.generate`` on the rank's device (``sharded``: every rank steps together),
-    decoding as ``decoding`` says."""
+    decoding as ``decoding`` says; conversations with tools with ``multi_turn``, as training samples."""
     return lambda records, params: hf_rollout(model, records, tokenizer, params, synced_gpus=sharded,
-                                              device=env.device, decoding=decoding)
+                                              device=env.device, decoding=decoding, multi_turn=multi_turn,
+                                              keep_going=turns_together(sharded))
 
 
 def validation_metrics(parts: PPOParts, step: int) -> dict[str, float]:
@@ -183,7 +187,7 @@ def validate(
     with seeded(env.rank, env.device):
         for part, n_real in rank_parts(records, batch_size or len(records), env, group_size):
             batch = sample(part, params)
-            lengths = batch.response_mask.sum(-1).tolist()  # read on the CPU batch hf_rollout returns
+            lengths = batch.response_attention.sum(-1).tolist()  # read on the CPU batch hf_rollout returns
             refs = [reference_of(r) for r in part for _ in range(params.n)]
             texts = decode_responses(batch, tokenizer) if any(refs) else [None] * len(refs)
             places, on_device = [r.where for r in part], batch.to(env.device)

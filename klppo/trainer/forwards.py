@@ -136,7 +136,7 @@ def compute_rm_scores(reward_model, batch: RolloutBatch, rm: RewardModelForward)
     reward_model.eval()
     prompt_ids, prompt_mask = batch.prompt_ids[:, -rm.prompt_length:], batch.prompt_mask[:, -rm.prompt_length:]
     response_ids = batch.response_ids[:, : rm.response_length]
-    response_mask = batch.response_mask[:, : rm.response_length]
+    response_mask = batch.response_attention[:, : rm.response_length]  # the whole conversation
     input_ids, mask = torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask], 1)
     parts = [sequence_scores(reward_model, input_ids[idx], mask[idx], packed=rm.micro.packed)
              for idx in row_chunks(len(batch), rm.micro.rows or len(batch))]
@@ -144,10 +144,11 @@ def compute_rm_scores(reward_model, batch: RolloutBatch, rm: RewardModelForward)
 
 
 def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
-    """The text of each response (its real tokens, special tokens dropped)."""
+    """The text of each response (its real tokens, special tokens dropped; a multi-turn response's
+    with the tools' replies between its turns, as verl's reward managers decode it)."""
     return [
         tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True)
-        for ids, mask in zip(batch.response_ids.cpu(), batch.response_mask.cpu())
+        for ids, mask in zip(batch.response_ids.cpu(), batch.response_attention.cpu())
     ]
 
 
@@ -279,7 +280,7 @@ def with_overlong_penalty(penalty: OverlongPenalty | None, batch: RolloutBatch, 
     each response's penalty among the reward components."""
     if penalty is None:
         return scores, components
-    rewards = overlong_rewards(batch.response_mask.sum(-1), penalty)
+    rewards = overlong_rewards(batch.response_attention.sum(-1), penalty)
     if penalty.log:
         components = [{**mine, **punished} for mine, punished in zip(components, overlong_components(rewards))]
     return scores + rewards, components

@@ -35,7 +35,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import TYPE_CHECKING, Container, Iterator
+from typing import TYPE_CHECKING, Callable, Container, Iterator, Optional
 
 import torch
 
@@ -96,12 +96,25 @@ def _hf_responses(parts: PPOParts, records: list[PromptRecord], params: Sampling
     mine = records[shard_range(len(records), env)]
     with parts.offloader.resident("actor"), generation_model(parts) as (model, sharded):
         local = hf_rollout(model, mine, tokenizer, params, synced_gpus=sharded, device=env.device,
-                           decoding=generation_decoding(parts, sharded))
+                           decoding=generation_decoding(parts, sharded), multi_turn=parts.multi_turn,
+                           keep_going=turns_together(sharded))
     if not env.is_distributed:
         return local
+    turns = None
+    if local.response_attention_mask is not None:  # multi-turn: every rank's conversations have them
+        turns = (all_gather_padded(local.response_attention_mask, 0), all_gather_padded(local.num_turns, 0))
     return assemble_batch(records, params.n, tokenizer.pad_token_id,
                           all_gather_padded(local.response_ids, tokenizer.pad_token_id),
-                          all_gather_padded(local.response_mask, 0))
+                          all_gather_padded(local.response_mask, 0), turns=turns)
+
+
+def turns_together(sharded: bool) -> Optional[Callable[[bool], bool]]:
+    """Multi-turn rollouts on a sharded actor: every rank generates another turn while any rank has a
+    conversation left (``synced_gpus`` needs each rank's ``generate`` calls to line up); None where
+    each rank decodes alone."""
+    if not sharded:
+        return None
+    return lambda active: max_over_ranks({"active": float(active)})["active"] > 0
 
 
 # ---- vLLM ----

@@ -76,7 +76,7 @@ def performance_metrics(parts: PPOParts, batch: RolloutBatch, shards: StepShards
 def efficiency_metrics(parts: PPOParts, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, float]:
     """perf/mfu/{actor,critic} where the device's peak is known (the actor's counts Clip-Cov's and
     KL-Cov's no-grad forward per mini-batch, which its phase times too)."""
-    responses = batch.response_mask.sum(-1)
+    responses = batch.response_attention.sum(-1)
     lengths, responses = torch.stack([batch.prompt_mask.sum(-1) + responses, responses]).tolist()  # host sync
     s, tokens = parts.settings, sum(lengths)
     # The actor's LM head runs at the response positions only; the critic's value head everywhere.

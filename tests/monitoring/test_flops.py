@@ -139,7 +139,7 @@ def test_a_runs_mfu_counts_a_mixture_of_experts_actors_routed_experts(monkeypatc
     model, config = _built("mixtral", intermediate_size=6, num_local_experts=4, num_experts_per_tok=2)
     settings = SimpleNamespace(actor=SimpleNamespace(ppo_epochs=1, compute_dtype=torch.bfloat16, cov=None))
     parts = SimpleNamespace(actor=model, critic=None, settings=settings, device=torch.device("cuda", 0))
-    batch = SimpleNamespace(prompt_mask=torch.tensor([[1, 1]]), response_mask=torch.tensor([[1, 1, 0]]))
+    batch = SimpleNamespace(prompt_mask=torch.tensor([[1, 1]]), response_attention=torch.tensor([[1, 1, 0]]))
     metrics = efficiency_metrics(parts, batch, {"update_actor": 1.0})
     expected = flops.model_flops(config, [4], training=True, head_positions=2,
                                  layer_weights=2 * (ATTENTION + 32 + 2 * 3 * 8 * 6))

@@ -1,0 +1,147 @@
+"""Multi-turn rollouts with tools (``rollout.multi_turn``; verl's tool agent loop).
+
+Each response is a conversation: the policy speaks a turn (up to and including its EOS); where the
+turn calls tools (``tools.parse_hermes_tool_calls``), their replies are rendered as the chat
+template renders ``tool`` messages and appended, and the policy speaks again. A response ends when
+a turn calls no tool, at ``max_assistant_turns`` turns of the policy or ``max_user_turns`` replies,
+or when the next reply would not fit in ``response_length``; the policy's last turn is cut there.
+
+The policy trains on its own turns only: the batch's ``response_mask`` marks them and
+``response_attention_mask`` marks every token (the replies too), which every forward reads as
+context. GAE and REINFORCE++ skip the replies (``algo.advantages``), and the score sits at the
+policy's last token.
+
+How a turn is generated is a ``TurnGenerator``: ``hf.hf_rollout`` gives Hugging Face generate's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from klppo.data.chat_template import encode_chats
+from klppo.data.rl_dataset import PromptRecord
+from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
+from klppo.rollout.tools import NO_TOOLS, Tools, parse_hermes_tool_calls, run_tool_calls
+
+# (contexts, budgets) -> each context's next turn: its new tokens, ending at the first EOS or after
+# budget tokens, whichever comes first.
+TurnGenerator = Callable[[list[list[int]], list[int]], list[list[int]]]
+
+
+@dataclass(frozen=True)
+class MultiTurn:
+    """``rollout.multi_turn`` (verl's keys), with the run's tools built."""
+
+    tools: Tools = NO_TOOLS
+    max_assistant_turns: Optional[int] = None  # None: until the budget ends or a turn calls no tool
+    max_user_turns: Optional[int] = None  # tools' replies
+    max_parallel_calls: int = 1  # calls of one turn that run; the rest are dropped, as verl drops them
+    max_tool_response_length: int = 256  # characters of one reply
+    tool_response_truncate_side: str = "middle"
+    template_kwargs: dict = field(default_factory=dict)  # data.apply_chat_template_kwargs
+
+
+@dataclass
+class _Conversation:
+    prompt: list[int]
+    tools_kwargs: dict
+    tokens: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)  # per token: the policy's (True) or a reply's
+    assistant_turns: int = 0
+    user_turns: int = 0
+    done: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.tokens
+
+    @property
+    def num_turns(self) -> int:
+        return self.assistant_turns + self.user_turns + 1  # verl counts the prompt as a turn
+
+
+def system_prefix_length(tokenizer, template_kwargs: dict) -> int:
+    """Tokens the chat template puts before any message on its own (a default system prompt), which
+    a reply rendered alone must not repeat (verl's ``initialize_system_prompt``)."""
+    one, two = encode_chats(tokenizer, [[{"role": "user", "content": ""}], [{"role": "user", "content": ""}] * 2],
+                            add_generation_prompt=False, template_kwargs=template_kwargs)
+    return len(one) - (len(two) - len(one))
+
+
+def reply_tokens(tokenizer, replies: Sequence[str], prefix_length: int, template_kwargs: dict) -> list[int]:
+    """A turn's tool replies as the chat template renders ``tool`` messages, up to the next assistant
+    turn's opening (the generation prompt), without the template's system prefix."""
+    messages = [{"role": "tool", "content": text} for text in replies]
+    (ids,) = encode_chats(tokenizer, [messages], add_generation_prompt=True, template_kwargs=template_kwargs)
+    return ids[prefix_length:]
+
+
+def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_turn: TurnGenerator,
+                       settings: MultiTurn, response_length: int,
+                       keep_going: Callable[[bool], bool] = lambda active: active) -> RolloutBatch:
+    """``n`` conversations per record (rows grouped by prompt, as ``hf_rollout``), on CPU.
+
+    ``keep_going(any row of mine active)``: whether to generate another turn; ranks that decode a
+    sharded model together (``synced_gpus``) must all call ``generate_turn`` as often, so theirs
+    says whether any rank has a row left, and a rank without one decodes a stand-in row.
+    """
+    rows = [_Conversation(list(r.prompt_ids), (r.extra_info or {}).get("tools_kwargs") or {})
+            for r in records for _ in range(n)]
+    prefix = system_prefix_length(tokenizer, settings.template_kwargs) if settings.tools else 0
+    while keep_going(any(not row.done for row in rows)):
+        active = [row for row in rows if not row.done]
+        if not active:  # another rank still decodes: one stand-in token, thrown away
+            generate_turn([rows[0].prompt], [1])
+            continue
+        turns = generate_turn([row.context for row in active], [response_length - len(row.tokens) for row in active])
+        calling = []
+        for row, turn in zip(active, turns):
+            row.tokens += turn
+            row.policy += [True] * len(turn)
+            row.assistant_turns += 1
+            calls = _calls_after(row, turn, tokenizer, settings, response_length)
+            if calls:
+                calling.append((row, calls))
+            else:
+                row.done = True
+        if calling:
+            _append_replies(calling, tokenizer, settings, prefix, response_length)
+    return _as_batch(records, n, rows, tokenizer.pad_token_id)
+
+
+def _calls_after(row: _Conversation, turn: list[int], tokenizer, settings: MultiTurn, response_length: int) -> list:
+    """The tool calls a turn makes, or [] where the conversation ends with it (verl's order of checks)."""
+    if len(row.tokens) >= response_length or not settings.tools:
+        return []
+    if settings.max_assistant_turns and row.assistant_turns >= settings.max_assistant_turns:
+        return []
+    if settings.max_user_turns and row.user_turns >= settings.max_user_turns:
+        return []
+    return parse_hermes_tool_calls(tokenizer.decode(turn))[: settings.max_parallel_calls]
+
+
+def _append_replies(calling: list, tokenizer, settings: MultiTurn, prefix: int, response_length: int) -> None:
+    """Run every calling row's tools at once and append each row's replies, or end the row where they
+    would not fit."""
+    replies = run_tool_calls(settings.tools, [(calls, row.tools_kwargs) for row, calls in calling],
+                             settings.max_tool_response_length, settings.tool_response_truncate_side)
+    for (row, _), answered in zip(calling, replies):
+        ids = reply_tokens(tokenizer, [text for text, _ in answered], prefix, settings.template_kwargs)
+        if len(row.tokens) + len(ids) >= response_length:
+            row.done = True
+            continue
+        row.tokens += ids
+        row.policy += [False] * len(ids)
+        row.user_turns += 1
+
+
+def _as_batch(records: list[PromptRecord], n: int, rows: list[_Conversation], pad_token_id: int) -> RolloutBatch:
+    response_ids, attention = right_pad([row.tokens for row in rows], pad_token_id)
+    policy = torch.zeros_like(attention)
+    for i, row in enumerate(rows):
+        policy[i, : len(row.policy)] = torch.tensor(row.policy, dtype=torch.bool)
+    turns = torch.tensor([row.num_turns for row in rows], dtype=torch.long)
+    return assemble_batch(records, n, pad_token_id, response_ids, policy, turns=(attention, turns))

@@ -1,0 +1,210 @@
+"""Multi-turn rollouts with tools (rollout.multi_turn): the conversation loop against a scripted
+policy, verl's tool config and Hermes calls, and what the batch says the policy trains on."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from klppo.data.rl_dataset import PromptRecord
+from klppo.errors import UserError
+from klppo.rollout.multi_turn import MultiTurn, multi_turn_rollout, reply_tokens, system_prefix_length
+from klppo.rollout.tools import Gsm8kTool, ToolCall, load_tools, parse_hermes_tool_calls, truncate_tool_text
+
+# verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as it is.
+GSM8K_TOOL_CONFIG = textwrap.dedent("""\
+    tools:
+      - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+        config:
+          type: native
+        tool_schema:
+          type: "function"
+          function:
+            name: "calc_gsm8k_reward"
+            description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct)"
+            parameters:
+              type: "object"
+              properties:
+                answer:
+                  type: "string"
+                  description: "The model's answer to the GSM8K math problem, must be a digits"
+              required: ["answer"]
+    """)
+
+
+def call(answer: str, name: str = "calc_gsm8k_reward") -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {{"answer": "{answer}"}}}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def tools(tmp_path):
+    path = tmp_path / "tools.yaml"
+    path.write_text(GSM8K_TOOL_CONFIG)
+    return load_tools(path)
+
+
+def record(tokenizer, index: int = 0, truth: str = "72") -> PromptRecord:
+    kwargs = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}}
+    return PromptRecord(index=index, data_source="openai/gsm8k", raw_prompt="q", prompt_ids=tokenizer.encode("What is 8 * 9?"),
+                        ground_truth=truth, extra_info={"tools_kwargs": kwargs})
+
+
+class ScriptedPolicy:
+    """Says the texts of ``script`` in turn (each closed by EOS, cut at its budget) and records what it was given."""
+
+    def __init__(self, tokenizer, script: list[str]):
+        self.tokenizer, self.script, self.seen = tokenizer, list(script), []
+
+    def __call__(self, contexts, budgets):
+        self.seen.append((contexts, budgets))
+        text = self.script.pop(0)
+        turn = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]
+        return [turn[:budget] for budget in budgets]
+
+
+def test_a_tool_call_gets_the_tools_reply_and_the_policy_trains_on_its_own_turns_only(tokenizer, tools):
+    policy = ScriptedPolicy(tokenizer, [f"Let me check. {call('72')}", "#### 72"])
+    settings = MultiTurn(tools)
+    batch = multi_turn_rollout([record(tokenizer)], 1, tokenizer, policy, settings, response_length=200)
+
+    first = tokenizer.encode(f"Let me check. {call('72')}") + [tokenizer.eos_token_id]
+    reply = reply_tokens(tokenizer, ["Current parsed answer='72' reward=1.0"], 0, {})
+    second = tokenizer.encode("#### 72") + [tokenizer.eos_token_id]
+    tokens = batch.response_ids[0][batch.response_attention[0]].tolist()
+    assert tokens == first + reply + second
+    assert batch.response_mask[0].tolist()[: len(tokens)] == [True] * len(first) + [False] * len(reply) + [True] * len(second)
+    assert tokenizer.decode(reply) == "<|im_start|>tool\nCurrent parsed answer='72' reward=1.0<|im_end|>\n<|im_start|>assistant\n"
+    assert batch.num_turns.tolist() == [4]  # verl's count: 2 of the policy, 1 reply, and the prompt
+    # the second turn was generated after the prompt, the first turn and the reply, with what was left
+    (contexts, budgets) = policy.seen[1]
+    assert contexts == [record(tokenizer).prompt_ids + first + reply] and budgets == [200 - len(first) - len(reply)]
+
+
+def test_a_conversation_ends_without_a_call_at_the_turn_limit_or_where_the_reply_would_not_fit(tokenizer, tools):
+    three = [f"try {call('1')}", f"again {call('2')}", f"last {call('72')}"]
+    at_limit = multi_turn_rollout([record(tokenizer)], 1, tokenizer, ScriptedPolicy(tokenizer, three),
+                                  MultiTurn(tools, max_assistant_turns=2), response_length=300)
+    assert at_limit.num_turns.tolist() == [4]  # two turns of the policy, the reply between them
+    assert at_limit.response_mask[0][at_limit.response_attention[0]].tolist()[-1]  # it ends with the policy's turn
+
+    no_call = multi_turn_rollout([record(tokenizer)], 1, tokenizer, ScriptedPolicy(tokenizer, ["#### 72"]),
+                                 MultiTurn(tools), response_length=300)
+    assert no_call.num_turns.tolist() == [2] and bool(no_call.response_mask.eq(no_call.response_attention).all())
+
+    first = len(tokenizer.encode(three[0])) + 1
+    tight = multi_turn_rollout([record(tokenizer)], 1, tokenizer, ScriptedPolicy(tokenizer, three),
+                               MultiTurn(tools), response_length=first + 5)  # no room for the reply
+    assert tight.num_turns.tolist() == [2] and int(tight.response_attention.sum()) == first
+
+    cut = multi_turn_rollout([record(tokenizer)], 1, tokenizer, ScriptedPolicy(tokenizer, three),
+                             MultiTurn(tools), response_length=7)  # the first turn is cut at the budget
+    assert int(cut.response_attention.sum()) == 7 and bool(cut.response_mask.all())
+
+
+def test_rows_that_end_early_wait_while_the_others_go_on(tokenizer, tools):
+    """Every live conversation takes its turn in one call; a finished one is left out."""
+    seen = []
+
+    def policy(contexts, budgets):
+        seen.append(len(contexts))
+        calls = [call("72"), "#### 72"] if len(seen) == 1 else ["#### 72"] * len(contexts)
+        return [tokenizer.encode(text) + [tokenizer.eos_token_id] for text in calls]
+
+    batch = multi_turn_rollout([record(tokenizer)], 2, tokenizer, policy, MultiTurn(tools), response_length=200)
+    assert seen == [2, 1] and batch.num_turns.tolist() == [4, 2]
+    assert batch.group_index.tolist() == [0, 0] and batch.response_ids.shape[1] == int(batch.response_attention.sum(-1).max())
+
+
+def test_gsm8k_tool_scores_as_verls_does(tokenizer):
+    tool = Gsm8kTool({}, {})
+    instance, _ = tool.create(create_kwargs={"ground_truth": "72"})
+    assert tool.execute(instance, {"answer": "71"}) == ("Current parsed answer='71' reward=0.0", -0.05, {})
+    assert tool.execute(instance, {"answer": "#### 72"}) == ("Current parsed answer='#### 72' reward=1.0", 0.0, {})
+    assert tool.execute(instance, {"answer": 72}) == ("Current parsed answer='72' reward=1.0", -0.05, {})  # no better
+    tool.release(instance)
+
+
+def test_hermes_calls_and_truncated_replies():
+    text = f"a {call('1')} b {call('2', name='other')} <tool_call>not json</tool_call> <tool_call>{{\"name\": 1}}</tool_call>"
+    assert parse_hermes_tool_calls(text) == [ToolCall("calc_gsm8k_reward", '{"answer": "1"}'),
+                                             ToolCall("other", '{"answer": "2"}')]
+    assert parse_hermes_tool_calls("no call") == []
+    assert truncate_tool_text("abcdefgh", 4, "left") == "abcd...(truncated)"
+    assert truncate_tool_text("abcdefgh", 4, "right") == "(truncated)...efgh"
+    assert truncate_tool_text("abcdefgh", 4, "middle") == "ab...(truncated)...gh"
+    assert truncate_tool_text("abc", 4, "middle") == "abc"
+
+
+def test_calls_the_tools_cannot_take_are_answered_with_the_error(tokenizer, tools):
+    script = [f"{call('5', name='nope')} {call('72')}", "done"]
+    batch = multi_turn_rollout([record(tokenizer)], 1, tokenizer, ScriptedPolicy(tokenizer, script),
+                               MultiTurn(tools, max_parallel_calls=1), response_length=300)
+    reply = batch.response_ids[0][batch.response_attention[0] & ~batch.response_mask[0]]
+    assert "Error when executing tool: no tool named 'nope'" in tokenizer.decode(reply.tolist())
+    assert "reward=1.0" not in tokenizer.decode(reply.tolist())  # the second call was over max_parallel_calls
+
+
+def test_user_tools_are_imported_and_may_be_async(tmp_path, monkeypatch, tokenizer):
+    (tmp_path / "my_tools.py").write_text(textwrap.dedent("""\
+        class Echo:
+            def __init__(self, config, tool_schema):
+                self.prefix = config["prefix"]
+            async def create(self, instance_id=None, **kwargs):
+                return "id", None
+            async def execute(self, instance_id, parameters, **kwargs):
+                return type("Response", (), {"text": self.prefix + parameters["answer"]})(), 0.5, {}
+            async def release(self, instance_id, **kwargs):
+                pass
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tmp_path / "tools.yaml"
+    config.write_text(json.dumps({"tools": [{"class_name": "my_tools.Echo", "config": {"prefix": "echo: "},
+                                             "tool_schema": {"type": "function", "function": {"name": "echo"}}}]}))
+    tools = load_tools(config)
+    assert tools.schemas == [{"type": "function", "function": {"name": "echo"}}]
+    batch = multi_turn_rollout([record(tokenizer)], 1, tokenizer,
+                               ScriptedPolicy(tokenizer, [call("hi", name="echo"), "bye"]), MultiTurn(tools),
+                               response_length=300)
+    assert "echo: hi" in tokenizer.decode(batch.response_ids[0][~batch.response_mask[0] & batch.response_attention[0]])
+
+
+@pytest.mark.parametrize("content, message", [
+    ("tools: nope", "has no 'tools' list"),
+    ("tools: [{config: {}}]", "needs a class_name"),
+    ("tools: [{class_name: verl.tools.gsm8k_tool.Gsm8kTool, tool_schema: {}}]", "tool_schema.function.name is missing"),
+    ("tools: [{class_name: no_such_module.Tool, tool_schema: {function: {name: x}}}]", "cannot be imported"),
+])
+def test_a_tool_config_that_is_not_right_names_the_fix(tmp_path, content, message):
+    path = tmp_path / "tools.yaml"
+    path.write_text(content)
+    with pytest.raises(UserError, match=message):
+        load_tools(path)
+    with pytest.raises(UserError, match="cannot read it"):
+        load_tools(tmp_path / "missing.yaml")
+
+
+def test_a_reply_does_not_repeat_the_templates_system_prompt(tokenizer):
+    """Qwen's template opens every conversation with a default system prompt: a reply rendered alone
+    would open with it again, so its tokens are dropped (verl's initialize_system_prompt)."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = "{{ '<|im_start|>system\nbe kind<|im_end|>\n' }}" + tokenizer.chat_template
+    prefix = system_prefix_length(tokenizer, {})
+    assert prefix == len(tokenizer.encode("<|im_start|>system\nbe kind<|im_end|>\n"))
+    reply = reply_tokens(tokenizer, ["42"], prefix, {})
+    assert tokenizer.decode(reply) == "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_score_sits_at_the_policys_last_token():
+    from klppo.rewards.token_scores import scores_at_last_token
+
+    mask = torch.tensor([[True, True, False, False, True, False], [True, False, False, False, False, False],
+                         [False] * 6])
+    scores = scores_at_last_token(torch.tensor([1.0, 2.0, 3.0]), mask)
+    assert scores.tolist() == [[0, 0, 0, 0, 1.0, 0], [2.0, 0, 0, 0, 0, 0], [3.0, 0, 0, 0, 0, 0]]

@@ -1,0 +1,121 @@
+"""Multi-turn batches through training: every forward reads a tool's reply as context, the
+advantages skip it as if it were not there, and a real run calls its tools, trains and validates."""
+
+import dataclasses
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from klppo.algo import compute_gae_advantage_return, compute_reinforce_plus_plus_outcome_advantage
+from klppo.commands.main_ppo import run_ppo
+from klppo.data.batching import MicroBatching
+from klppo.rollout import hf as hf_rollout_module
+from klppo.rollout import multi_turn as multi_turn_module
+from klppo.rollout.tools import ToolCall
+from klppo.trainer.forwards import compute_log_prob
+from tests.rollout.test_multi_turn import GSM8K_TOOL_CONFIG
+
+
+def with_replies(batch, every: int = 3):
+    """``batch`` as a multi-turn batch: every ``every``-th response token (after the first) is a tool's."""
+    replies = torch.zeros_like(batch.response_mask)
+    replies[:, 1::every] = True
+    return dataclasses.replace(batch, response_attention_mask=batch.response_mask.clone(),
+                               response_mask=batch.response_mask & ~replies,
+                               num_turns=torch.full((len(batch),), 3))
+
+
+@pytest.mark.parametrize("split", [MicroBatching(), MicroBatching(rows=2, packed=True),
+                                   MicroBatching(max_tokens=80, packed=True)], ids=["padded", "packed", "budget"])
+def test_every_forward_reads_the_replies_as_context(tiny_model_dir, answer_batch, split):
+    """The policy's log-probs in a multi-turn batch are those of one forward over the whole conversation."""
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    single = answer_batch()
+    multi = with_replies(single)
+    assert bool((multi.response_mask != multi.response_attention).any())
+    torch.testing.assert_close(compute_log_prob(actor, multi, split, temperature=1.0),
+                               compute_log_prob(actor, single, MicroBatching(), temperature=1.0), rtol=1e-5, atol=1e-5)
+
+
+def _squeezed(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Each row's kept positions moved to the front (the conversation without its replies)."""
+    out = torch.zeros_like(x)
+    for row in range(len(x)):
+        values = x[row][keep[row]]
+        out[row, : len(values)] = values
+    return out
+
+
+def test_advantages_skip_the_replies_as_if_they_were_not_there():
+    """GAE and REINFORCE++ over a response with replies equal them over the policy's tokens alone."""
+    torch.manual_seed(0)
+    rows, width = 5, 12
+    lengths = torch.tensor([12, 9, 7, 12, 4])
+    attention = torch.arange(width)[None, :] < lengths[:, None]
+    policy = attention & ~((torch.arange(width)[None, :] % 4 == 2) & (torch.rand(rows, width) < 0.8))
+    rewards = torch.randn(rows, width) * policy
+    values = torch.randn(rows, width)
+    kept = policy.sum(-1)
+    dense = torch.arange(width)[None, :] < kept[:, None]
+    for compute in (lambda r, m, v: compute_gae_advantage_return(r, v, m, gamma=0.9, lam=0.8),
+                    lambda r, m, v: compute_reinforce_plus_plus_outcome_advantage(r, m, gamma=0.9)):
+        advantages, returns = compute(rewards, policy, values)
+        alone_adv, alone_ret = compute(_squeezed(rewards, policy), dense, _squeezed(values, policy))
+        torch.testing.assert_close(_squeezed(advantages, policy), alone_adv)
+        torch.testing.assert_close(_squeezed(returns, policy), alone_ret)
+        assert bool((advantages[~policy] == 0).all())
+
+
+def _tool_task(task_dir, path):
+    """The arithmetic prompts with verl's tools_kwargs: the gsm8k tool knows each ground truth."""
+    table = pq.read_table(task_dir / "train.parquet").to_pylist()
+    for row in table:
+        truth = row["reward_model"]["ground_truth"]
+        row["extra_info"] = {**row["extra_info"], "need_tools_kwargs": True,
+                             "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}}}
+    pq.write_table(pa.Table.from_pylist(table), path)
+    return path
+
+
+def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, task_dir, tmp_path, monkeypatch):
+    """A random tiny model seldom writes a call or an EOS: every turn here asks the gsm8k tool about its
+    text and lasts at most 6 sampled tokens (then EOS), so conversations have replies to train around."""
+    real_turns = hf_rollout_module._turn_generator
+
+    def short_turns(model, tokenizer, params, device, synced_gpus):
+        generate = real_turns(model, tokenizer, params, device, synced_gpus)
+        eos = tokenizer.eos_token_id
+
+        def turn(contexts, budgets):
+            said = generate(contexts, [min(b, 6) for b in budgets])
+            return [(t if t[-1:] == [eos] else t + [eos])[:b] for t, b in zip(said, budgets)]
+        return turn
+
+    monkeypatch.setattr(hf_rollout_module, "_turn_generator", short_turns)
+    monkeypatch.setattr(multi_turn_module, "parse_hermes_tool_calls",
+                        lambda text: [ToolCall("calc_gsm8k_reward", json.dumps({"answer": text[-3:]}))])
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(GSM8K_TOOL_CONFIG)
+    data = _tool_task(task_dir, tmp_path / "train.parquet")
+    records = run_ppo(None, ppo_overrides(**{
+        "data.train_files": data, "data.val_files": data, "data.val_max_samples": 4,
+        "actor_rollout_ref.rollout.name": "sglang", "actor_rollout_ref.rollout.response_length": 128,
+        "actor_rollout_ref.rollout.multi_turn.enable": "true",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path": tools,
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
+        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": 24,
+        "algorithm.adv_estimator": "gae", "trainer.test_freq": 2,
+        "trainer.rollout_data_dir": tmp_path / "rollouts"}), print_fn=lambda *a, **k: None)
+    steps = [r for r in records if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    for metrics in steps:
+        assert metrics["num_turns/max"] == 6  # 3 turns of the policy, 2 replies, the prompt
+        assert all(torch.isfinite(torch.tensor(float(v))) for k, v in metrics.items()
+                   if k.startswith(("actor/", "critic/")) and isinstance(v, (int, float)))
+    logged = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert all("Current pars" in line["output"] for line in logged)  # replies are part of what is scored and logged
+    assert any(k.startswith("val-core/") for r in records for k in r)
