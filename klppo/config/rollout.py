@@ -37,8 +37,8 @@ class ValKwargsConfig:
 @dataclass
 class MultiTurnConfig:
     # Each response is a conversation: where a turn of the policy calls tools (Hermes' <tool_call>
-    # format), their replies are appended and the policy speaks again (hf, and verl's sglang /
-    # trtllm names, which generate with hf). The policy trains on its own turns only.
+    # format), their replies are appended and the policy speaks again (hf or vllm; verl's sglang and
+    # trtllm names generate with hf). The policy trains on its own turns only.
     enable: bool = False
     # Turns of the policy per response; None: until a turn calls no tool or response_length is reached.
     max_assistant_turns: Optional[int] = None

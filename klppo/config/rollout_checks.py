@@ -96,9 +96,6 @@ def multi_turn_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
     if rollout.name == "offline":
         out.append(((enabled, f"{ROLLOUT}.name"), f"{enabled} = true needs generated conversations, but "
                     f"{ROLLOUT}.name = 'offline' reads recorded responses; set {ROLLOUT}.name=hf"))
-    elif rollout.name == "vllm":
-        out.append(((enabled, f"{ROLLOUT}.name"), f"{enabled} = true: klppo's multi-turn loop generates each turn "
-                    f"with Hugging Face generate, not yet with vLLM; set {ROLLOUT}.name=hf"))
     if rollout.hf_decoding in ("static", "compiled"):
         out.append(((enabled, f"{ROLLOUT}.hf_decoding"), f"{ROLLOUT}.hf_decoding = '{rollout.hf_decoding}' sizes one "
                     f"static cache per batch shape, and a conversation's length changes at every turn; with "

@@ -29,7 +29,7 @@ from transformers.generation import utils as generation_utils
 
 from klppo.data.rl_dataset import PromptRecord, collate_prompts, left_pad
 from klppo.rollout.batch import RolloutBatch, assemble_batch, eos_token_ids, mask_after_eos
-from klppo.rollout.multi_turn import MultiTurn, TurnGenerator, multi_turn_rollout
+from klppo.rollout.multi_turn import MultiTurn, Turn, TurnGenerator, multi_turn_rollout
 from klppo.rollout.sampling import with_sampling
 
 
@@ -170,7 +170,7 @@ def _turn_generator(model, tokenizer, params: SamplingParams, device: torch.devi
     first EOS and at most its budget of tokens."""
     eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
 
-    def generate_turn(contexts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+    def generate_turn(rows: list[int], contexts: list[list[int]], budgets: list[int]) -> list[Turn]:
         ids, mask = left_pad(contexts, tokenizer.pad_token_id)
         config = neutral_generation_config(replace(params, n=1, max_new_tokens=max(budgets)), tokenizer, eos)
         was_training = model.training
@@ -179,7 +179,7 @@ def _turn_generator(model, tokenizer, params: SamplingParams, device: torch.devi
         model.train(was_training)
         turns = output[:, ids.shape[1]:].cpu()
         kept = mask_after_eos(turns, eos)
-        return [turn[keep][:budget].tolist() for turn, keep, budget in zip(turns, kept, budgets)]
+        return [Turn(turn[keep][:budget].tolist()) for turn, keep, budget in zip(turns, kept, budgets)]
 
     return generate_turn
 

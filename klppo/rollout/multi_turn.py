@@ -11,13 +11,15 @@ The policy trains on its own turns only: the batch's ``response_mask`` marks the
 context. GAE and REINFORCE++ skip the replies (``algo.advantages``), and the score sits at the
 policy's last token.
 
-How a turn is generated is a ``TurnGenerator``: ``hf.hf_rollout`` gives Hugging Face generate's.
+How a turn is generated is a ``TurnGenerator``: ``hf.hf_rollout`` gives Hugging Face generate's,
+``vllm.VLLMEngine.generate`` the engine's (with the log-probs it sampled each token with, which the
+batch keeps as ``rollout_log_probs``: 0 on the replies, which nothing sampled).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -26,9 +28,18 @@ from klppo.data.rl_dataset import PromptRecord
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.tools import NO_TOOLS, Tools, parse_hermes_tool_calls, run_tool_calls
 
-# (contexts, budgets) -> each context's next turn: its new tokens, ending at the first EOS or after
-# budget tokens, whichever comes first.
-TurnGenerator = Callable[[list[list[int]], list[int]], list[list[int]]]
+class Turn(NamedTuple):
+    """What the policy said in one turn: its tokens (ending at its first EOS or at its budget) and, where
+    the sampler reports them, the log-prob it drew each with."""
+
+    tokens: list[int]
+    log_probs: Optional[list[float]] = None
+
+
+# (rows, contexts, budgets) -> each conversation's next turn. ``rows``: which conversations of the call
+# (their places in the batch); ``budgets``: tokens each may still add. Every conversation still going
+# takes its turn in each call, so the k-th call is every row's k-th turn.
+TurnGenerator = Callable[[list[int], list[list[int]], list[int]], list[Turn]]
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,7 @@ class _Conversation:
     tools_kwargs: dict
     tokens: list[int] = field(default_factory=list)
     policy: list[bool] = field(default_factory=list)  # per token: the policy's (True) or a reply's
+    log_probs: Optional[list[float]] = field(default_factory=list)  # per token, the sampler's; None: not reported
     assistant_turns: int = 0
     user_turns: int = 0
     done: bool = False
@@ -92,17 +104,17 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
             for r in records for _ in range(n)]
     prefix = system_prefix_length(tokenizer, settings.template_kwargs) if settings.tools else 0
     while keep_going(any(not row.done for row in rows)):
-        active = [row for row in rows if not row.done]
+        active = [i for i, row in enumerate(rows) if not row.done]
         if not active:  # another rank still decodes: one stand-in token, thrown away
-            generate_turn([rows[0].prompt], [1])
+            generate_turn([0], [rows[0].prompt], [1])
             continue
-        turns = generate_turn([row.context for row in active], [response_length - len(row.tokens) for row in active])
+        turns = generate_turn(active, [rows[i].context for i in active],
+                              [response_length - len(rows[i].tokens) for i in active])
         calling = []
-        for row, turn in zip(active, turns):
-            row.tokens += turn
-            row.policy += [True] * len(turn)
+        for row, turn in zip([rows[i] for i in active], turns):
+            _append(row, turn.tokens, True, turn.log_probs)
             row.assistant_turns += 1
-            calls = _calls_after(row, turn, tokenizer, settings, response_length)
+            calls = _calls_after(row, turn.tokens, tokenizer, settings, response_length)
             if calls:
                 calling.append((row, calls))
             else:
@@ -133,9 +145,14 @@ def _append_replies(calling: list, tokenizer, settings: MultiTurn, prefix: int, 
         if len(row.tokens) + len(ids) >= response_length:
             row.done = True
             continue
-        row.tokens += ids
-        row.policy += [False] * len(ids)
+        _append(row, ids, False, [0.0] * len(ids))
         row.user_turns += 1
+
+
+def _append(row: _Conversation, tokens: list[int], by_policy: bool, log_probs: Optional[list[float]]) -> None:
+    row.tokens += tokens
+    row.policy += [by_policy] * len(tokens)
+    row.log_probs = None if row.log_probs is None or log_probs is None else row.log_probs + list(log_probs)
 
 
 def _as_batch(records: list[PromptRecord], n: int, rows: list[_Conversation], pad_token_id: int) -> RolloutBatch:
@@ -144,4 +161,11 @@ def _as_batch(records: list[PromptRecord], n: int, rows: list[_Conversation], pa
     for i, row in enumerate(rows):
         policy[i, : len(row.policy)] = torch.tensor(row.policy, dtype=torch.bool)
     turns = torch.tensor([row.num_turns for row in rows], dtype=torch.long)
-    return assemble_batch(records, n, pad_token_id, response_ids, policy, turns=(attention, turns))
+    log_probs = None
+    if all(row.log_probs is not None for row in rows) and any(row.log_probs for row in rows):
+        values = torch.zeros(response_ids.shape, dtype=torch.float32)
+        for i, row in enumerate(rows):
+            values[i, : len(row.log_probs)] = torch.tensor(row.log_probs, dtype=torch.float32)
+        log_probs = (values * policy, torch.ones(len(rows), dtype=torch.bool))
+    return assemble_batch(records, n, pad_token_id, response_ids, policy, rollout_log_probs=log_probs,
+                          turns=(attention, turns))

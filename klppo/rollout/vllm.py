@@ -39,6 +39,7 @@ import torch
 from klppo.data.rl_dataset import PromptRecord
 from klppo.errors import UserError
 from klppo.rollout.batch import RolloutBatch, assemble_batch, eos_token_ids, mask_after_eos, right_pad
+from klppo.rollout.multi_turn import MultiTurn, Turn, TurnGenerator, multi_turn_rollout
 
 if TYPE_CHECKING:
     from klppo.rollout.hf import SamplingParams
@@ -350,27 +351,62 @@ class VLLMEngine:
 
     # ---- generation ----
 
-    def generate(self, records: list[PromptRecord], params: SamplingParams, seeds: list[int], tokenizer
-                 ) -> RolloutBatch:
+    def generate(self, records: list[PromptRecord], params: SamplingParams, seeds: list[int], tokenizer,
+                 multi_turn: Optional[MultiTurn] = None) -> RolloutBatch:
         """``params.n`` responses per record (rows grouped by prompt, as ``hf_rollout``), request i
         drawing from ``seeds[i]``; the engine's log-probs of the sampled tokens become the batch's
-        ``rollout_log_probs`` (with ``calculate_log_probs``). The batch is on CPU."""
-        from vllm import SamplingParams as RequestParams
+        ``rollout_log_probs`` (with ``calculate_log_probs``). The batch is on CPU.
 
-        n, s = params.n, self.settings
+        ``multi_turn``: each response is a conversation with tools (``multi_turn.multi_turn_rollout``),
+        the engine awake for all of it; conversation i's k-th turn draws from ``request_seed(seeds[i], k)``.
+        """
+        n = params.n
         assert len(seeds) == len(records) * n, "one seed per request"
         # After a level-2 sleep the weights' memory is gone: generating would read unmapped memory.
         assert self.holds_weights, "the engine holds no weights (released by a sleep): load_weights first"
-        requests = [{"prompt_token_ids": list(record.prompt_ids)} for record in records for _ in range(n)]
+        eos = eos_token_ids(tokenizer, self.generation_config)
+        with process_state_kept(self.device), self.awake():
+            if multi_turn is not None:
+                return multi_turn_rollout(records, n, tokenizer, self._turns(params, seeds, eos), multi_turn,
+                                          params.max_new_tokens)
+            requests = [{"prompt_token_ids": list(record.prompt_ids)} for record in records for _ in range(n)]
+            outputs = self.llm.generate(requests, [self._request(params, seed, params.max_new_tokens, eos)
+                                                   for seed in seeds], use_tqdm=False)
+        return self._batch(records, n, [o.outputs[0] for o in outputs], tokenizer, eos)
+
+    def _request(self, params: SamplingParams, seed: int, max_tokens: int, eos: tuple[int, ...]):
+        """One request's sampling: ``params``' distribution, at most ``max_tokens`` tokens, ending at ``eos``."""
+        from vllm import SamplingParams as RequestParams
+
+        s = self.settings
         sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0)) \
             if params.do_sample else dict(temperature=0.0)
-        eos = eos_token_ids(tokenizer, self.generation_config)
-        per_request = [RequestParams(n=1, max_tokens=params.max_new_tokens, seed=seed, detokenize=False,
-                                     **stop_at(eos, s.ignore_eos), logprobs=0 if s.calculate_log_probs else None,
-                                     **sampling) for seed in seeds]
-        with process_state_kept(self.device), self.awake():
-            outputs = self.llm.generate(requests, per_request, use_tqdm=False)
-        return self._batch(records, n, [o.outputs[0] for o in outputs], tokenizer, eos)
+        return RequestParams(n=1, max_tokens=max_tokens, seed=seed, detokenize=False, **stop_at(eos, s.ignore_eos),
+                             logprobs=0 if s.calculate_log_probs else None, **sampling)
+
+    def _turns(self, params: SamplingParams, seeds: list[int], eos: tuple[int, ...]) -> TurnGenerator:
+        """The engine's turns of conversations: row i's k-th turn from ``request_seed(seeds[i], k)``, cut after
+        its first EOS, with the log-probs it was sampled with (``calculate_log_probs``)."""
+        calls = iter(range(sys.maxsize))
+
+        def generate_turn(rows: list[int], contexts: list[list[int]], budgets: list[int]) -> list[Turn]:
+            turn = next(calls)
+            requests = [{"prompt_token_ids": list(context)} for context in contexts]
+            outputs = self.llm.generate(requests, [self._request(params, request_seed(seeds[row], turn), budget, eos)
+                                                   for row, budget in zip(rows, budgets)], use_tqdm=False)
+            said = []
+            for output in outputs:
+                completion = output.outputs[0]
+                tokens = list(completion.token_ids)
+                ends = [i for i, token in enumerate(tokens) if token in eos]
+                tokens = tokens[: ends[0] + 1] if ends else tokens
+                log_probs = None
+                if self.settings.calculate_log_probs:
+                    log_probs = [position[token].logprob for token, position in zip(tokens, completion.logprobs)]
+                said.append(Turn(tokens, log_probs))
+            return said
+
+        return generate_turn
 
     def _batch(self, records: list[PromptRecord], n: int, completions: list, tokenizer, eos: tuple[int, ...]
                ) -> RolloutBatch:

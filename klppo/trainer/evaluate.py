@@ -56,7 +56,7 @@ def validation_sampler(parts: PPOParts) -> Iterator[tuple[Sample, int]]:
             if not parts.engine.holds_weights:  # free_cache_engine: the last generation's sleep released them
                 sync_engine_weights(parts)
             seeds = engine_seeds(parts, records, params.n, VALIDATION)
-            return parts.engine.generate(records, params, seeds, parts.tokenizer)
+            return parts.engine.generate(records, params, seeds, parts.tokenizer, parts.multi_turn)
 
         yield with_engine, parts.settings.engine.tensor_parallel_size
         return

@@ -136,15 +136,18 @@ def engine_responses(parts: PPOParts, records: list[PromptRecord], params: Sampl
     group samples its share (every member the same), and one copy per group is gathered."""
     env, tokenizer, tp = parts.env, parts.tokenizer, parts.settings.engine.tensor_parallel_size
     mine = records[shard_range(len(records), env, tp)]
-    local = parts.engine.generate(mine, params, engine_seeds(parts, mine, params.n, step, draw), tokenizer)
+    local = parts.engine.generate(mine, params, engine_seeds(parts, mine, params.n, step, draw), tokenizer,
+                                  parts.multi_turn)
     if not env.is_distributed:
         return local
-    pad, log_probs = tokenizer.pad_token_id, None
+    pad, log_probs, turns = tokenizer.pad_token_id, None, None
     if local.rollout_log_probs is not None:  # every row has them
         log_probs = (all_gather_groups(local.rollout_log_probs, 0.0, tp),
                      torch.ones(len(records) * params.n, dtype=torch.bool))
+    if local.response_attention_mask is not None:  # multi-turn: every rank's conversations have them
+        turns = (all_gather_groups(local.response_attention_mask, 0, tp), all_gather_groups(local.num_turns, 0, tp))
     return assemble_batch(records, params.n, pad, all_gather_groups(local.response_ids, pad, tp),
-                          all_gather_groups(local.response_mask, 0, tp), rollout_log_probs=log_probs)
+                          all_gather_groups(local.response_mask, 0, tp), rollout_log_probs=log_probs, turns=turns)
 
 
 def sync_engine_weights(parts: PPOParts, timer: PhaseTimer | None = None) -> None:

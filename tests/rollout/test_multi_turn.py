@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from klppo.data.rl_dataset import PromptRecord
 from klppo.errors import UserError
-from klppo.rollout.multi_turn import MultiTurn, multi_turn_rollout, reply_tokens, system_prefix_length
+from klppo.rollout.multi_turn import MultiTurn, Turn, multi_turn_rollout, reply_tokens, system_prefix_length
 from klppo.rollout.tools import Gsm8kTool, ToolCall, load_tools, parse_hermes_tool_calls, truncate_tool_text
 
 # verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as it is.
@@ -62,11 +62,11 @@ class ScriptedPolicy:
     def __init__(self, tokenizer, script: list[str]):
         self.tokenizer, self.script, self.seen = tokenizer, list(script), []
 
-    def __call__(self, contexts, budgets):
+    def __call__(self, rows, contexts, budgets):
         self.seen.append((contexts, budgets))
         text = self.script.pop(0)
         turn = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]
-        return [turn[:budget] for budget in budgets]
+        return [Turn(turn[:budget]) for budget in budgets]
 
 
 def test_a_tool_call_gets_the_tools_reply_and_the_policy_trains_on_its_own_turns_only(tokenizer, tools):
@@ -112,13 +112,17 @@ def test_rows_that_end_early_wait_while_the_others_go_on(tokenizer, tools):
     """Every live conversation takes its turn in one call; a finished one is left out."""
     seen = []
 
-    def policy(contexts, budgets):
-        seen.append(len(contexts))
+    def policy(rows, contexts, budgets):
+        seen.append(rows)
         calls = [call("72"), "#### 72"] if len(seen) == 1 else ["#### 72"] * len(contexts)
-        return [tokenizer.encode(text) + [tokenizer.eos_token_id] for text in calls]
+        turns = [tokenizer.encode(text) + [tokenizer.eos_token_id] for text in calls]
+        return [Turn(tokens, [-0.5] * len(tokens)) for tokens in turns]
 
     batch = multi_turn_rollout([record(tokenizer)], 2, tokenizer, policy, MultiTurn(tools), response_length=200)
-    assert seen == [2, 1] and batch.num_turns.tolist() == [4, 2]
+    assert seen == [[0, 1], [0]] and batch.num_turns.tolist() == [4, 2]
+    # the sampler's log-probs are kept for the policy's tokens, 0 on the reply and the padding
+    assert bool(batch.has_rollout_log_probs.all())
+    assert bool((batch.rollout_log_probs == torch.where(batch.response_mask, -0.5, 0.0)).all())
     assert batch.group_index.tolist() == [0, 0] and batch.response_ids.shape[1] == int(batch.response_attention.sum(-1).max())
 
 
@@ -208,3 +212,52 @@ def test_the_score_sits_at_the_policys_last_token():
                          [False] * 6])
     scores = scores_at_last_token(torch.tensor([1.0, 2.0, 3.0]), mask)
     assert scores.tolist() == [[0, 0, 0, 0, 1.0, 0], [2.0, 0, 0, 0, 0, 0], [3.0, 0, 0, 0, 0, 0]]
+
+
+def test_vllm_conversations_stay_awake_throughout_and_draw_a_seed_per_turn(monkeypatch, tokenizer, tools):
+    """A sleeping GPU engine wakes once for all of a conversation's turns (a sleep between them would
+    discard the weights), each turn of each conversation has a seed of its own, and the engine's
+    log-probs of the policy's tokens become the batch's rollout_log_probs."""
+    from klppo.rollout.hf import SamplingParams
+    from klppo.rollout.vllm import request_seed
+    from tests import fake_vllm
+    from tests.rollout.test_vllm_engine_calls import engine, generations_from_released_weights
+
+    said = tokenizer.encode(call("72")) + [tokenizer.eos_token_id]
+    log = fake_vllm.install(monkeypatch, response=said + [5, 6])
+    e = engine(monkeypatch)
+    e.load_weights([])
+    records = [record(tokenizer, 0), record(tokenizer, 1)]
+    batch = e.generate(records, SamplingParams(n=1, max_new_tokens=300), [11, 12], tokenizer,
+                       MultiTurn(tools, max_assistant_turns=2))
+    generations = [call for call in log if call[0] == "generate"]
+    assert len(generations) == 2 and generations_from_released_weights(log) == 0
+    assert [name for name in log.names() if name in ("wake_up", "sleep", "generate")] == [
+        "sleep", "wake_up", "wake_up", "generate", "generate", "sleep"]  # built; load; KV cache; both turns; asleep
+    assert [[p.seed for p in params] for _, params in generations] == [
+        [request_seed(11, 0), request_seed(12, 0)], [request_seed(11, 1), request_seed(12, 1)]]
+    assert [p.max_tokens for p in generations[1][1]] == [300 - int(batch.response_attention[0].sum()) + len(said)] * 2
+    assert batch.num_turns.tolist() == [4, 4]
+    assert bool((batch.rollout_log_probs == torch.where(batch.response_mask, -1.0, 0.0)).all())
+
+
+@pytest.mark.vllm
+def test_vllm_samples_each_turn_from_the_policy_the_trainer_scores_on_the_whole_conversation(vllm_model_dir, tmp_path):
+    """The engine's log-probs of the policy's tokens, turn after turn with the tools' replies between, are
+    the trainer's log-probs of the same conversation (one forward reading the replies as context)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(GSM8K_TOOL_CONFIG)
+    worker = Path(__file__).with_name("vllm_multi_turn_worker.py")
+    root = Path(__file__).parents[2]
+    done = subprocess.run([sys.executable, str(worker), str(vllm_model_dir), str(tools), str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-6000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["turns"] == [6] * 8 and result["replies"] > 0  # 3 turns of the policy, 2 replies, the prompt
+    assert result["gap"] < 1e-4

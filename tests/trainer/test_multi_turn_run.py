@@ -15,6 +15,7 @@ from klppo.commands.main_ppo import run_ppo
 from klppo.data.batching import MicroBatching
 from klppo.rollout import hf as hf_rollout_module
 from klppo.rollout import multi_turn as multi_turn_module
+from klppo.rollout.multi_turn import Turn
 from klppo.rollout.tools import ToolCall
 from klppo.trainer.forwards import compute_log_prob
 from tests.rollout.test_multi_turn import GSM8K_TOOL_CONFIG
@@ -90,9 +91,9 @@ def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, ta
         generate = real_turns(model, tokenizer, params, device, synced_gpus)
         eos = tokenizer.eos_token_id
 
-        def turn(contexts, budgets):
-            said = generate(contexts, [min(b, 6) for b in budgets])
-            return [(t if t[-1:] == [eos] else t + [eos])[:b] for t, b in zip(said, budgets)]
+        def turn(rows, contexts, budgets):
+            said = generate(rows, contexts, [min(b, 6) for b in budgets])
+            return [Turn((t.tokens if t.tokens[-1:] == [eos] else t.tokens + [eos])[:b]) for t, b in zip(said, budgets)]
         return turn
 
     monkeypatch.setattr(hf_rollout_module, "_turn_generator", short_turns)
