@@ -42,7 +42,7 @@ class MultiTurnConfig:
     enable: bool = False
     # Turns of the policy per response; None: until a turn calls no tool or response_length is reached.
     max_assistant_turns: Optional[int] = None
-    # Tool replies per response; None: no limit but response_length.
+    # Answers per response (tool replies and users' turns); None: no limit but response_length.
     max_user_turns: Optional[int] = None
     # verl's tool config YAML (tools: class_name, config, tool_schema); verl.tools.gsm8k_tool.Gsm8kTool
     # is built in, any other class_name is imported. None: no tools (every response one turn).
@@ -52,6 +52,10 @@ class MultiTurnConfig:
     # Characters of one tool reply kept; the rest is cut at tool_response_truncate_side.
     max_tool_response_length: int = 256
     tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    # verl's interaction config YAML (interaction: name, class_name, config): after a turn that calls
+    # no tool, the interaction a row's extra_info.interaction_kwargs.name picks answers as the user, and
+    # may end the conversation. verl.interactions.gsm8k_interaction.Gsm8kInteraction is built in.
+    interaction_config_path: Optional[str] = None
     # How tool calls are written: hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>).
     format: Literal["hermes"] = "hermes"
 

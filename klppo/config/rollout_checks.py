@@ -107,14 +107,15 @@ def multi_turn_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
 
 
 def multi_turn_notes(cfg: PPOConfig) -> list[str]:
-    """Tools that are configured but never called, and a loop with nothing to call."""
+    """Tools or interactions that are configured but never reached, and a loop with nothing to answer."""
     mt = cfg.actor_rollout_ref.rollout.multi_turn
-    if not mt.enable and mt.tool_config_path is not None:
-        return [f"warning: {MULTI_TURN}.tool_config_path has no effect while {MULTI_TURN}.enable = false: every "
-                "response is one turn; set enable=true to let the policy call the tools"]
-    if mt.enable and mt.tool_config_path is None:
-        return [f"warning: {MULTI_TURN}.enable = true without {MULTI_TURN}.tool_config_path: no turn can call a tool, "
-                "so every response is one turn"]
+    given = [key for key in ("tool_config_path", "interaction_config_path") if getattr(mt, key) is not None]
+    if not mt.enable and given:
+        return [f"warning: {MULTI_TURN}.{' and '.join(given)} have no effect while {MULTI_TURN}.enable = false: every "
+                "response is one turn; set enable=true for conversations"]
+    if mt.enable and not given:
+        return [f"warning: {MULTI_TURN}.enable = true without {MULTI_TURN}.tool_config_path or interaction_config_path: "
+                "nothing answers a turn, so every response is one turn"]
     return []
 
 

@@ -38,8 +38,6 @@ _NOT_IMPLEMENTED = "not implemented in klppo"
 
 RULES: tuple[tuple, ...] = (
     # -- changes what is trained: refused when set to anything but verl's default --
-    (("actor_rollout_ref.rollout.multi_turn.interaction_config_path",), "multi-turn interactions (a simulated user "
-     "answering each turn) are not implemented in klppo; tools are (multi_turn.tool_config_path)", REFUSE),
     (("actor_rollout_ref.rollout.multi_turn.function_tool_path",), "klppo builds tools from "
      "verl's tool config YAML only; list them in actor_rollout_ref.rollout.multi_turn.tool_config_path", REFUSE),
     (("actor_rollout_ref.rollout.multi_turn.completion_callback",), "verl 0.4's SGLang completion callback; klppo's "

@@ -1,14 +1,17 @@
-"""Multi-turn rollouts with tools (``rollout.multi_turn``; verl's tool agent loop).
+"""Multi-turn rollouts with tools and simulated users (``rollout.multi_turn``; verl's tool agent loop).
 
 Each response is a conversation: the policy speaks a turn (up to and including its EOS); where the
 turn calls tools (``tools.parse_hermes_tool_calls``), their replies are rendered as the chat
-template renders ``tool`` messages and appended, and the policy speaks again. A response ends when
-a turn calls no tool, at ``max_assistant_turns`` turns of the policy or ``max_user_turns`` replies,
-or when the next reply would not fit in ``response_length``; the policy's last turn is cut there.
+template renders ``tool`` messages and appended, and the policy speaks again. Where it calls none
+and the row has an interaction (``multi_turn.interaction_config_path``, the row's
+``extra_info.interaction_kwargs.name``), the interaction answers as the user, and the policy speaks
+again unless the interaction ends the conversation. A response ends when a turn gets no answer, at
+``max_assistant_turns`` turns of the policy or ``max_user_turns`` answers (replies and users' turns),
+or when the next answer would not fit in ``response_length``; the policy's last turn is cut there.
 
 The policy trains on its own turns only: the batch's ``response_mask`` marks them and
-``response_attention_mask`` marks every token (the replies too), which every forward reads as
-context. GAE and REINFORCE++ skip the replies (``algo.advantages``), and the score sits at the
+``response_attention_mask`` marks every token (the answers too), which every forward reads as
+context. GAE and REINFORCE++ skip the answers (``algo.advantages``), and the score sits at the
 policy's last token.
 
 How a turn is generated is a ``TurnGenerator``: ``hf.hf_rollout`` gives Hugging Face generate's,
@@ -26,7 +29,9 @@ import torch
 from klppo.data.chat_template import encode_chats
 from klppo.data.rl_dataset import PromptRecord
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
-from klppo.rollout.tools import NO_TOOLS, Tools, parse_hermes_tool_calls, run_tool_calls
+from klppo.rollout.tools import (
+    NO_TOOLS, Tools, finish_interactions, interaction_turns, parse_hermes_tool_calls, run_tool_calls, start_interactions,
+)
 
 class Turn(NamedTuple):
     """What the policy said in one turn: its tokens (ending at its first EOS or at its budget) and, where
@@ -44,23 +49,26 @@ TurnGenerator = Callable[[list[int], list[list[int]], list[int]], list[Turn]]
 
 @dataclass(frozen=True)
 class MultiTurn:
-    """``rollout.multi_turn`` (verl's keys), with the run's tools built."""
+    """``rollout.multi_turn`` (verl's keys), with the run's tools and interactions built."""
 
     tools: Tools = NO_TOOLS
-    max_assistant_turns: Optional[int] = None  # None: until the budget ends or a turn calls no tool
-    max_user_turns: Optional[int] = None  # tools' replies
+    max_assistant_turns: Optional[int] = None  # None: until the budget ends or a turn gets no answer
+    max_user_turns: Optional[int] = None  # answers: tools' replies and users' turns
     max_parallel_calls: int = 1  # calls of one turn that run; the rest are dropped, as verl drops them
     max_tool_response_length: int = 256  # characters of one reply
     tool_response_truncate_side: str = "middle"
     template_kwargs: dict = field(default_factory=dict)  # data.apply_chat_template_kwargs
+    interactions: dict = field(default_factory=dict)  # name -> interaction (verl's BaseInteraction's methods)
 
 
 @dataclass
 class _Conversation:
     prompt: list[int]
     tools_kwargs: dict
+    messages: list[dict]  # the chat so far, for an interaction to read
+    interaction: Optional[tuple] = None  # (interaction, instance id, its kwargs)
     tokens: list[int] = field(default_factory=list)
-    policy: list[bool] = field(default_factory=list)  # per token: the policy's (True) or a reply's
+    policy: list[bool] = field(default_factory=list)  # per token: the policy's (True) or an answer's
     log_probs: Optional[list[float]] = field(default_factory=list)  # per token, the sampler's; None: not reported
     assistant_turns: int = 0
     user_turns: int = 0
@@ -83,12 +91,17 @@ def system_prefix_length(tokenizer, template_kwargs: dict) -> int:
     return len(one) - (len(two) - len(one))
 
 
-def reply_tokens(tokenizer, replies: Sequence[str], prefix_length: int, template_kwargs: dict) -> list[int]:
-    """A turn's tool replies as the chat template renders ``tool`` messages, up to the next assistant
-    turn's opening (the generation prompt), without the template's system prefix."""
-    messages = [{"role": "tool", "content": text} for text in replies]
-    (ids,) = encode_chats(tokenizer, [messages], add_generation_prompt=True, template_kwargs=template_kwargs)
+def answer_tokens(tokenizer, messages: Sequence[dict], prefix_length: int, template_kwargs: dict) -> list[int]:
+    """Messages answering the policy (tools' replies, a user's turn) as the chat template renders them,
+    up to the next assistant turn's opening (the generation prompt), without the template's system prefix."""
+    (ids,) = encode_chats(tokenizer, [list(messages)], add_generation_prompt=True, template_kwargs=template_kwargs)
     return ids[prefix_length:]
+
+
+def reply_tokens(tokenizer, replies: Sequence[str], prefix_length: int, template_kwargs: dict) -> list[int]:
+    """A turn's tool replies as ``tool`` messages (``answer_tokens``)."""
+    return answer_tokens(tokenizer, [{"role": "tool", "content": text} for text in replies], prefix_length,
+                         template_kwargs)
 
 
 def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_turn: TurnGenerator,
@@ -100,9 +113,15 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
     sharded model together (``synced_gpus``) must all call ``generate_turn`` as often, so theirs
     says whether any rank has a row left, and a rank without one decodes a stand-in row.
     """
-    rows = [_Conversation(list(r.prompt_ids), (r.extra_info or {}).get("tools_kwargs") or {})
+    rows = [_Conversation(list(r.prompt_ids), (r.extra_info or {}).get("tools_kwargs") or {}, _messages(r))
             for r in records for _ in range(n)]
-    prefix = system_prefix_length(tokenizer, settings.template_kwargs) if settings.tools else 0
+    answered = bool(settings.tools or settings.interactions)
+    prefix = system_prefix_length(tokenizer, settings.template_kwargs) if answered else 0
+    if settings.interactions:
+        started = start_interactions(settings.interactions, [(r.extra_info or {}).get("interaction_kwargs")
+                                                             for r in records for _ in range(n)])
+        for row, interaction in zip(rows, started):
+            row.interaction = interaction
     while keep_going(any(not row.done for row in rows)):
         active = [i for i, row in enumerate(rows) if not row.done]
         if not active:  # another rank still decodes: one stand-in token, thrown away
@@ -110,27 +129,44 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
             continue
         turns = generate_turn(active, [rows[i].context for i in active],
                               [response_length - len(rows[i].tokens) for i in active])
-        calling = []
+        calling, users = [], []
         for row, turn in zip([rows[i] for i in active], turns):
             _append(row, turn.tokens, True, turn.log_probs)
             row.assistant_turns += 1
-            calls = _calls_after(row, turn.tokens, tokenizer, settings, response_length)
+            if settings.interactions:
+                row.messages.append({"role": "assistant",
+                                     "content": tokenizer.decode(turn.tokens, skip_special_tokens=True)})
+            calls = [] if _ends_here(row, settings, response_length) else _calls(turn.tokens, tokenizer, settings)
             if calls:
                 calling.append((row, calls))
+            elif row.interaction is not None and not _ends_here(row, settings, response_length):
+                users.append(row)
             else:
                 row.done = True
         if calling:
             _append_replies(calling, tokenizer, settings, prefix, response_length)
+        if users:
+            _append_user_turns(users, tokenizer, settings, prefix, response_length)
+    if settings.interactions:
+        finish_interactions([row.interaction for row in rows])
     return _as_batch(records, n, rows, tokenizer.pad_token_id)
 
 
-def _calls_after(row: _Conversation, turn: list[int], tokenizer, settings: MultiTurn, response_length: int) -> list:
-    """The tool calls a turn makes, or [] where the conversation ends with it (verl's order of checks)."""
-    if len(row.tokens) >= response_length or not settings.tools:
-        return []
-    if settings.max_assistant_turns and row.assistant_turns >= settings.max_assistant_turns:
-        return []
-    if settings.max_user_turns and row.user_turns >= settings.max_user_turns:
+def _messages(record: PromptRecord) -> list[dict]:
+    prompt = record.raw_prompt
+    return [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+
+
+def _ends_here(row: _Conversation, settings: MultiTurn, response_length: int) -> bool:
+    """Whether the conversation ends with the turn the policy just took, whatever it said (verl's checks)."""
+    return (len(row.tokens) >= response_length
+            or bool(settings.max_assistant_turns) and row.assistant_turns >= settings.max_assistant_turns
+            or bool(settings.max_user_turns) and row.user_turns >= settings.max_user_turns)
+
+
+def _calls(turn: list[int], tokenizer, settings: MultiTurn) -> list:
+    """The tool calls of a turn that run (none without tools)."""
+    if not settings.tools:
         return []
     return parse_hermes_tool_calls(tokenizer.decode(turn))[: settings.max_parallel_calls]
 
@@ -141,12 +177,31 @@ def _append_replies(calling: list, tokenizer, settings: MultiTurn, prefix: int, 
     replies = run_tool_calls(settings.tools, [(calls, row.tools_kwargs) for row, calls in calling],
                              settings.max_tool_response_length, settings.tool_response_truncate_side)
     for (row, _), answered in zip(calling, replies):
-        ids = reply_tokens(tokenizer, [text for text, _ in answered], prefix, settings.template_kwargs)
-        if len(row.tokens) + len(ids) >= response_length:
-            row.done = True
-            continue
-        _append(row, ids, False, [0.0] * len(ids))
-        row.user_turns += 1
+        messages = [{"role": "tool", "content": text} for text, _ in answered]
+        row.messages += messages
+        _answer(row, answer_tokens(tokenizer, messages, prefix, settings.template_kwargs), response_length)
+
+
+def _append_user_turns(users: list[_Conversation], tokenizer, settings: MultiTurn, prefix: int,
+                       response_length: int) -> None:
+    """Each row's interaction answers as the user (all rows at once); a row ends where the answer would not
+    fit or the interaction says the conversation is over (its answer appended first, as verl appends it)."""
+    answers = interaction_turns([(row.interaction, row.messages) for row in users])
+    for row, (over, text) in zip(users, answers):
+        message = {"role": "user", "content": text}
+        row.messages.append(message)
+        _answer(row, answer_tokens(tokenizer, [message], prefix, settings.template_kwargs), response_length)
+        row.done = row.done or over
+
+
+def _answer(row: _Conversation, ids: list[int], response_length: int) -> None:
+    """Append an answer to the policy's turn (not the policy's: never trained on), or end the row where
+    the answer would leave no room for another turn."""
+    if len(row.tokens) + len(ids) >= response_length:
+        row.done = True
+        return
+    _append(row, ids, False, [0.0] * len(ids))
+    row.user_turns += 1
 
 
 def _append(row: _Conversation, tokens: list[int], by_policy: bool, log_probs: Optional[list[float]]) -> None:

@@ -1,4 +1,5 @@
-"""Tools a multi-turn rollout calls (``rollout.multi_turn.tool_config_path``), and how it reads their calls.
+"""Tools a multi-turn rollout calls (``rollout.multi_turn.tool_config_path``), how it reads their calls, and
+the interactions that answer as the user (``rollout.multi_turn.interaction_config_path``).
 
 The tool config is verl's YAML: a list under ``tools``, each with the ``class_name`` that
 implements it, its ``config`` and its ``tool_schema`` (OpenAI's function format, which the chat
@@ -19,6 +20,16 @@ The model asks for a tool in Hermes' format (``multi_turn.format: hermes``, Qwen
     <tool_call>
     {"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}
     </tool_call>
+
+The interaction config is verl's too: a list under ``interaction``, each with its ``class_name``,
+``config`` and ``name`` (which a row's ``extra_info.interaction_kwargs.name`` picks).
+``verl.interactions.gsm8k_interaction.Gsm8kInteraction`` is klppo's ``Gsm8kInteraction``; any
+other class is imported, and used as verl uses it (each method may be a coroutine)::
+
+    interaction = cls(config={**config, "name": name})
+    interaction.start_interaction(instance_id, **interaction_kwargs)
+    over, text, reward, metrics = interaction.generate_response(instance_id, messages, **interaction_kwargs)
+    interaction.finalize_interaction(instance_id)
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from klppo.errors import UserError
 from klppo.rewards import gsm8k
 
 TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+INTERACTION_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -129,16 +141,7 @@ NO_TOOLS = Tools({}, [])
 def load_tools(path: str | Path) -> Tools:
     """The tools a verl tool config lists, each built once for the run (a ``UserError`` naming the
     entry for a file, class or schema that is not right)."""
-    path = Path(path)
-    try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise UserError(f"{TOOL_CONFIG_KEY} = {str(path)!r}: cannot read it ({error}); point it at verl's tool "
-                        "config YAML (a 'tools' list of class_name, config, tool_schema)") from None
-    entries = config.get("tools") if isinstance(config, dict) else None
-    if not isinstance(entries, list):
-        raise UserError(f"{TOOL_CONFIG_KEY} = {str(path)!r} has no 'tools' list; write tools: [{{class_name: ..., "
-                        "config: ..., tool_schema: ...}}] as verl's tool configs do")
+    entries = _read_list(path, TOOL_CONFIG_KEY, "tools", "tool config YAML (tools: [{class_name, config, tool_schema}])")
     by_name, schemas = {}, []
     for i, entry in enumerate(entries):
         where = f"{path} tools[{i}]"
@@ -156,17 +159,38 @@ def load_tools(path: str | Path) -> Tools:
     return Tools(by_name, schemas)
 
 
-def tool_class(class_name: str, where: str) -> type:
-    """klppo's own class for a verl tool it has, else the class at the Python path ``class_name``."""
-    if class_name in BUILT_IN:
-        return BUILT_IN[class_name]
+def tool_class(class_name: str, where: str, built_in: dict | None = None) -> type:
+    """klppo's own class for a verl tool (or interaction) it has, else the class at the Python path ``class_name``."""
+    built_in = BUILT_IN if built_in is None else built_in
+    if class_name in built_in:
+        return built_in[class_name]
     module_name, _, attribute = class_name.rpartition(".")
     try:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError) as error:
-        built_in = ", ".join(sorted(BUILT_IN))
-        raise UserError(f"{where}: class_name {class_name!r} cannot be imported ({error}); klppo has {built_in} "
-                        "built in, and imports any other from the Python path (make its module importable)") from None
+        raise UserError(f"{where}: class_name {class_name!r} cannot be imported ({error}); klppo has "
+                        f"{', '.join(sorted(built_in))} built in, and imports any other from the Python path (make "
+                        "its module importable)") from None
+
+
+def _read_list(path: str | Path, key: str, section: str, example: str) -> list:
+    """The ``section`` list of the YAML file at ``path`` (the config key ``key``)."""
+    path = Path(path)
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise UserError(f"{key} = {str(path)!r}: cannot read it ({error}); point it at verl's {example}") from None
+    entries = config.get(section) if isinstance(config, dict) else None
+    if not isinstance(entries, list):
+        raise UserError(f"{key} = {str(path)!r} has no '{section}' list; write {section}: [...] as verl's {example} does")
+    return entries
+
+
+def _run_all(coroutines: list) -> list:
+    async def gathered():
+        return await asyncio.gather(*coroutines)
+
+    return list(asyncio.run(gathered()))
 
 
 async def _maybe_await(value):
@@ -200,9 +224,109 @@ def run_tool_calls(tools: Tools, calls: list[tuple[list[ToolCall], dict]], max_l
                    ) -> list[list[tuple[str, float]]]:
     """Every row's calls of one turn (``(calls, tools_kwargs)`` per row), all at once; their replies per row."""
 
-    async def all_rows():
-        rows = [asyncio.gather(*(call_tool(tools, c, kwargs, max_length, truncate_side) for c in row_calls))
-                for row_calls, kwargs in calls]
-        return await asyncio.gather(*rows)
+    async def row(row_calls: list[ToolCall], kwargs: dict) -> list[tuple[str, float]]:
+        return list(await asyncio.gather(*(call_tool(tools, c, kwargs, max_length, truncate_side) for c in row_calls)))
 
-    return [list(replies) for replies in asyncio.run(all_rows())]
+    return _run_all([row(row_calls, kwargs) for row_calls, kwargs in calls])
+
+
+# ---- interactions: the user's side of a conversation ----
+
+
+class Gsm8kInteraction:
+    """verl's ``Gsm8kInteraction``: reads the policy's last turn as its answer (gsm8k's strict extraction:
+    "#### <number>"); a right answer ends the conversation, a wrong one asks the policy to try again."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self._instances: dict[str, dict] = {}
+
+    def start_interaction(self, instance_id: Optional[str] = None, ground_truth: Any = None, **kwargs) -> str:
+        instance_id = instance_id or uuid.uuid4().hex
+        self._instances[instance_id] = {"response": "", "ground_truth": ground_truth, "reward": 0.0}
+        return instance_id
+
+    def generate_response(self, instance_id: str, messages: list[dict], **kwargs) -> tuple[bool, str, float, dict]:
+        said = next((m.get("content") for m in reversed(messages) if m.get("role") == "assistant"), "")
+        self._instances[instance_id]["response"] = said
+        reward = self.calculate_score(instance_id)
+        if reward == 1.0:
+            return True, "Your response is correct!", reward, {}
+        return False, "Your response is incorrect! You need to reflect on your answer and try again.", reward, {}
+
+    def calculate_score(self, instance_id: str, **kwargs) -> float:
+        state = self._instances[instance_id]
+        return gsm8k.compute_score(state["response"], state["ground_truth"], method="strict", format_score=0.0,
+                                   score=1.0)
+
+    def finalize_interaction(self, instance_id: str, **kwargs) -> None:
+        self._instances.pop(instance_id, None)
+
+
+BUILT_IN_INTERACTIONS = {"verl.interactions.gsm8k_interaction.Gsm8kInteraction": Gsm8kInteraction,
+                         "klppo.rollout.tools.Gsm8kInteraction": Gsm8kInteraction}
+
+
+def load_interactions(path: str | Path) -> dict[str, Any]:
+    """The interactions a verl interaction config lists, by name (its ``name``, else the class's name
+    without "Interaction", lower-cased, as verl names it), each built once for the run."""
+    entries = _read_list(path, INTERACTION_CONFIG_KEY, "interaction",
+                         "interaction config YAML (interaction: [{name, class_name, config}])")
+    interactions = {}
+    for i, entry in enumerate(entries):
+        where = f"{path} interaction[{i}]"
+        if not isinstance(entry, dict) or "class_name" not in entry:
+            raise UserError(f"{where}: each interaction needs a class_name (e.g. "
+                            "verl.interactions.gsm8k_interaction.Gsm8kInteraction)")
+        simple = entry["class_name"].rsplit(".", 1)[-1]
+        name = entry.get("name") or (simple[: -len("Interaction")] if simple.endswith("Interaction") else simple).lower()
+        if name in interactions:
+            raise UserError(f"{where}: a second interaction named {name!r}; give each its own name")
+        cls = tool_class(entry["class_name"], where, BUILT_IN_INTERACTIONS)
+        interactions[name] = cls(config={**(entry.get("config") or {}), "name": name})
+    return interactions
+
+
+def check_interaction_rows(interactions: dict[str, Any], extra_infos: list[dict], places: list[str]) -> None:
+    """Every row names one of ``interactions`` in ``extra_info.interaction_kwargs.name`` (verl refuses a row
+    that does not), checked when the data is read."""
+    for extra, place in zip(extra_infos, places):
+        kwargs = (extra or {}).get("interaction_kwargs")
+        name = kwargs.get("name") if isinstance(kwargs, dict) else None
+        if name not in interactions:
+            problem = "has no extra_info.interaction_kwargs.name" if name is None else f"names interaction {name!r}"
+            raise UserError(f"{place}: {problem}, but {INTERACTION_CONFIG_KEY} has {', '.join(sorted(interactions))}; "
+                            "give every row interaction_kwargs with the name of one of them (verl's "
+                            "gsm8k_multiturn_w_interaction preprocessing writes name, query and ground_truth)")
+
+
+def start_interactions(interactions: dict[str, Any], kwargs_per_row: list[dict]) -> list[tuple]:
+    """Start one instance per row of the interaction its kwargs name: (interaction, instance id, kwargs) each."""
+
+    async def start(kwargs: dict) -> tuple:
+        interaction = interactions[kwargs["name"]]
+        instance_id = await _maybe_await(interaction.start_interaction(uuid.uuid4().hex, **kwargs))
+        return interaction, instance_id, kwargs
+
+    return _run_all([start(kwargs) for kwargs in kwargs_per_row])
+
+
+def interaction_turns(rows: list[tuple[tuple, list[dict]]]) -> list[tuple[bool, str]]:
+    """Each row's interaction's answer to the chat so far (all rows at once): (the conversation is over, the text)."""
+
+    async def answer(started: tuple, messages: list[dict]) -> tuple[bool, str]:
+        interaction, instance_id, kwargs = started
+        over, text, _, _ = await _maybe_await(interaction.generate_response(instance_id, messages, **kwargs))
+        return bool(over), str(text)
+
+    return _run_all([answer(started, messages) for started, messages in rows])
+
+
+def finish_interactions(started: list[tuple]) -> None:
+    """Let every row's interaction forget its instance (``finalize_interaction``, where it has one)."""
+
+    async def finish(interaction, instance_id, kwargs) -> None:
+        if hasattr(interaction, "finalize_interaction"):
+            await _maybe_await(interaction.finalize_interaction(instance_id))
+
+    _run_all([finish(*s) for s in started])

@@ -11,7 +11,9 @@ from transformers import AutoTokenizer
 from klppo.data.rl_dataset import PromptRecord
 from klppo.errors import UserError
 from klppo.rollout.multi_turn import MultiTurn, Turn, multi_turn_rollout, reply_tokens, system_prefix_length
-from klppo.rollout.tools import Gsm8kTool, ToolCall, load_tools, parse_hermes_tool_calls, truncate_tool_text
+from klppo.rollout.tools import (
+    Gsm8kTool, ToolCall, check_interaction_rows, load_interactions, load_tools, parse_hermes_tool_calls, truncate_tool_text,
+)
 
 # verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as it is.
 GSM8K_TOOL_CONFIG = textwrap.dedent("""\
@@ -34,6 +36,15 @@ GSM8K_TOOL_CONFIG = textwrap.dedent("""\
     """)
 
 
+# verl's examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml, as it is.
+GSM8K_INTERACTION_CONFIG = textwrap.dedent("""\
+    interaction:
+      - name: "gsm8k"
+        class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
+        config: {}
+    """)
+
+
 def call(answer: str, name: str = "calc_gsm8k_reward") -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {{"answer": "{answer}"}}}}\n</tool_call>'
 
@@ -50,10 +61,19 @@ def tools(tmp_path):
     return load_tools(path)
 
 
+@pytest.fixture
+def interactions(tmp_path):
+    path = tmp_path / "interactions.yaml"
+    path.write_text(GSM8K_INTERACTION_CONFIG)
+    return load_interactions(path)
+
+
 def record(tokenizer, index: int = 0, truth: str = "72") -> PromptRecord:
     kwargs = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}}
-    return PromptRecord(index=index, data_source="openai/gsm8k", raw_prompt="q", prompt_ids=tokenizer.encode("What is 8 * 9?"),
-                        ground_truth=truth, extra_info={"tools_kwargs": kwargs})
+    return PromptRecord(index=index, data_source="openai/gsm8k", raw_prompt=[{"role": "user", "content": "8 * 9?"}],
+                        prompt_ids=tokenizer.encode("What is 8 * 9?"), ground_truth=truth,
+                        extra_info={"tools_kwargs": kwargs,
+                                    "interaction_kwargs": {"name": "gsm8k", "query": "8 * 9?", "ground_truth": truth}})
 
 
 class ScriptedPolicy:
@@ -261,3 +281,56 @@ def test_vllm_samples_each_turn_from_the_policy_the_trainer_scores_on_the_whole_
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["turns"] == [6] * 8 and result["replies"] > 0  # 3 turns of the policy, 2 replies, the prompt
     assert result["gap"] < 1e-4
+
+
+def test_an_interaction_answers_as_the_user_until_it_ends_the_conversation(tokenizer, interactions):
+    policy = ScriptedPolicy(tokenizer, ["#### 71", "#### 72", "never said"])
+    batch = multi_turn_rollout([record(tokenizer)], 1, tokenizer, policy, MultiTurn(interactions=interactions),
+                               response_length=300)
+    wrong = "Your response is incorrect! You need to reflect on your answer and try again."
+    texts = [tokenizer.decode(answer_tokens_of(batch, k)) for k in range(2)]
+    assert texts == [f"<|im_start|>user\n{wrong}<|im_end|>\n<|im_start|>assistant\n",
+                     "<|im_start|>user\nYour response is correct!<|im_end|>\n<|im_start|>assistant\n"]
+    assert batch.num_turns.tolist() == [5] and len(policy.seen) == 2  # the right answer ended it
+    assert not batch.response_mask[0][batch.response_attention[0]].tolist()[-1]  # its last words are the user's
+
+
+def answer_tokens_of(batch, k: int) -> list[int]:
+    """The k-th run of answer tokens (not the policy's) in row 0."""
+    runs, inside = [], False
+    for token, mine, real in zip(batch.response_ids[0].tolist(), batch.response_mask[0].tolist(),
+                                 batch.response_attention[0].tolist()):
+        if real and not mine:
+            if not inside:
+                runs.append([])
+            runs[-1].append(token)
+        inside = real and not mine
+    return runs[k]
+
+
+def test_tools_answer_a_call_and_the_interaction_a_turn_without_one(tokenizer, tools, interactions):
+    policy = ScriptedPolicy(tokenizer, [call("71"), "#### 71", "#### 72"])
+    batch = multi_turn_rollout([record(tokenizer)], 1, tokenizer, policy, MultiTurn(tools, interactions=interactions,
+                                                                                   max_user_turns=2),
+                               response_length=400)
+    assert "reward=0.0" in tokenizer.decode(answer_tokens_of(batch, 0))  # the tool's reply to the call
+    assert "incorrect" in tokenizer.decode(answer_tokens_of(batch, 1))  # the user's to "#### 71"
+    # max_user_turns=2: the turn after the second answer is the last, and nothing answers it
+    assert len(policy.seen) == 3 and batch.num_turns.tolist() == [6]
+    assert batch.response_mask[0][batch.response_attention[0]].tolist()[-1]
+
+
+def test_interaction_configs_name_their_interactions_as_verl_does(tmp_path, interactions):
+    assert list(interactions) == ["gsm8k"]
+    path = tmp_path / "unnamed.yaml"
+    path.write_text("interaction: [{class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction}]")
+    assert list(load_interactions(path)) == ["gsm8k"]  # the class's name without "Interaction"
+    path.write_text("interaction: [{class_name: nowhere.Interaction}]")
+    with pytest.raises(UserError, match="cannot be imported"):
+        load_interactions(path)
+    check_interaction_rows(interactions, [{"interaction_kwargs": {"name": "gsm8k"}}], ["a.parquet row 0"])
+    with pytest.raises(UserError, match="a.parquet row 1: names interaction 'chat'"):
+        check_interaction_rows(interactions, [{"interaction_kwargs": {"name": "gsm8k"}},
+                                              {"interaction_kwargs": {"name": "chat"}}], ["a.parquet row 0", "a.parquet row 1"])
+    with pytest.raises(UserError, match="has no extra_info.interaction_kwargs.name"):
+        check_interaction_rows(interactions, [{}], ["a.parquet row 0"])

@@ -18,7 +18,7 @@ from klppo.rollout import multi_turn as multi_turn_module
 from klppo.rollout.multi_turn import Turn
 from klppo.rollout.tools import ToolCall
 from klppo.trainer.forwards import compute_log_prob
-from tests.rollout.test_multi_turn import GSM8K_TOOL_CONFIG
+from tests.rollout.test_multi_turn import GSM8K_INTERACTION_CONFIG, GSM8K_TOOL_CONFIG
 
 
 def with_replies(batch, every: int = 3):
@@ -82,12 +82,12 @@ def _tool_task(task_dir, path):
     return path
 
 
-def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, task_dir, tmp_path, monkeypatch):
-    """A random tiny model seldom writes a call or an EOS: every turn here asks the gsm8k tool about its
-    text and lasts at most 6 sampled tokens (then EOS), so conversations have replies to train around."""
+@pytest.fixture
+def short_turns(monkeypatch):
+    """A random tiny model seldom writes an EOS: every turn here lasts at most 6 sampled tokens, then EOS."""
     real_turns = hf_rollout_module._turn_generator
 
-    def short_turns(model, tokenizer, params, device, synced_gpus):
+    def short(model, tokenizer, params, device, synced_gpus):
         generate = real_turns(model, tokenizer, params, device, synced_gpus)
         eos = tokenizer.eos_token_id
 
@@ -96,7 +96,12 @@ def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, ta
             return [Turn((t.tokens if t.tokens[-1:] == [eos] else t.tokens + [eos])[:b]) for t, b in zip(said, budgets)]
         return turn
 
-    monkeypatch.setattr(hf_rollout_module, "_turn_generator", short_turns)
+    monkeypatch.setattr(hf_rollout_module, "_turn_generator", short)
+
+
+def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, task_dir, tmp_path, monkeypatch,
+                                                                short_turns):
+    """Nor does it write tool calls: every turn here asks the gsm8k tool about its last characters."""
     monkeypatch.setattr(multi_turn_module, "parse_hermes_tool_calls",
                         lambda text: [ToolCall("calc_gsm8k_reward", json.dumps({"answer": text[-3:]}))])
     tools = tmp_path / "tools.yaml"
@@ -120,3 +125,23 @@ def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, ta
     logged = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
     assert all("Current pars" in line["output"] for line in logged)  # replies are part of what is scored and logged
     assert any(k.startswith("val-core/") for r in records for k in r)
+
+
+def test_a_run_with_verls_gsm8k_interaction_answers_every_wrong_turn(ppo_overrides, task_dir, tmp_path, short_turns):
+    table = pq.read_table(task_dir / "train.parquet").to_pylist()
+    for row in table:
+        row["extra_info"] = {**row["extra_info"], "interaction_kwargs": {
+            "name": "gsm8k", "query": row["extra_info"]["question"], "ground_truth": row["reward_model"]["ground_truth"]}}
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "train.parquet")
+    config = tmp_path / "interactions.yaml"
+    config.write_text(GSM8K_INTERACTION_CONFIG)
+    records = run_ppo(None, ppo_overrides(**{
+        "data.train_files": tmp_path / "train.parquet", "actor_rollout_ref.rollout.name": "hf",
+        "actor_rollout_ref.rollout.response_length": 192, "actor_rollout_ref.rollout.multi_turn.enable": "true",
+        "actor_rollout_ref.rollout.multi_turn.interaction_config_path": config,
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3, "algorithm.adv_estimator": "grpo",
+        "trainer.rollout_data_dir": tmp_path / "rollouts"}), print_fn=lambda *a, **k: None)
+    steps = [r for r in records if "actor/pg_loss" in r]
+    assert [m["num_turns/min"] for m in steps] == [6, 6]  # the random model is never right: 3 turns, 2 answers
+    logged = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert all(line["output"].count("Your response is incorrect!") == 2 for line in logged)
