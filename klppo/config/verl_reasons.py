@@ -90,6 +90,7 @@ RULES: tuple[tuple, ...] = (
       "actor_rollout_ref.rollout.over_sample_rate",
       "actor_rollout_ref.rollout.trace.*",
       "actor_rollout_ref.rollout.agent.*", "actor_rollout_ref.rollout.skip_rollout",
+      "actor_rollout_ref.rollout.sglang_rollout_mode", "actor_rollout_ref.rollout.server.*",
       "actor_rollout_ref.rollout.skip_dump_dir"), _ENGINE),
     (("actor_rollout_ref.rollout.use_fire_sampling",), "FIRE sampling is " + _NOT_IMPLEMENTED),
     (("data.tool_config_path", "data.function_tool_path"), "verl's dataset reads the multi-turn tools to render "
