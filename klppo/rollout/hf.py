@@ -175,7 +175,10 @@ def _turn_generator(model, tokenizer, params: SamplingParams, device: torch.devi
         config = neutral_generation_config(replace(params, n=1, max_new_tokens=max(budgets)), tokenizer, eos)
         was_training = model.training
         model.eval()
+        rng = _rng_states(device)
         output = _generate(model, ids.to(device), mask.to(device), config, DYNAMIC, synced_gpus)
+        if not rows:  # a stand-in turn: the stream goes on as if it had not been sampled
+            _set_rng_states(rng)
         model.train(was_training)
         turns = output[:, ids.shape[1]:].cpu()
         kept = mask_after_eos(turns, eos)

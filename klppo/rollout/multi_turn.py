@@ -43,7 +43,9 @@ class Turn(NamedTuple):
 
 # (rows, contexts, budgets) -> each conversation's next turn. ``rows``: which conversations of the call
 # (their places in the batch); ``budgets``: tokens each may still add. Every conversation still going
-# takes its turn in each call, so the k-th call is every row's k-th turn.
+# takes its turn in each call, so the k-th call is every row's k-th turn. No rows: a stand-in turn that
+# no conversation takes (a rank keeping step with others that decode together), which must leave the
+# random streams as they were.
 TurnGenerator = Callable[[list[int], list[list[int]], list[int]], list[Turn]]
 
 
@@ -125,7 +127,7 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
     while keep_going(any(not row.done for row in rows)):
         active = [i for i, row in enumerate(rows) if not row.done]
         if not active:  # another rank still decodes: one stand-in token, thrown away
-            generate_turn([0], [rows[0].prompt], [1])
+            generate_turn([], [rows[0].prompt], [1])
             continue
         turns = generate_turn(active, [rows[i].context for i in active],
                               [response_length - len(rows[i].tokens) for i in active])

@@ -102,7 +102,7 @@ def _hf_responses(parts: PPOParts, records: list[PromptRecord], params: Sampling
         return local
     turns = None
     if local.response_attention_mask is not None:  # multi-turn: every rank's conversations have them
-        turns = (all_gather_padded(local.response_attention_mask, 0), all_gather_padded(local.num_turns, 0))
+        turns = (all_gather_padded(local.response_attention_mask, 0), all_gather_padded(local.num_turns[:, None], 0)[:, 0])
     return assemble_batch(records, params.n, tokenizer.pad_token_id,
                           all_gather_padded(local.response_ids, tokenizer.pad_token_id),
                           all_gather_padded(local.response_mask, 0), turns=turns)
@@ -145,7 +145,8 @@ def engine_responses(parts: PPOParts, records: list[PromptRecord], params: Sampl
         log_probs = (all_gather_groups(local.rollout_log_probs, 0.0, tp),
                      torch.ones(len(records) * params.n, dtype=torch.bool))
     if local.response_attention_mask is not None:  # multi-turn: every rank's conversations have them
-        turns = (all_gather_groups(local.response_attention_mask, 0, tp), all_gather_groups(local.num_turns, 0, tp))
+        turns = (all_gather_groups(local.response_attention_mask, 0, tp),
+                 all_gather_groups(local.num_turns[:, None], 0, tp)[:, 0])
     return assemble_batch(records, params.n, pad, all_gather_groups(local.response_ids, pad, tp),
                           all_gather_groups(local.response_mask, 0, tp), rollout_log_probs=log_probs, turns=turns)
 
