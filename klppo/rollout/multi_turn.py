@@ -28,6 +28,7 @@ import torch
 
 from klppo.data.chat_template import encode_chats
 from klppo.data.rl_dataset import PromptRecord
+from klppo.errors import UserError
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.tools import (
     NO_TOOLS, Tools, finish_interactions, interaction_turns, parse_hermes_tool_calls, run_tool_calls, start_interactions,
@@ -96,7 +97,12 @@ def system_prefix_length(tokenizer, template_kwargs: dict) -> int:
 def answer_tokens(tokenizer, messages: Sequence[dict], prefix_length: int, template_kwargs: dict) -> list[int]:
     """Messages answering the policy (tools' replies, a user's turn) as the chat template renders them,
     up to the next assistant turn's opening (the generation prompt), without the template's system prefix."""
-    (ids,) = encode_chats(tokenizer, [list(messages)], add_generation_prompt=True, template_kwargs=template_kwargs)
+    try:
+        (ids,) = encode_chats(tokenizer, [list(messages)], add_generation_prompt=True, template_kwargs=template_kwargs)
+    except UserError as error:
+        raise UserError(f"rollout.multi_turn: the chat template cannot render the {messages[0]['role']} message that "
+                        f"answers a turn on its own, as verl renders it too ({error}); use a model whose template "
+                        "renders tool and user messages without the conversation before them") from None
     return ids[prefix_length:]
 
 

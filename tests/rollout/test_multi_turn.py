@@ -334,3 +334,11 @@ def test_interaction_configs_name_their_interactions_as_verl_does(tmp_path, inte
                                               {"interaction_kwargs": {"name": "chat"}}], ["a.parquet row 0", "a.parquet row 1"])
     with pytest.raises(UserError, match="has no extra_info.interaction_kwargs.name"):
         check_interaction_rows(interactions, [{}], ["a.parquet row 0"])
+
+
+def test_a_template_that_cannot_render_a_reply_alone_says_so(tokenizer):
+    strict = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    strict.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('conversations start with the "
+                            "user') }}{% endif %}" + strict.chat_template)
+    with pytest.raises(UserError, match="cannot render the tool message that answers a turn on its own"):
+        reply_tokens(strict, ["42"], 0, {})
