@@ -28,7 +28,7 @@ def test_validation_scores_the_batch_on_the_runs_device_not_where_the_rollout_le
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=device, is_distributed=False)
     rollout_devices, scored_devices = [], []
 
-    def fake_rollout(actor, part, tokenizer, params, *, synced_gpus, device, decoding):
+    def fake_rollout(actor, part, tokenizer, params, *, synced_gpus, device, decoding, multi_turn, keep_going):
         rollout_devices.append(device)
         ids = torch.tensor([[3, 4, 1]] * len(part) * params.n)
         return assemble_batch(part, params.n, 0, ids, torch.tensor([[True, True, False]] * len(ids)))
@@ -49,7 +49,7 @@ def test_validation_leaves_the_training_random_stream_where_it_was(monkeypatch):
     env = DistEnv(rank=1, world_size=2, local_rank=0, device=torch.device("cpu"), is_distributed=False)
     drawn = []
 
-    def fake_rollout(actor, part, tokenizer, params, *, synced_gpus, device, decoding):
+    def fake_rollout(actor, part, tokenizer, params, *, synced_gpus, device, decoding, multi_turn, keep_going):
         drawn.append(torch.rand(1))  # sampling draws from the global stream
         ids = torch.tensor([[3, 4]] * len(part) * params.n)
         return assemble_batch(part, params.n, 0, ids, torch.ones_like(ids, dtype=torch.bool))
