@@ -129,12 +129,19 @@ class ModelConfig(LoraKeys):
 
 @dataclass
 class OptimConfig:
-    # Peak learning rate of AdamW.
+    # The optimiser: a class of optimizer_impl (verl's keys), e.g. AdamW, Adam or SGD of torch.optim;
+    # AdamW8bit of bitsandbytes.optim or torchao.optim where installed.
+    optimizer: str = "AdamW"
+    # The module it comes from.
+    optimizer_impl: str = "torch.optim"
+    # Peak learning rate.
     lr: float = 1e-6
-    # AdamW weight decay.
+    # Weight decay (never on biases and norm weights).
     weight_decay: float = 0.01
-    # AdamW betas.
+    # Betas of an Adam-like optimiser (its name has "adam"), as verl passes them.
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    # More arguments of the optimiser (e.g. {momentum: 0.9} for SGD); they win over those above.
+    override_optimizer_config: Optional[dict[str, Any]] = None
     # Warm-up steps; -1 = use lr_warmup_steps_ratio.
     lr_warmup_steps: int = -1
     # Warm-up as a fraction of the total training steps.

@@ -50,7 +50,6 @@ RULES: tuple[tuple, ...] = (
      "algorithm.rollout_correction.loss_type=reinforce with bypass_mode=true", REFUSE),
     (("distillation.enabled",), "on-policy distillation is not implemented in klppo", REFUSE),
     (("*.qat.enable",), "quantisation-aware training is not implemented in klppo", REFUSE),
-    (("*.optim.optimizer",), "klppo trains with torch's AdamW only", REFUSE),
     (("data.reward_fn_key",), "klppo picks the reward function by the data_source column", REFUSE),
     (("data.custom_cls.path",), "klppo reads verl's RLHFDataset columns only (no custom dataset class)", REFUSE),
     (("*.model.tokenizer_path",), "klppo loads the tokenizer saved next to the model (model.path)", REFUSE),
@@ -64,7 +63,7 @@ RULES: tuple[tuple, ...] = (
       "*.optim.lr_decay_style", "*.optim.min_lr", "*.optim.weight_decay_incr_style", "*.optim.lr_wsd_decay_*",
       "*.optim.use_checkpoint_opt_param_scheduler", "*.optim.use_precision_aware_optimizer", "*.optim.main_grads_dtype",
       "*.optim.exp_avg_dtype", "*.optim.exp_avg_sq_dtype", "*.optim.use_layer_wise_distributed_optimizer",
-      "*.optim.override_optimizer_config", "actor_rollout_ref.rollout.layer_name_map.*", "*.model.lora.*"), _MEGATRON),
+      "actor_rollout_ref.rollout.layer_name_map.*", "*.model.lora.*"), _MEGATRON),
     # -- processes, Ray, resource pools --
     (("trainer.use_legacy_worker_impl", "trainer.use_v1", "trainer.v1.*", "trainer.ray_wait_register_center_timeout",
       "trainer.esi_redundant_time", "ray_kwargs.*", "ray_init.*", "actor_rollout_ref.hybrid_engine",
@@ -132,7 +131,6 @@ RULES: tuple[tuple, ...] = (
     (("actor_rollout_ref.actor.freeze_vision_tower", "data.image_*", "data.video_key", "data.audio_key",
       "data.mm_processor_kwargs", "data.return_multi_modal_inputs", "*.limit_images"), _VISION),
     # -- optimiser and losses --
-    (("*.optim.optimizer_impl",), "klppo trains with torch.optim.AdamW"),
     (("*.optim.total_training_steps",), "verl's trainer fills it in; klppo derives it from the run length"),
     (("*.optim.num_cycles",), "klppo's cosine schedule is verl's default half cycle"),
     (("*.optim.zero_indexed_step",), "klppo counts scheduler steps from 0, as verl's default"),

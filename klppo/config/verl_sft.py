@@ -60,8 +60,6 @@ SFT_RULES: tuple[tuple, ...] = (
      "tokenizer", REFUSE),
     (("model.external_lib",), "klppo never imports code for a model; use an architecture transformers ships", REFUSE),
     (("model.trust_remote_code",), "klppo never runs code from a model folder", REFUSE),
-    (("optim.optimizer", "optim.optimizer_impl"), "klppo trains with torch's AdamW only", REFUSE),
-    (("optim.override_optimizer_config",), "klppo builds AdamW from the optim keys only", REFUSE),
     (("data.micro_batch_size",), "verl's SFT trainer reads data.micro_batch_size_per_gpu only, and so does klppo"),
     (("data.use_shm", "model.use_shm"), "klppo reads files where they are (no shared-memory copy)"),
     (("data.balance_dp_token",), "klppo splits a step's examples over the ranks by count"),

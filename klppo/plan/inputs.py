@@ -21,7 +21,8 @@ from klppo.config.batch_sizes import (
 from klppo.config.kl_probe import probe_prompts
 from klppo.config.lora import lora_enabled
 from klppo.config.rollout_checks import engine_dtype
-from klppo.config.schema import FSDPConfig, LoraKeys
+from klppo.config.optimizers import optimizer_state_floats
+from klppo.config.schema import FSDPConfig, LoraKeys, OptimConfig
 from klppo.plan.model_shape import GOLD_ROLE, ModelShape, read_model_shape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -43,6 +44,7 @@ class ModelPlan:
     offload_policy: bool  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimiser state on the host
     checkpointing: bool  # enable_gradient_checkpointing
     lora_rank: int = 0
+    optimizer_state_floats: float = 2.0  # fp32 floats of optimiser state per trainable parameter (AdamW: 2)
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ def lora_rank_of(keys: LoraKeys) -> int:
 
 
 def model_plan(role: str, shape: ModelShape, fsdp: FSDPConfig, world_size: int, *, lora: Optional[LoraKeys] = None,
-               trains: bool = True, checkpointing: bool = False) -> ModelPlan:
+               trains: bool = True, checkpointing: bool = False, optim: Optional[OptimConfig] = None) -> ModelPlan:
     loaded_as = {"actor": "causal_lm", "ref": "causal_lm"}.get(role, role)
     parameters = shape.role_parameters(loaded_as)
     rank = lora_rank_of(lora) if lora is not None else 0
@@ -145,7 +147,9 @@ def model_plan(role: str, shape: ModelShape, fsdp: FSDPConfig, world_size: int, 
     return ModelPlan(role=role, shape=shape, parameters=parameters, trainable=trainable,
                      shards=shard_count(fsdp, world_size), compute_bytes=DTYPE_BYTES[fsdp.dtype],
                      param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload,
-                     offload_policy=fsdp.offload_policy, checkpointing=checkpointing, lora_rank=rank)
+                     offload_policy=fsdp.offload_policy, checkpointing=checkpointing, lora_rank=rank,
+                     optimizer_state_floats=2.0 if optim is None else optimizer_state_floats(
+                         optim.optimizer_impl, optim.optimizer, optim.override_optimizer_config))
 
 
 @dataclass(frozen=True)
@@ -239,12 +243,12 @@ def read_shapes(cfg: PPOConfig) -> dict[str, ModelShape]:
 def _models(cfg: PPOConfig, shapes: dict[str, ModelShape], world_size: int) -> tuple[ModelPlan, ...]:
     arf, critic = cfg.actor_rollout_ref, cfg.critic
     models = [model_plan("actor", shapes["actor"], arf.actor.fsdp_config, world_size, lora=arf.model,
-                         checkpointing=arf.model.enable_gradient_checkpointing)]
+                         checkpointing=arf.model.enable_gradient_checkpointing, optim=arf.actor.optim)]
     if "ref" in shapes:
         models.append(model_plan("ref", shapes["ref"], arf.ref.fsdp_config, world_size, trains=False))
     if "critic" in shapes:
         models.append(model_plan("critic", shapes["critic"], critic.model.fsdp_config, world_size, lora=critic.model,
-                                 checkpointing=critic.model.enable_gradient_checkpointing))
+                                 checkpointing=critic.model.enable_gradient_checkpointing, optim=critic.optim))
     for role in ("reward_model", GOLD_ROLE):  # a gold reward model is sharded as the reward model is
         if role in shapes:
             models.append(model_plan(role, shapes[role], cfg.reward_model.model.fsdp_config, world_size, trains=False))

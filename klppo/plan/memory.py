@@ -92,7 +92,8 @@ def gradient_bytes(m: ModelPlan) -> int:
 
 
 def optimizer_bytes(m: ModelPlan) -> int:
-    return 2 * m.trainable * FP32 // m.shards  # AdamW's exp_avg and exp_avg_sq, fp32
+    """The optimiser's state per rank (AdamW: exp_avg and exp_avg_sq, fp32; ``optim.optimizer`` sets how much)."""
+    return int(m.optimizer_state_floats * m.trainable) * FP32 // m.shards
 
 
 def gathered_bytes(m: ModelPlan) -> int:

@@ -12,12 +12,13 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Optional, TypeVar
 
 import numpy as np
 import torch
 
 from klppo.config.lora import lora_enabled
+from klppo.config.optimizers import TORCH_OPTIM, optimizer_class, takes_betas
 from klppo.config.schema import FSDPConfig, LoraKeys, OptimConfig
 from klppo.distributed import (
     DEFAULT_TIMEOUT_S, DistEnv, all_gather_objects, apply_fsdp2, build_mesh, fill_sharded, init_distributed,
@@ -256,25 +257,33 @@ def weight_reader(role: str, path: str, key: str, model: torch.nn.Module, env: D
 
 
 def build_optimizer(
-    model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]
-) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; biases and norm weights get no weight decay.
+    model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], name: str = "AdamW",
+    impl: str = TORCH_OPTIM, override: Optional[dict] = None,
+) -> torch.optim.Optimizer:
+    """The optimiser ``name`` of module ``impl`` (AdamW by default) over the trainable parameters, built as
+    verl builds it (``lr``, ``weight_decay``, ``betas`` for Adam-like names, then ``override``'s
+    arguments over them); biases and norm weights get no weight decay.
 
-    torch's fused AdamW wherever the parameters all live on one CUDA device or on CPU (sharded
-    or not: FSDP2's offload_policy keeps them, and their gradients, on CPU): one kernel per step
-    on CUDA, one vectorised pass per tensor on CPU, and either way ``optimizer_step`` skips a
-    non-finite step without a host sync. On CPU it stepped issue #33's 5.0M-parameter model 3x
-    faster than the default per-tensor foreach path (3.8 vs 11.5 ms, one thread; transformers'
-    Trainer, so TRL, defaults to it too); its floats differ from foreach's in the last bits.
+    torch's AdamW and Adam are fused wherever the parameters all live on one CUDA device or on CPU
+    (sharded or not: FSDP2's offload_policy keeps them, and their gradients, on CPU): one kernel
+    per step on CUDA, one vectorised pass per tensor on CPU, and either way ``optimizer_step``
+    skips a non-finite step without a host sync. On CPU it stepped issue #33's 5.0M-parameter
+    model 3x faster than the default per-tensor foreach path (3.8 vs 11.5 ms, one thread;
+    transformers' Trainer, so TRL, defaults to it too); its floats differ from foreach's in the
+    last bits.
     """
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for param_name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"lr": lr, "weight_decay": weight_decay, **({"betas": tuple(betas)} if takes_betas(name) else {}),
+              **(override or {})}
+    groups = [{"params": decay, "weight_decay": kwargs.pop("weight_decay")}, {"params": no_decay, "weight_decay": 0.0}]
+    cls = optimizer_class(impl, name)
     devices = {p.device.type for p in decay + no_decay}
-    fused = len(devices) == 1 and devices <= {"cuda", "cpu"}
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=True if fused else None)
+    if cls in (torch.optim.AdamW, torch.optim.Adam) and "fused" not in kwargs:
+        kwargs["fused"] = True if len(devices) == 1 and devices <= {"cuda", "cpu"} else None
+    return cls(groups, **kwargs)
 
 
 def warmup_steps(total_steps: int, lr_warmup_steps: int, lr_warmup_steps_ratio: float) -> int:
@@ -314,8 +323,9 @@ def build_lr_scheduler(
 
 
 def build_optimizer_and_scheduler(model: torch.nn.Module, optim: OptimConfig, total_steps: int):
-    """AdamW and its schedule from an ``optim`` config section (actor, critic, SFT or RM)."""
-    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas)
+    """The optimiser and its schedule from an ``optim`` config section (actor, critic, SFT or RM)."""
+    optimizer = build_optimizer(model, lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas,
+                                name=optim.optimizer, impl=optim.optimizer_impl, override=optim.override_optimizer_config)
     scheduler = build_lr_scheduler(
         optimizer,
         total_steps=total_steps,

@@ -544,3 +544,13 @@ def test_the_unfused_heads_update_holds_fewer_logits_without_the_entropy_in_the_
     with_bonus = _item(_plan(qwen05_dir, task_dir, naive, "actor_rollout_ref.actor.entropy_coeff=0.01"),
                        "update_actor", "LM head logits")
     assert with_bonus / without == pytest.approx(memory.NAIVE_TRAIN_LOGITS / memory.NAIVE_TRAIN_LOGITS_NO_ENTROPY)
+
+
+@pytest.mark.parametrize("changes, floats", [
+    ((), 2), (("actor_rollout_ref.actor.optim.optimizer=SGD",), 0),
+    (("actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.override_optimizer_config={momentum: 0.9}"), 1),
+    (("actor_rollout_ref.actor.optim.optimizer=Adam", "actor_rollout_ref.actor.optim.override_optimizer_config={amsgrad: true}"), 3),
+])
+def test_the_optimisers_state_is_what_optim_optimizer_keeps(qwen05_dir, task_dir, changes, floats):
+    """AdamW keeps two fp32 tensors per parameter, SGD none (one with momentum), Adam with AMSGrad three."""
+    assert _item(_plan(qwen05_dir, task_dir, *changes), "update_actor", "actor optimiser") == floats * 4 * P05

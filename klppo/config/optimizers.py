@@ -1,0 +1,87 @@
+"""``optim.optimizer`` / ``optim.optimizer_impl`` / ``optim.override_optimizer_config`` (verl's keys):
+which optimiser a model trains with, and what its state costs.
+
+verl builds ``getattr(importlib.import_module(optimizer_impl), optimizer)(params, lr=..., weight_decay=...,
+betas=... for Adam-like names, **override_optimizer_config)``; klppo builds the same (``run.setup.build_optimizer``,
+with its decay groups: no decay on biases and norm weights), after checking here, before any model loads, that
+the class exists and is an optimiser a PPO step can drive. ``torch.optim``'s classes need nothing installed;
+``bitsandbytes.optim`` (``AdamW8bit``), ``torchao.optim`` (``AdamW8bit``, ``_AdamW``) or a module of your own work
+where importable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Optional
+
+import torch
+
+TORCH_OPTIM = "torch.optim"
+# torch.optim's classes that an optimiser step of klppo's cannot drive.
+NEEDS_CLOSURE = {"LBFGS": "it re-evaluates the loss through a closure at every step",
+                 "SparseAdam": "it takes sparse gradients only"}
+# fp32 floats of state per trainable parameter, by torch.optim's class name (its defaults): what klppo plan counts.
+_STATE_FLOATS = {"AdamW": 2, "Adam": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
+                 "Adagrad": 1, "ASGD": 1, "RMSprop": 1, "SGD": 0, "Adafactor": 0}
+
+
+def takes_betas(name: str) -> bool:
+    """verl's rule: Adam-like names (and AdEMAMix) get ``betas``."""
+    return "adam" in name.lower() or "ademamix" in name.lower()
+
+
+class OptimizerNotFound(ValueError):
+    """``key`` (optimizer or optimizer_impl) names no optimiser a run can use; the message says why."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+def optimizer_class(impl: str, name: str) -> type:
+    """The class ``name`` of module ``impl``; ``OptimizerNotFound`` saying what is wrong and what there is instead."""
+    try:
+        module = importlib.import_module(impl)
+    except ImportError as error:
+        raise OptimizerNotFound("optimizer_impl", f"optimizer_impl = {impl!r} cannot be imported ({error}); install "
+                                f"it (bitsandbytes, torchao) or use {TORCH_OPTIM}") from None
+    cls = getattr(module, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        names = sorted(n for n, v in vars(module).items()
+                       if isinstance(v, type) and issubclass(v, torch.optim.Optimizer) and v is not torch.optim.Optimizer)
+        raise OptimizerNotFound("optimizer", f"optimizer = {name!r} is not an optimiser class of {impl}; it has "
+                                f"{', '.join(names) or 'none'}")
+    if impl == TORCH_OPTIM and name in NEEDS_CLOSURE:
+        raise OptimizerNotFound("optimizer", f"optimizer = {name!r}: {NEEDS_CLOSURE[name]}, which a PPO step does "
+                                "not do; use AdamW, Adam or SGD")
+    return cls
+
+
+def optimizer_problem(impl: str, name: str) -> Optional[tuple[str, str]]:
+    """(the key, what is wrong) with an ``optim`` section's optimiser, or None."""
+    if impl != TORCH_OPTIM and importlib.util.find_spec(impl.split(".")[0]) is None:
+        return "optimizer_impl", (f"optimizer_impl = {impl!r} is not installed; install it (pip install "
+                                  f"{impl.split('.')[0]}) or use {TORCH_OPTIM}")
+    try:
+        optimizer_class(impl, name)
+    except OptimizerNotFound as error:
+        return error.key, str(error)
+    return None
+
+
+def optimizer_state_floats(impl: str, name: str, override: Optional[dict]) -> float:
+    """fp32 floats of optimiser state per trainable parameter (klppo plan's count): torch.optim's by its
+    class and the arguments that add state (momentum, amsgrad, centered); an 8-bit optimiser's two
+    states at a byte each; anything else as AdamW (2)."""
+    override = override or {}
+    if impl != TORCH_OPTIM:
+        return 0.5 if "8bit" in name.lower() else 0.25 if "4bit" in name.lower() else 2.0
+    floats = _STATE_FLOATS.get(name, 2)
+    if name in ("Adam", "AdamW") and override.get("amsgrad"):
+        floats += 1
+    if name in ("SGD", "RMSprop") and override.get("momentum", 0):
+        floats += 1
+    if name == "RMSprop" and override.get("centered"):
+        floats += 1
+    return float(floats)
