@@ -208,3 +208,26 @@ def crash_after_logging(monkeypatch):
             monkeypatch.setattr(MetricsLogger, "log", real_log)
 
     return crashing
+
+
+@pytest.fixture
+def crashed_and_resumed(tmp_path, crash_after_logging):
+    """``crashed_and_resumed(overrides, changes, at=3)`` -> (the uninterrupted run's records, the resumed run's,
+    both without their timings): a run of ``overrides(run_dir, **changes)`` in-process, and the same run
+    crashed right after logging step ``at`` (before saving it), then started again in its folder."""
+    from klppo.commands.main_ppo import run_ppo
+
+    def quiet(*args, **kwargs) -> None:
+        pass
+
+    def same(record: dict) -> dict:
+        return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/"))}
+
+    def run(overrides, changes: dict, at: int = 3) -> tuple[list[dict], list[dict]]:
+        full = run_ppo(None, overrides(tmp_path / "full", **changes), print_fn=quiet)
+        with crash_after_logging(at):
+            run_ppo(None, overrides(tmp_path / "crashed", **changes), print_fn=quiet)
+        resumed = run_ppo(None, overrides(tmp_path / "crashed", **changes), print_fn=quiet)
+        return [same(r) for r in full], [same(r) for r in resumed]
+
+    return run

@@ -59,22 +59,17 @@ def test_an_optimiser_no_ppo_step_can_drive_is_refused_naming_the_key(changes, m
 
 
 def test_a_run_with_sgd_and_momentum_resumed_after_a_crash_repeats_the_uninterrupted_run(
-        ppo_overrides, tmp_path, crash_after_logging):
+        ppo_overrides, tmp_path, crashed_and_resumed):
     """SGD's momentum buffers are part of the checkpoint: without them the resumed steps would differ."""
     changes = {"actor_rollout_ref.actor.optim.optimizer": "SGD", "critic.optim.optimizer": "SGD",
                "actor_rollout_ref.actor.optim.override_optimizer_config": "{momentum: 0.9}",
                "critic.optim.override_optimizer_config": "{momentum: 0.9}",
                "actor_rollout_ref.actor.optim.lr": 0.05, "critic.optim.lr": 0.05,
                "trainer.total_training_steps": 4, "trainer.save_freq": 2}
-    quiet = lambda *a, **k: None  # noqa: E731
-    full = run_ppo(None, ppo_overrides(tmp_path / "full", **changes), print_fn=quiet)
-    with crash_after_logging(3):
-        run_ppo(None, ppo_overrides(tmp_path / "crashed", **changes), print_fn=quiet)
-    resumed = run_ppo(None, ppo_overrides(tmp_path / "crashed", **changes), print_fn=quiet)
-    same = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}  # noqa: E731
-    assert [r["step"] for r in resumed] == [3, 4]
-    assert [same(r) for r in resumed] == [same(r) for r in full[2:]]
-    adamw = run_ppo(None, ppo_overrides(tmp_path / "adamw", **{"trainer.total_training_steps": 2}), print_fn=quiet)
+    full, resumed = crashed_and_resumed(ppo_overrides, changes)
+    assert [r["step"] for r in resumed] == [3, 4] and resumed == full[2:]
+    adamw = run_ppo(None, ppo_overrides(tmp_path / "adamw", **{"trainer.total_training_steps": 2}),
+                    print_fn=lambda *a, **k: None)
     assert full[1]["actor/pg_loss"] != adamw[1]["actor/pg_loss"]  # another optimiser trained
 
 

@@ -55,17 +55,11 @@ def test_micro_batches_pick_the_tokens_the_whole_mini_batch_picks(mode, ppo_over
         assert whole[0]["actor/pg_clipfrac"] == 0.0 and whole[0]["actor/ppo_kl"] > 0  # mean |log ratio|
 
 
-def test_a_clip_cov_run_resumed_after_a_crash_repeats_the_uninterrupted_run(ppo_overrides, tmp_path,
-                                                                              crash_after_logging):
+def test_a_clip_cov_run_resumed_after_a_crash_repeats_the_uninterrupted_run(ppo_overrides, crashed_and_resumed):
     """Clip-Cov's random pick is seeded by data.seed, the step, the epoch and the mini-batch: a resumed
     run cuts the tokens the uninterrupted one cut."""
     changes = {f"{KEY}.loss_mode": "clip_cov", **MODES["clip_cov"], "trainer.total_training_steps": 4,
                "trainer.save_freq": 2}
-    full = run_ppo(None, ppo_overrides(tmp_path / "full", **changes), print_fn=quiet)
-    with crash_after_logging(3):
-        run_ppo(None, ppo_overrides(tmp_path / "crashed", **changes), print_fn=quiet)
-    resumed = run_ppo(None, ppo_overrides(tmp_path / "crashed", **changes), print_fn=quiet)
-    same = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}  # noqa: E731
-    assert [r["step"] for r in resumed] == [3, 4]
-    assert [same(r) for r in resumed] == [same(r) for r in full[2:]]
+    full, resumed = crashed_and_resumed(ppo_overrides, changes)
+    assert [r["step"] for r in resumed] == [3, 4] and resumed == full[2:]
     assert all(r["actor/pg_clipfrac"] > 0 for r in full)

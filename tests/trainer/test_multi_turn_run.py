@@ -82,10 +82,9 @@ def _tool_task(task_dir, path):
     return path
 
 
-@pytest.fixture
-def short_turns(monkeypatch):
-    """A random tiny model seldom writes an EOS: every turn here lasts at most 6 sampled tokens, then EOS."""
-    real_turns = hf_rollout_module._turn_generator
+def shortened(real_turns):
+    """Hugging Face's turn generator with every turn at most 6 sampled tokens, then EOS (a random tiny
+    model seldom writes one)."""
 
     def short(model, tokenizer, params, device, synced_gpus):
         generate = real_turns(model, tokenizer, params, device, synced_gpus)
@@ -96,7 +95,12 @@ def short_turns(monkeypatch):
             return [Turn((t.tokens if t.tokens[-1:] == [eos] else t.tokens + [eos])[:b]) for t, b in zip(said, budgets)]
         return turn
 
-    monkeypatch.setattr(hf_rollout_module, "_turn_generator", short)
+    return short
+
+
+@pytest.fixture
+def short_turns(monkeypatch):
+    monkeypatch.setattr(hf_rollout_module, "_turn_generator", shortened(hf_rollout_module._turn_generator))
 
 
 def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, task_dir, tmp_path, monkeypatch,
