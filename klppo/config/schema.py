@@ -29,6 +29,9 @@ class DataConfig:
     val_files: Optional[Union[str, list[str]]] = None
     # Column holding the chat messages of the prompt.
     prompt_key: str = "prompt"
+    # Column whose value picks each row's reward function (handed to it as data_source), as verl's
+    # reward managers read it; validation's metrics stay grouped by the data_source column.
+    reward_fn_key: str = "data_source"
     # Extra arguments to the chat template when it renders chat-message prompts (as verl passes
     # them), e.g. {enable_thinking: false} for Qwen3 or {reasoning_effort: medium} for gpt-oss.
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -50,7 +50,6 @@ RULES: tuple[tuple, ...] = (
      "algorithm.rollout_correction.loss_type=reinforce with bypass_mode=true", REFUSE),
     (("distillation.enabled",), "on-policy distillation is not implemented in klppo", REFUSE),
     (("*.qat.enable",), "quantisation-aware training is not implemented in klppo", REFUSE),
-    (("data.reward_fn_key",), "klppo picks the reward function by the data_source column", REFUSE),
     (("data.custom_cls.path",), "klppo reads verl's RLHFDataset columns only (no custom dataset class)", REFUSE),
     (("*.model.tokenizer_path",), "klppo loads the tokenizer saved next to the model (model.path)", REFUSE),
     # -- verl's bookkeeping --

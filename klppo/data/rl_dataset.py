@@ -62,6 +62,14 @@ class PromptRecord:
     rollout_log_probs: list[list[float]] | None = None
     # The file and row it came from ("x.parquet row 3"), for messages about it.
     where: str = ""
+    # The column data.reward_fn_key names, where that is not data_source: what picks the reward function
+    # (verl's reward managers read it; validation's metrics stay grouped by data_source).
+    reward_source: str | None = None
+
+    @property
+    def scored_as(self) -> str:
+        """The data source the reward function is called with."""
+        return self.data_source if self.reward_source is None else self.reward_source
 
 
 def check_truncation(truncation: str, key: str = "data.truncation", allowed: Sequence[str] = TRUNCATIONS) -> None:
@@ -142,10 +150,10 @@ def encode_prompts(tokenizer, prompts: Sequence[list[dict] | str], rows: Sequenc
     return ids
 
 
-def check_data_source(row: dict) -> str:
-    value = row.get("data_source")
+def check_data_source(row: dict, column: str = "data_source") -> str:
+    value = row.get(column)
     if not isinstance(value, str) or not value:
-        raise row_error(row, "data_source", f"expected a non-empty string, got {short_repr(value)}",
+        raise row_error(row, column, f"expected a non-empty string, got {short_repr(value)}",
                         "set it to the dataset name that picks the reward, e.g. 'openai/gsm8k'")
     return value
 
@@ -224,6 +232,7 @@ def load_rl_dataset(
     require_rollout_log_probs: behaviour.LogProbsNeed | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
     sample: RowSample = EVERY_ROW,
+    reward_fn_key: str = "data_source",
     log: Callable[[str], None] = print,
 ) -> list[PromptRecord]:
     """Read, validate and tokenise RL prompts; returns one ``PromptRecord`` per kept row.
@@ -236,11 +245,13 @@ def load_rl_dataset(
     ("left" keeps the end, "right" keeps the start) or rejected ("error").
     ``require_rollout_log_probs``: every row must carry its responses' behaviour log-probs, for this need.
     ``sample``: the rows read (``RowSample``: verl's ``data.train_max_samples``), drawn before any check.
+    ``reward_fn_key``: the column that picks each row's reward function (verl's ``data.reward_fn_key``).
     """
     check_truncation(truncation)
     if max_prompt_length <= 0:
         raise UserError(f"data.max_prompt_length is {max_prompt_length}; set it to a positive number of tokens")
-    required = ["data_source", prompt_key] + (["responses"] if require_responses else [])
+    own_key = reward_fn_key != "data_source"
+    required = ["data_source", prompt_key] + (["responses"] if require_responses else []) + ([reward_fn_key] if own_key else [])
     rows = read_parquet_rows(files, required, sample)
     checked = []
     for row in rows:
@@ -248,16 +259,17 @@ def load_rl_dataset(
         responses, scores = check_responses(row, require_responses)
         log_probs = behaviour.check_rollout_log_probs(row, responses, require_rollout_log_probs)
         checked.append((row, prompt, check_data_source(row), check_ground_truth(row),
-                        check_extra_info(row), responses, scores, log_probs))
+                        check_extra_info(row), responses, scores, log_probs,
+                        check_data_source(row, reward_fn_key) if own_key else None))
     behaviour.check_lengths([(c[0], c[5], c[7]) for c in checked], tokenizer)
     all_ids = encode_prompts(tokenizer, [c[1] for c in checked], rows, prompt_key, template_kwargs)
     kept = fit_prompts([c[0] for c in checked], all_ids, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
                        truncation=truncation, filter_overlong_prompts=filter_overlong_prompts, files=files, log=log)
     records = []
     for position, ids in kept:
-        row, prompt, source, truth, extra, responses, scores, log_probs = checked[position]
+        row, prompt, source, truth, extra, responses, scores, log_probs, reward_source = checked[position]
         records.append(PromptRecord(len(records), source, prompt, ids, truth, extra, responses, scores, log_probs,
-                                    where=row_place(row)))
+                                    where=row_place(row), reward_source=reward_source))
     return records
 
 

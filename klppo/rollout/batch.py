@@ -41,10 +41,12 @@ class RolloutBatch:
     response_ids: torch.Tensor  # (B, T) long, right-padded
     response_mask: torch.Tensor  # (B, T) bool
     group_index: torch.Tensor  # (B,) long: the prompt each response answers (GRPO/RLOO groups)
-    data_sources: list[str]  # (B,) picks the reward function
+    data_sources: list[str]  # (B,) the rows' data_source: validation's metrics are grouped by it
     ground_truths: list[Any]  # (B,)
     extra_infos: list[dict]  # (B,)
     recorded_scores: Optional[torch.Tensor] = None  # (B,) float: scores recorded in offline data
+    # (B,) what picks each row's reward function where data.reward_fn_key names another column; None = data_sources.
+    reward_sources: Optional[list[str]] = None
     # Multi-turn rollouts: (B, T) bool, every response token a forward reads (the policy's turns and the
     # tools' replies between them); None = response_mask (a single turn).
     response_attention_mask: Optional[torch.Tensor] = None
@@ -88,6 +90,11 @@ class RolloutBatch:
     def update_mask(self) -> torch.Tensor:
         """(B, T) bool: the tokens the losses count, ``loss_mask`` when rejection set one."""
         return self.response_mask if self.loss_mask is None else self.loss_mask
+
+    @property
+    def scored_as(self) -> list[str]:
+        """(B,) the data source each response's reward function is called with."""
+        return self.data_sources if self.reward_sources is None else self.reward_sources
 
     @property
     def response_attention(self) -> torch.Tensor:
@@ -194,6 +201,7 @@ def assemble_batch(
         response_mask=response_mask,
         group_index=torch.arange(len(records)).repeat_interleave(n),
         data_sources=repeat([r.data_source for r in records]),
+        reward_sources=repeat([r.scored_as for r in records]) if any(r.reward_source for r in records) else None,
         ground_truths=repeat([r.ground_truth for r in records]),
         extra_infos=repeat([r.extra_info for r in records]),
         recorded_scores=recorded_scores,

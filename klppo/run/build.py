@@ -180,7 +180,7 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable,
         train = with_ranking_rewards(ranked, ranking.method, scale=ranking.scale, center=ranking.center)
     else:
         train = load_rl_dataset(data.train_files, tokenizer, require_responses=offline,
-                                require_rollout_log_probs=needs_log_probs,
+                                require_rollout_log_probs=needs_log_probs, reward_fn_key=data.reward_fn_key,
                                 sample=RowSample.drawn(data.train_max_samples, data.shuffle, data.seed), **common)
     if offline:
         check_enough_responses(train, cfg.actor_rollout_ref.rollout.n)
@@ -188,14 +188,14 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable,
         check_interaction_rows(multi_turn.interactions, [r.extra_info for r in train], [r.where for r in train])
     rule_scored = not cfg.reward_model.enable  # else the reward model scores every response
     if rule_scored and not (offline and all(r.scores is not None for r in train)):  # recorded scores need none
-        check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in train], "data.train_files",
+        check_scorable(reward_fn, [(r.scored_as, r.ground_truth) for r in train], "data.train_files",
                        [r.where for r in train])
     val, val_ranked = load_val_datasets(cfg, tokenizer, common)
     if val is not None and multi_turn is not None and multi_turn.interactions:
         check_interaction_rows(multi_turn.interactions, [r.extra_info for r in val], [r.where for r in val])
     if val is not None and rule_scored:
         try:
-            check_scorable(reward_fn, [(r.data_source, r.ground_truth) for r in val], "data.val_files",
+            check_scorable(reward_fn, [(r.scored_as, r.ground_truth) for r in val], "data.val_files",
                            [r.where for r in val])
         except UserError as exc:
             if val_ranked is None:
@@ -216,7 +216,7 @@ def load_val_datasets(cfg: PPOConfig, tokenizer, common: dict):
     if not files:
         return None, None
     if not RANKING_COLUMNS & parquet_columns(files):
-        return load_rl_dataset(files, tokenizer, sample=sample, **common), None
+        return load_rl_dataset(files, tokenizer, sample=sample, reward_fn_key=cfg.data.reward_fn_key, **common), None
     ranked = load_ranked_dataset(files, tokenizer, sample=sample, **common)
     ranking = cfg.reward_model.ranking
     return with_ranking_rewards(ranked, ranking.method, scale=ranking.scale, center=ranking.center), ranked
