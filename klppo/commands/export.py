@@ -45,6 +45,7 @@ class SavedModel:
     key: str  # the config key of that folder
     lora_prefix: str  # the config section of its LoRA keys
     chat_template: str | None = None  # actor_rollout_ref.model.custom_chat_template
+    tokenizer_path: str | None = None  # actor_rollout_ref.model.tokenizer_path: the run's tokenizer, where not in path
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -75,9 +76,10 @@ def saved_model(folder: Path, config_path: Path, overrides: list[str], which: st
             if cfg.algorithm.adv_estimator != "gae":
                 raise UserError(f"--model critic: the run trained no critic (algorithm.adv_estimator = "
                                 f"'{cfg.algorithm.adv_estimator}'); export its actor")
-            return cfg, SavedModel("critic", "critic", cfg.critic.model.path, "critic.model.path", "critic.model")
+            return cfg, SavedModel("critic", "critic", cfg.critic.model.path, "critic.model.path", "critic.model",
+                                   tokenizer_path=arf.model.tokenizer_path)
         return cfg, SavedModel("actor", "causal_lm", arf.model.path, "actor_rollout_ref.model.path",
-                               "actor_rollout_ref.model", arf.model.custom_chat_template)
+                               "actor_rollout_ref.model", arf.model.custom_chat_template, arf.model.tokenizer_path)
     if which == "critic":
         raise UserError(f"--model critic: '{folder}' is a checkpoint of {kind} training, which has one model; "
                         "leave --model out")
@@ -122,7 +124,8 @@ def export_checkpoint(source: str, out: str, *, which: str = "actor", config: st
     print_fn(f"reading its weights at step {step} from {folder}")
     load_sharded(state, folder / WEIGHTS_DIR)
     load_model_training_state(model, state[model_info.name])
-    tokenizer = load_tokenizer(model_info.path, model_info.key, model_info.chat_template)
+    tokenizer = load_tokenizer(model_info.path, model_info.key, model_info.chat_template,
+                               tokenizer_path=model_info.tokenizer_path)
     written = export_model(model, tokenizer, out_dir, adapter_dir, env)
     print_fn(f"exported {model_info.name} of step {step} to {' and '.join(str(p) for p in written)}")
     return written

@@ -116,6 +116,9 @@ class ModelConfig(LoraKeys):
     # starting values, ref.lora_reference, so no second model is loaded.)
     # Local Hugging Face folder of the model (no hub downloads).
     path: str = ""
+    # A folder with the tokenizer, where it is not saved next to the model; None: model.path. Every
+    # model of the run reads the token ids it gives, and the exported actor carries it.
+    tokenizer_path: Optional[str] = None
     # A Jinja chat template that replaces the tokenizer's own for every chat prompt of the run (as
     # verl's); the exported actor's tokenizer carries it. None: the template saved with the tokenizer.
     custom_chat_template: Optional[str] = None

@@ -70,8 +70,7 @@ ALIASES: dict[str, str] = {
 
 # Keys that verl's older trees set to another key's value, which is what klppo does anyway.
 _SAME_AS = {
-    "actor_rollout_ref.model.tokenizer_path": "actor_rollout_ref.model.path",
-    "critic.model.tokenizer_path": "actor_rollout_ref.model.path",
+    "critic.model.tokenizer_path": ("actor_rollout_ref.model.tokenizer_path", "actor_rollout_ref.model.path"),
 }
 
 # verl's global micro-batch sizes (deprecated there too): verl divides them by the world size.
@@ -258,7 +257,7 @@ def _no_effect(split: _Split, key: str, value: Any) -> None:
     defaults = [] if default is NO_DEFAULT else [default] + _older()["other_defaults"].get(key, [])
     if any(split.is_default(key, value, d) for d in defaults):  # a value copied from any release's tree
         return
-    if key in _SAME_AS and split.is_default(key, value, "${" + _SAME_AS[key] + "}"):
+    if key in _SAME_AS and any(split.is_default(key, value, "${" + same + "}") for same in _SAME_AS[key]):
         return  # what klppo does anyway
     found = reason_for(key, {k: v for k, v in split.fields.items() if v != "section"})
     reason, refuse = found or ("a verl setting klppo does not use", False)

@@ -51,7 +51,8 @@ RULES: tuple[tuple, ...] = (
     (("distillation.enabled",), "on-policy distillation is not implemented in klppo", REFUSE),
     (("*.qat.enable",), "quantisation-aware training is not implemented in klppo", REFUSE),
     (("data.custom_cls.path",), "klppo reads verl's RLHFDataset columns only (no custom dataset class)", REFUSE),
-    (("*.model.tokenizer_path",), "klppo loads the tokenizer saved next to the model (model.path)", REFUSE),
+    (("*.model.tokenizer_path",), "every model of a klppo run reads the actor's token ids, from "
+     "actor_rollout_ref.model.tokenizer_path (or model.path)", REFUSE),
     # -- verl's bookkeeping --
     (("*._target_",), _TARGET),
     # -- profilers --

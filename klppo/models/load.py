@@ -169,17 +169,26 @@ def _model_config(folder: Path, key: str):
 
 
 def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path", chat_template: str | None = None,
-                   template_key: str = "actor_rollout_ref.model.custom_chat_template") -> PreTrainedTokenizerBase:
-    """The tokenizer saved with the model, left-padding, with a pad token (EOS if it had none).
+                   template_key: str = "actor_rollout_ref.model.custom_chat_template",
+                   tokenizer_path: str | None = None,
+                   tokenizer_key: str = "actor_rollout_ref.model.tokenizer_path") -> PreTrainedTokenizerBase:
+    """The tokenizer saved with the model (or in ``tokenizer_path``, set by ``tokenizer_key``), left-padding,
+    with a pad token (EOS if it had none); checked against the model's config either way.
 
     A tokenizer without a chat template (a base model's) is accepted: plain-text prompts need
     none, and the data readers refuse chat-message prompts without one, naming the row.
     ``chat_template`` (set by ``template_key``) replaces the saved template; a copy saved from
     this tokenizer carries it.
     """
-    folder = check_model_folder(path, key)
-    config = _model_config(folder, key)  # first: AutoTokenizer reads config.json too, and would blame the tokenizer
-    fix = "save the tokenizer next to the model (tokenizer.save_pretrained)"
+    config = _model_config(check_model_folder(path, key), key)  # first: AutoTokenizer reads config.json too
+    if tokenizer_path is not None:
+        key, path = tokenizer_key, tokenizer_path
+        if not Path(path).is_dir():
+            raise UserError(f"{key} = {path!r} is not a folder; point it at a folder a tokenizer was saved to "
+                            "(tokenizer.save_pretrained), or leave it null to read the one next to the model")
+    folder = Path(path)
+    fix = "save the tokenizer next to the model (tokenizer.save_pretrained)" if tokenizer_path is None else \
+        "save the tokenizer there (tokenizer.save_pretrained)"
     with reading(folder, f"{key}: the tokenizer in", fix):
         tokenizer = AutoTokenizer.from_pretrained(folder, **_SAFE)
     check_tokenizer_usable(tokenizer, config, folder, key)
@@ -353,9 +362,10 @@ def load_critic(
     return critic.to(device)
 
 
-def check_same_tokenizer(reference: PreTrainedTokenizerBase, path: str, key: str) -> None:
-    """A model scoring the actor's token ids must share the actor's vocabulary."""
-    if Path(path).resolve() == Path(reference.name_or_path).resolve():
+def check_same_tokenizer(reference: PreTrainedTokenizerBase, path: str, key: str, actor_path: str | None = None) -> None:
+    """A model scoring the actor's token ids must share the actor's vocabulary (the actor's own folder does,
+    wherever its tokenizer was read from)."""
+    if Path(path).resolve() in {Path(p).resolve() for p in (reference.name_or_path, actor_path) if p}:
         return
     other = load_tokenizer(path, key)
     if other.get_vocab() != reference.get_vocab():

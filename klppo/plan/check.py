@@ -56,7 +56,7 @@ def tokenizer_of(path: str, chat_template: str | None = None):
 def length_sample(cfg: PPOConfig) -> LengthSample:
     """Token lengths of a sample of data.train_files (``batches.sample_lengths``)."""
     model = cfg.actor_rollout_ref.model
-    return sample_lengths(cfg, tokenizer_of(model.path, model.custom_chat_template))
+    return sample_lengths(cfg, tokenizer_of(model.tokenizer_path or model.path, model.custom_chat_template))
 
 
 def lengths_of(sample: LengthSample) -> Lengths:

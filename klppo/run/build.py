@@ -278,7 +278,7 @@ def _load_reward_models(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharde
     paths.update({f"reward_model.model.extra_paths[{i}]": path for i, path in enumerate(cfg.reward_model.model.extra_paths)})
     models, rm_model = [], cfg.reward_model.model
     for key, path in paths.items():
-        check_same_tokenizer(tokenizer, path, key)
+        check_same_tokenizer(tokenizer, path, key, cfg.actor_rollout_ref.model.path)
         check_trained_score_head(path, key)
         model = load_model("reward_model", path, key=key, env=env, sharder=sharder, fsdp=rm_model.fsdp_config,
                            packed=rm_model.use_remove_padding, attention=attention)
@@ -292,7 +292,7 @@ def _load_gold_reward_model(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sh
     path, key, rm_model = cfg.trainer.gold_reward.model_path, "trainer.gold_reward.model_path", cfg.reward_model.model
     if not path:
         return None
-    check_same_tokenizer(tokenizer, path, key)
+    check_same_tokenizer(tokenizer, path, key, cfg.actor_rollout_ref.model.path)
     check_trained_score_head(path, key)
     model = load_model("reward_model", path, key=key, env=env, sharder=sharder, fsdp=rm_model.fsdp_config,
                        packed=rm_model.use_remove_padding, attention=attention)
@@ -301,7 +301,7 @@ def _load_gold_reward_model(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sh
 
 def _load_critic(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder, attention: str) -> torch.nn.Module:
     critic_cfg = cfg.critic.model
-    check_same_tokenizer(tokenizer, critic_cfg.path, "critic.model.path")
+    check_same_tokenizer(tokenizer, critic_cfg.path, "critic.model.path", cfg.actor_rollout_ref.model.path)
     return load_model("critic", critic_cfg.path, key="critic.model.path", env=env, sharder=sharder,
                       fsdp=critic_cfg.fsdp_config, seed=cfg.data.seed, lora=lora_spec(critic_cfg, "critic.model"),
                       gradient_checkpointing=critic_cfg.enable_gradient_checkpointing,
@@ -327,7 +327,8 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     gold = cfg.trainer.gold_reward  # its file is checked here too, before any model loads
     gold_fn = make_reward_fn(gold.path, gold.name, "trainer.gold_reward", gold.reward_kwargs) if gold.path else None
     actor_model = cfg.actor_rollout_ref.model
-    tokenizer = load_tokenizer(actor_model.path, chat_template=actor_model.custom_chat_template)
+    tokenizer = load_tokenizer(actor_model.path, chat_template=actor_model.custom_chat_template,
+                               tokenizer_path=actor_model.tokenizer_path)
     multi_turn = build_multi_turn(cfg)  # its tools' file is read here, before any model loads
     train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log, multi_turn)
     batches = prompt_batches(cfg, len(train))
