@@ -34,6 +34,7 @@ from klppo.rollout.tools import (
     NO_TOOLS, Tools, finish_interactions, interaction_turns, parse_hermes_tool_calls, run_tool_calls, start_interactions,
 )
 
+
 class Turn(NamedTuple):
     """What the policy said in one turn: its tokens (ending at its first EOS or at its budget) and, where
     the sampler reports them, the log-prob it drew each with."""
@@ -144,10 +145,11 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
             if settings.interactions:
                 row.messages.append({"role": "assistant",
                                      "content": tokenizer.decode(turn.tokens, skip_special_tokens=True)})
-            calls = [] if _ends_here(row, settings, response_length) else _calls(turn.tokens, tokenizer, settings)
+            ends = _ends_here(row, settings, response_length)
+            calls = [] if ends else _calls(turn.tokens, tokenizer, settings)
             if calls:
                 calling.append((row, calls))
-            elif row.interaction is not None and not _ends_here(row, settings, response_length):
+            elif row.interaction is not None and not ends:
                 users.append(row)
             else:
                 row.done = True
