@@ -65,6 +65,8 @@ class PromptRecord:
     # The column data.reward_fn_key names, where that is not data_source: what picks the reward function
     # (verl's reward managers read it; validation's metrics stay grouped by data_source).
     reward_source: str | None = None
+    # verl's agent_name column: which agent loop the row runs (tool_agent, single_turn_agent), or None.
+    agent_name: str | None = None
 
     @property
     def scored_as(self) -> str:
@@ -155,6 +157,21 @@ def check_data_source(row: dict, column: str = "data_source") -> str:
     if not isinstance(value, str) or not value:
         raise row_error(row, column, f"expected a non-empty string, got {short_repr(value)}",
                         "set it to the dataset name that picks the reward, e.g. 'openai/gsm8k'")
+    return value
+
+
+AGENT_LOOPS = ("tool_agent", "single_turn_agent")  # verl's agent loops that klppo runs (rollout.multi_turn)
+
+
+def check_agent_name(row: dict) -> str | None:
+    """verl's ``agent_name`` column: one of ``AGENT_LOOPS``, or None where the row (or file) has none."""
+    value = row.get("agent_name")
+    if value is None:
+        return None
+    if value not in AGENT_LOOPS:
+        raise row_error(row, "agent_name", f"names agent loop {short_repr(value)}", "klppo runs verl's "
+                        f"{' and '.join(AGENT_LOOPS)} loops (actor_rollout_ref.rollout.multi_turn); use one of them, "
+                        "or drop the column")
     return value
 
 
@@ -260,16 +277,16 @@ def load_rl_dataset(
         log_probs = behaviour.check_rollout_log_probs(row, responses, require_rollout_log_probs)
         checked.append((row, prompt, check_data_source(row), check_ground_truth(row),
                         check_extra_info(row), responses, scores, log_probs,
-                        check_data_source(row, reward_fn_key) if own_key else None))
+                        check_data_source(row, reward_fn_key) if own_key else None, check_agent_name(row)))
     behaviour.check_lengths([(c[0], c[5], c[7]) for c in checked], tokenizer)
     all_ids = encode_prompts(tokenizer, [c[1] for c in checked], rows, prompt_key, template_kwargs)
     kept = fit_prompts([c[0] for c in checked], all_ids, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
                        truncation=truncation, filter_overlong_prompts=filter_overlong_prompts, files=files, log=log)
     records = []
     for position, ids in kept:
-        row, prompt, source, truth, extra, responses, scores, log_probs, reward_source = checked[position]
+        row, prompt, source, truth, extra, responses, scores, log_probs, reward_source, agent = checked[position]
         records.append(PromptRecord(len(records), source, prompt, ids, truth, extra, responses, scores, log_probs,
-                                    where=row_place(row), reward_source=reward_source))
+                                    where=row_place(row), reward_source=reward_source, agent_name=agent))
     return records
 
 

@@ -31,7 +31,8 @@ from klppo.data.rl_dataset import PromptRecord
 from klppo.errors import UserError
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.tools import (
-    NO_TOOLS, Tools, finish_interactions, interaction_turns, parse_hermes_tool_calls, run_tool_calls, start_interactions,
+    NO_TOOLS, Tools, check_interaction_rows, finish_interactions, interaction_turns, parse_hermes_tool_calls,
+    run_tool_calls, start_interactions,
 )
 
 
@@ -77,6 +78,7 @@ class _Conversation:
     assistant_turns: int = 0
     user_turns: int = 0
     done: bool = False
+    single_turn: bool = False  # verl's single_turn_agent: nothing answers its turn
 
     @property
     def context(self) -> list[int]:
@@ -85,6 +87,23 @@ class _Conversation:
     @property
     def num_turns(self) -> int:
         return self.assistant_turns + self.user_turns + 1  # verl counts the prompt as a turn
+
+
+def check_conversation_rows(settings: Optional[MultiTurn], records: list[PromptRecord]) -> None:
+    """The rows' agent loops (verl's ``agent_name`` column) and interactions are ones this run has, checked
+    when the data is read: verl runs a ``tool_agent`` row as a conversation whatever ``multi_turn.enable``
+    says, so such rows without it would train on other responses than verl's; every conversation of a
+    run with interactions names one of them."""
+    if settings is None:
+        tool_rows = [r for r in records if r.agent_name == "tool_agent"]
+        if tool_rows:
+            raise UserError(f"{tool_rows[0].where}: agent_name is 'tool_agent' (verl's tool agent loop, a conversation) "
+                            f"but actor_rollout_ref.rollout.multi_turn.enable is false; set it to true (with "
+                            "multi_turn.tool_config_path), or drop the agent_name column for one-turn responses")
+        return
+    if settings.interactions:
+        talking = [r for r in records if r.agent_name != "single_turn_agent"]
+        check_interaction_rows(settings.interactions, [r.extra_info for r in talking], [r.where for r in talking])
 
 
 def system_prefix_length(tokenizer, template_kwargs: dict) -> int:
@@ -122,14 +141,15 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
     sharded model together (``synced_gpus``) must all call ``generate_turn`` as often, so theirs
     says whether any rank has a row left, and a rank without one decodes a stand-in row.
     """
-    rows = [_Conversation(list(r.prompt_ids), (r.extra_info or {}).get("tools_kwargs") or {}, _messages(r))
-            for r in records for _ in range(n)]
+    rows = [_Conversation(list(r.prompt_ids), (r.extra_info or {}).get("tools_kwargs") or {}, _messages(r),
+                          single_turn=r.agent_name == "single_turn_agent") for r in records for _ in range(n)]
     answered = bool(settings.tools or settings.interactions)
     prefix = system_prefix_length(tokenizer, settings.template_kwargs) if answered else 0
-    if settings.interactions:
-        started = start_interactions(settings.interactions, [(r.extra_info or {}).get("interaction_kwargs")
-                                                             for r in records for _ in range(n)])
-        for row, interaction in zip(rows, started):
+    talking = [row for row in rows if not row.single_turn]
+    if settings.interactions and talking:
+        kwargs = [(r.extra_info or {}).get("interaction_kwargs") for r in records for _ in range(n)]
+        started = start_interactions(settings.interactions, [k for k, row in zip(kwargs, rows) if not row.single_turn])
+        for row, interaction in zip(talking, started):
             row.interaction = interaction
     while keep_going(any(not row.done for row in rows)):
         active = [i for i, row in enumerate(rows) if not row.done]
@@ -158,7 +178,7 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
         if users:
             _append_user_turns(users, tokenizer, settings, prefix, response_length)
     if settings.interactions:
-        finish_interactions([row.interaction for row in rows])
+        finish_interactions([row.interaction for row in talking])
     return _as_batch(records, n, rows, tokenizer.pad_token_id)
 
 
@@ -169,7 +189,7 @@ def _messages(record: PromptRecord) -> list[dict]:
 
 def _ends_here(row: _Conversation, settings: MultiTurn, response_length: int) -> bool:
     """Whether the conversation ends with the turn the policy just took, whatever it said (verl's checks)."""
-    return (len(row.tokens) >= response_length
+    return (row.single_turn or len(row.tokens) >= response_length
             or bool(settings.max_assistant_turns) and row.assistant_turns >= settings.max_assistant_turns
             or bool(settings.max_user_turns) and row.user_turns >= settings.max_user_turns)
 

@@ -289,7 +289,7 @@ def load_interactions(path: str | Path) -> dict[str, Any]:
 
 def check_interaction_rows(interactions: dict[str, Any], extra_infos: list[dict], places: list[str]) -> None:
     """Every row names one of ``interactions`` in ``extra_info.interaction_kwargs.name`` (verl refuses a row
-    that does not), checked when the data is read."""
+    that does not)."""
     for extra, place in zip(extra_infos, places):
         kwargs = (extra or {}).get("interaction_kwargs")
         name = kwargs.get("name") if isinstance(kwargs, dict) else None

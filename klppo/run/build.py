@@ -34,8 +34,8 @@ from klppo.plan.model_shape import GOLD_ROLE
 from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.hf import StaticCaches
-from klppo.rollout.multi_turn import MultiTurn
-from klppo.rollout.tools import NO_TOOLS, check_interaction_rows, load_interactions, load_tools
+from klppo.rollout.multi_turn import MultiTurn, check_conversation_rows
+from klppo.rollout.tools import NO_TOOLS, load_interactions, load_tools
 from klppo.rollout.vllm import VLLMEngine, require_vllm
 from klppo.run.offload import Offloader
 from klppo.run.settings import KLSettings, PPOSettings, compile_ppo, compute_dtype, uses_critic, uses_reference
@@ -184,15 +184,14 @@ def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable,
                                 sample=RowSample.drawn(data.train_max_samples, data.shuffle, data.seed), **common)
     if offline:
         check_enough_responses(train, cfg.actor_rollout_ref.rollout.n)
-    if multi_turn is not None and multi_turn.interactions:
-        check_interaction_rows(multi_turn.interactions, [r.extra_info for r in train], [r.where for r in train])
+    check_conversation_rows(multi_turn, train)
     rule_scored = not cfg.reward_model.enable  # else the reward model scores every response
     if rule_scored and not (offline and all(r.scores is not None for r in train)):  # recorded scores need none
         check_scorable(reward_fn, [(r.scored_as, r.ground_truth) for r in train], "data.train_files",
                        [r.where for r in train])
     val, val_ranked = load_val_datasets(cfg, tokenizer, common)
-    if val is not None and multi_turn is not None and multi_turn.interactions:
-        check_interaction_rows(multi_turn.interactions, [r.extra_info for r in val], [r.where for r in val])
+    if val is not None:
+        check_conversation_rows(multi_turn, val)
     if val is not None and rule_scored:
         try:
             check_scorable(reward_fn, [(r.scored_as, r.ground_truth) for r in val], "data.val_files",

@@ -342,3 +342,31 @@ def test_a_template_that_cannot_render_a_reply_alone_says_so(tokenizer):
                             "user') }}{% endif %}" + strict.chat_template)
     with pytest.raises(UserError, match="cannot render the tool message that answers a turn on its own"):
         reply_tokens(strict, ["42"], 0, {})
+
+
+def test_verls_agent_name_column_picks_each_rows_loop(tokenizer, tools, interactions, tmp_path):
+    """A single_turn_agent row gets no answer, whatever it says; a tool_agent row needs multi_turn.enable (verl
+    runs it as a conversation either way); other loops are refused when the file is read."""
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from klppo.data.rl_dataset import load_rl_dataset
+    from klppo.rollout.multi_turn import check_conversation_rows
+
+    talk, alone = record(tokenizer, 0), dataclasses.replace(record(tokenizer, 1), agent_name="single_turn_agent",
+                                                           extra_info={})
+    policy = ScriptedPolicy(tokenizer, [call("71"), "#### 72"])
+    batch = multi_turn_rollout([talk, alone], 1, tokenizer, policy, MultiTurn(tools, interactions=interactions),
+                               response_length=300)
+    # the conversation: a call, the tool's reply, "#### 72", the user's "correct" (2 + 2 + the prompt)
+    assert batch.num_turns.tolist() == [5, 2] and [len(rows) for rows, _ in policy.seen] == [2, 1]
+    check_conversation_rows(MultiTurn(tools, interactions=interactions), [talk, alone])  # alone needs no interaction
+    with pytest.raises(UserError, match="x.parquet row 0: agent_name is 'tool_agent' .*multi_turn.enable is false"):
+        check_conversation_rows(None, [dataclasses.replace(talk, agent_name="tool_agent", where="x.parquet row 0")])
+
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "hi"}], "agent_name": "react_agent"}
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "agents.parquet")
+    with pytest.raises(UserError, match="agent_name.*names agent loop 'react_agent'.*tool_agent and single_turn_agent"):
+        load_rl_dataset(tmp_path / "agents.parquet", tokenizer, max_prompt_length=64, log=lambda *a: None)
