@@ -15,12 +15,11 @@ import importlib
 import importlib.util
 from typing import Optional
 
-import torch
-
 TORCH_OPTIM = "torch.optim"
 # torch.optim's classes that an optimiser step of klppo's cannot drive.
-NEEDS_CLOSURE = {"LBFGS": "it re-evaluates the loss through a closure at every step",
-                 "SparseAdam": "it takes sparse gradients only"}
+NEEDS_CLOSURE = {"LBFGS": "it re-evaluates the loss through a closure at every step, which a PPO step does not",
+                 "SparseAdam": "it takes sparse gradients only, and a model's are dense",
+                 "Muon": "it takes matrices only, and every model trains vectors too (biases, norm weights)"}
 # fp32 floats of state per trainable parameter, by torch.optim's class name (its defaults): what klppo plan counts.
 _STATE_FLOATS = {"AdamW": 2, "Adam": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Rprop": 2,
                  "Adagrad": 1, "ASGD": 1, "RMSprop": 1, "SGD": 0, "Adafactor": 0}
@@ -41,6 +40,8 @@ class OptimizerNotFound(ValueError):
 
 def optimizer_class(impl: str, name: str) -> type:
     """The class ``name`` of module ``impl``; ``OptimizerNotFound`` saying what is wrong and what there is instead."""
+    import torch  # here: the config layer loads without torch (validate-config on a machine without it)
+
     try:
         module = importlib.import_module(impl)
     except ImportError as error:
@@ -53,13 +54,16 @@ def optimizer_class(impl: str, name: str) -> type:
         raise OptimizerNotFound("optimizer", f"optimizer = {name!r} is not an optimiser class of {impl}; it has "
                                 f"{', '.join(names) or 'none'}")
     if impl == TORCH_OPTIM and name in NEEDS_CLOSURE:
-        raise OptimizerNotFound("optimizer", f"optimizer = {name!r}: {NEEDS_CLOSURE[name]}, which a PPO step does "
-                                "not do; use AdamW, Adam or SGD")
+        raise OptimizerNotFound("optimizer", f"optimizer = {name!r} cannot train here: {NEEDS_CLOSURE[name]}; use "
+                                "AdamW, Adam or SGD")
     return cls
 
 
 def optimizer_problem(impl: str, name: str) -> Optional[tuple[str, str]]:
-    """(the key, what is wrong) with an ``optim`` section's optimiser, or None."""
+    """(the key, what is wrong) with an ``optim`` section's optimiser, or None. torch.optim's own classes are
+    known by name, so validating a config imports no torch."""
+    if impl == TORCH_OPTIM and name in _STATE_FLOATS:
+        return None
     if impl != TORCH_OPTIM and importlib.util.find_spec(impl.split(".")[0]) is None:
         return "optimizer_impl", (f"optimizer_impl = {impl!r} is not installed; install it (pip install "
                                   f"{impl.split('.')[0]}) or use {TORCH_OPTIM}")

@@ -46,7 +46,8 @@ def test_an_optimiser_of_your_own_module_is_imported(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (["optim.optimizer=LBFGS"], "optim.optimizer = 'LBFGS': it re-evaluates the loss through a closure"),
+    (["optim.optimizer=LBFGS"], "optim.optimizer = 'LBFGS' cannot train here: it re-evaluates the loss through a"),
+    (["optim.optimizer=Muon"], "optim.optimizer = 'Muon' cannot train here: it takes matrices only"),
     (["optim.optimizer=AdamW8"], "optim.optimizer = 'AdamW8' is not an optimiser class of torch.optim; it has "),
     (["optim.optimizer_impl=no_such_optimizers"], "optim.optimizer_impl = 'no_such_optimizers' is not installed"),
     (["optim.override_optimizer_config=5"], "optim.override_optimizer_config: expected a mapping of names to values"),
