@@ -17,7 +17,7 @@ from typing import Optional
 
 TORCH_OPTIM = "torch.optim"
 # torch.optim's classes that an optimiser step of klppo's cannot drive.
-NEEDS_CLOSURE = {"LBFGS": "it re-evaluates the loss through a closure at every step, which a PPO step does not",
+CANNOT_TRAIN = {"LBFGS": "it re-evaluates the loss through a closure at every step, which a PPO step does not",
                  "SparseAdam": "it takes sparse gradients only, and a model's are dense",
                  "Muon": "it takes matrices only, and every model trains vectors too (biases, norm weights)"}
 # fp32 floats of state per trainable parameter, by torch.optim's class name (its defaults): what klppo plan counts.
@@ -53,8 +53,8 @@ def optimizer_class(impl: str, name: str) -> type:
                        if isinstance(v, type) and issubclass(v, torch.optim.Optimizer) and v is not torch.optim.Optimizer)
         raise OptimizerNotFound("optimizer", f"optimizer = {name!r} is not an optimiser class of {impl}; it has "
                                 f"{', '.join(names) or 'none'}")
-    if impl == TORCH_OPTIM and name in NEEDS_CLOSURE:
-        raise OptimizerNotFound("optimizer", f"optimizer = {name!r} cannot train here: {NEEDS_CLOSURE[name]}; use "
+    if impl == TORCH_OPTIM and name in CANNOT_TRAIN:
+        raise OptimizerNotFound("optimizer", f"optimizer = {name!r} cannot train here: {CANNOT_TRAIN[name]}; use "
                                 "AdamW, Adam or SGD")
     return cls
 
