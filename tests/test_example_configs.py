@@ -10,11 +10,12 @@ import yaml
 from klppo.config import load_ppo_config, load_sft_config
 
 
-def _is_config(path: Path) -> bool:
+def is_example_config(path: Path) -> bool:
+    """Whether a YAML file of examples/ is a run's config (not a multi-turn tool or interaction file)."""
     return not {"tools", "interaction"} & set(yaml.safe_load(path.read_text()) or {})
 
 
-EXAMPLES = sorted(p for p in (Path(__file__).parent.parent / "examples").rglob("*.yaml") if _is_config(p))
+EXAMPLES = sorted(p for p in (Path(__file__).parent.parent / "examples").rglob("*.yaml") if is_example_config(p))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(p.parents[1])))

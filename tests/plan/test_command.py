@@ -18,10 +18,11 @@ from klppo.data.arithmetic import write_arithmetic_offline_parquet, write_arithm
 from klppo.errors import UserError
 from klppo.plan.inputs import lora_parameters
 from klppo.plan.model_shape import read_model_shape
+from tests.test_example_configs import is_example_config
 from klppo.commands.main_ppo import run_ppo
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = [p for p in sorted((ROOT / "examples").rglob("*.yaml")) if "sft" not in p.stem]
+EXAMPLES = [p for p in sorted((ROOT / "examples").rglob("*.yaml")) if "sft" not in p.stem and is_example_config(p)]
 QWEN05 = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
               num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, model_type="qwen2",
               architectures=["Qwen2ForCausalLM"])
