@@ -9,6 +9,7 @@ GSM8K is not downloaded here: pass the folder holding its `train-*.parquet` and 
 import argparse
 import re
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,27 +24,33 @@ def final_answer(solution: str) -> str:
     return match.group(1).replace(",", "")
 
 
-def convert(src: Path, split: str) -> list[dict]:
+def questions(src: Path, split: str) -> Iterator[tuple[str, str]]:
+    """(question, solution) of every GSM8K row of ``split`` under ``src``."""
     files = sorted(src.glob(f"{split}-*.parquet"))
     if not files:
         raise SystemExit(f"no {split}-*.parquet under {src}")
-    rows = []
     for table in (pq.read_table(f) for f in files):
-        for question, answer in zip(table.column("question").to_pylist(), table.column("answer").to_pylist()):
-            rows.append({
-                "data_source": "openai/gsm8k",
-                "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": final_answer(answer)},
-                "extra_info": {"split": split, "index": len(rows), "answer": answer, "question": question},
-            })
+        yield from zip(table.column("question").to_pylist(), table.column("answer").to_pylist())
+
+
+def convert(src: Path, split: str) -> list[dict]:
+    rows = []
+    for question, answer in questions(src, split):
+        rows.append({
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": final_answer(answer)},
+            "extra_info": {"split": split, "index": len(rows), "answer": answer, "question": question},
+        })
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def write_splits(convert: Callable[[Path, str], list[dict]], description: str, default_out: str) -> None:
+    """The command line: ``convert`` each split of ``--src`` into ``--out``/{train,test}.parquet."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--src", type=Path, required=True, help="folder with GSM8K's train-*/test-* Parquet")
-    parser.add_argument("--out", type=Path, default=Path("data/gsm8k"))
+    parser.add_argument("--out", type=Path, default=Path(default_out))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "test"):
@@ -53,4 +60,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    write_splits(convert, __doc__.split("\n")[0], "data/gsm8k")
