@@ -1,0 +1,40 @@
+"""rollout.multi_turn's settings: what cannot work is an error naming the key, and tools or interactions
+that nothing reaches are a warning."""
+
+import pytest
+
+from klppo.config import load_ppo_config
+from klppo.errors import UserError
+
+BASE = ["data.train_files=t.parquet", "actor_rollout_ref.model.path=m"]
+MT = "actor_rollout_ref.rollout.multi_turn"
+
+
+@pytest.mark.parametrize("changes, message", [
+    (["actor_rollout_ref.rollout.name=offline"], f"{MT}.enable = true needs generated conversations, but "
+                                                 "actor_rollout_ref.rollout.name = 'offline'"),
+    (["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.hf_decoding=compiled"],
+     "actor_rollout_ref.rollout.hf_decoding = 'compiled' sizes one static cache per batch shape"),
+    (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.ignore_eos=true"],
+     "actor_rollout_ref.rollout.ignore_eos = true never ends a turn"),
+    (["actor_rollout_ref.rollout.name=hf", f"{MT}.max_assistant_turns=0"], f"{MT}.max_assistant_turns = 0 must be >= 1"),
+    (["actor_rollout_ref.rollout.name=hf", f"{MT}.max_parallel_calls=0"], f"{MT}.max_parallel_calls = 0 must be >= 1"),
+    (["actor_rollout_ref.rollout.name=hf", f"{MT}.format=gpt-oss"], f"{MT}.format = 'gpt-oss' is not one of 'hermes'"),
+    (["actor_rollout_ref.rollout.name=hf", f"{MT}.function_tool_path=tools.py"],
+     f"{MT}.function_tool_path = tools.py: klppo builds tools from verl's tool config YAML only"),
+])
+def test_multi_turn_settings_that_cannot_work_are_errors_naming_the_key(changes, message):
+    with pytest.raises(UserError) as info:
+        load_ppo_config(None, [*BASE, f"{MT}.enable=true", *changes])
+    assert message in str(info.value)
+
+
+def test_a_run_where_nothing_answers_a_turn_says_so():
+    notes: list[str] = []
+    load_ppo_config(None, [*BASE, "actor_rollout_ref.rollout.name=hf", f"{MT}.enable=true"], notes=notes)
+    assert any("nothing answers a turn, so every response is one turn" in n for n in notes)
+    notes.clear()
+    cfg = load_ppo_config(None, [*BASE, "actor_rollout_ref.rollout.name=sglang", f"{MT}.tool_config_path=t.yaml"],
+                          notes=notes)
+    assert any(f"{MT}.tool_config_path has no effect while {MT}.enable = false" in n for n in notes)
+    assert cfg.actor_rollout_ref.rollout.name == "hf"  # sglang's conversations generate with hf
