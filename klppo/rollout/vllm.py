@@ -24,6 +24,7 @@ import functools
 import gc
 import hashlib
 import importlib.util
+import itertools
 import os
 import random
 import struct
@@ -387,7 +388,7 @@ class VLLMEngine:
     def _turns(self, params: SamplingParams, seeds: list[int], eos: tuple[int, ...]) -> TurnGenerator:
         """The engine's turns of conversations: row i's k-th turn from ``request_seed(seeds[i], k)``, cut after
         its first EOS, with the log-probs it was sampled with (``calculate_log_probs``)."""
-        calls = iter(range(sys.maxsize))
+        calls = itertools.count()
 
         def generate_turn(rows: list[int], contexts: list[list[int]], budgets: list[int]) -> list[Turn]:
             turn = next(calls)
