@@ -126,12 +126,6 @@ def answer_tokens(tokenizer, messages: Sequence[dict], prefix_length: int, templ
     return ids[prefix_length:]
 
 
-def reply_tokens(tokenizer, replies: Sequence[str], prefix_length: int, template_kwargs: dict) -> list[int]:
-    """A turn's tool replies as ``tool`` messages (``answer_tokens``)."""
-    return answer_tokens(tokenizer, [{"role": "tool", "content": text} for text in replies], prefix_length,
-                         template_kwargs)
-
-
 def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_turn: TurnGenerator,
                        settings: MultiTurn, response_length: int,
                        keep_going: Callable[[bool], bool] = lambda active: active) -> RolloutBatch:

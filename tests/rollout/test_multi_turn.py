@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from klppo.data.rl_dataset import PromptRecord
 from klppo.errors import UserError
-from klppo.rollout.multi_turn import MultiTurn, Turn, multi_turn_rollout, reply_tokens, system_prefix_length
+from klppo.rollout.multi_turn import MultiTurn, Turn, answer_tokens, multi_turn_rollout, system_prefix_length
 from klppo.rollout.tools import (
     Gsm8kTool, ToolCall, check_interaction_rows, load_interactions, load_tools, parse_hermes_tool_calls, truncate_tool_text,
 )
@@ -43,6 +43,11 @@ GSM8K_INTERACTION_CONFIG = textwrap.dedent("""\
         class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
         config: {}
     """)
+
+
+def reply_tokens(tokenizer, replies: list[str], prefix_length: int) -> list[int]:
+    """Tool replies as the loop renders them (``answer_tokens`` of ``tool`` messages)."""
+    return answer_tokens(tokenizer, [{"role": "tool", "content": text} for text in replies], prefix_length, {})
 
 
 def call(answer: str, name: str = "calc_gsm8k_reward") -> str:
@@ -95,7 +100,7 @@ def test_a_tool_call_gets_the_tools_reply_and_the_policy_trains_on_its_own_turns
     batch = multi_turn_rollout([record(tokenizer)], 1, tokenizer, policy, settings, response_length=200)
 
     first = tokenizer.encode(f"Let me check. {call('72')}") + [tokenizer.eos_token_id]
-    reply = reply_tokens(tokenizer, ["Current parsed answer='72' reward=1.0"], 0, {})
+    reply = reply_tokens(tokenizer, ["Current parsed answer='72' reward=1.0"], 0)
     second = tokenizer.encode("#### 72") + [tokenizer.eos_token_id]
     tokens = batch.response_ids[0][batch.response_attention[0]].tolist()
     assert tokens == first + reply + second
@@ -221,7 +226,7 @@ def test_a_reply_does_not_repeat_the_templates_system_prompt(tokenizer):
     tokenizer.chat_template = "{{ '<|im_start|>system\nbe kind<|im_end|>\n' }}" + tokenizer.chat_template
     prefix = system_prefix_length(tokenizer, {})
     assert prefix == len(tokenizer.encode("<|im_start|>system\nbe kind<|im_end|>\n"))
-    reply = reply_tokens(tokenizer, ["42"], prefix, {})
+    reply = reply_tokens(tokenizer, ["42"], prefix)
     assert tokenizer.decode(reply) == "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -341,7 +346,7 @@ def test_a_template_that_cannot_render_a_reply_alone_says_so(tokenizer):
     strict.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('conversations start with the "
                             "user') }}{% endif %}" + strict.chat_template)
     with pytest.raises(UserError, match="cannot render the tool message that answers a turn on its own"):
-        reply_tokens(strict, ["42"], 0, {})
+        reply_tokens(strict, ["42"], 0)
 
 
 def test_verls_agent_name_column_picks_each_rows_loop(tokenizer, tools, interactions, tmp_path):
