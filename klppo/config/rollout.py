@@ -57,7 +57,8 @@ class MultiTurnConfig:
     # may end the conversation. verl.interactions.gsm8k_interaction.Gsm8kInteraction is built in.
     interaction_config_path: Optional[str] = None
     # How tool calls are written: hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>).
-    format: Literal["hermes"] = "hermes"
+    # qwen, which verl's SGLang configs name, is the same layout (SGLang's Qwen 2.5 parser).
+    format: Literal["hermes", "qwen"] = "hermes"
 
 
 @dataclass

@@ -19,7 +19,7 @@ MT = "actor_rollout_ref.rollout.multi_turn"
      "actor_rollout_ref.rollout.ignore_eos = true never ends a turn"),
     (["actor_rollout_ref.rollout.name=hf", f"{MT}.max_assistant_turns=0"], f"{MT}.max_assistant_turns = 0 must be >= 1"),
     (["actor_rollout_ref.rollout.name=hf", f"{MT}.max_parallel_calls=0"], f"{MT}.max_parallel_calls = 0 must be >= 1"),
-    (["actor_rollout_ref.rollout.name=hf", f"{MT}.format=gpt-oss"], f"{MT}.format = 'gpt-oss' is not one of 'hermes'"),
+    (["actor_rollout_ref.rollout.name=hf", f"{MT}.format=gpt-oss"], f"{MT}.format = 'gpt-oss' is not one of 'hermes', 'qwen'"),
     (["actor_rollout_ref.rollout.name=hf", f"{MT}.function_tool_path=tools.py"],
      f"{MT}.function_tool_path = tools.py: klppo builds tools from verl's tool config YAML only"),
 ])
@@ -38,3 +38,9 @@ def test_a_run_where_nothing_answers_a_turn_says_so():
                           notes=notes)
     assert any(f"{MT}.tool_config_path has no effect while {MT}.enable = false" in n for n in notes)
     assert cfg.actor_rollout_ref.rollout.name == "hf"  # sglang's conversations generate with hf
+
+
+def test_qwen_format_of_verls_sglang_configs_reads_hermes_tool_calls():
+    """verl's SGLang configs name format qwen: SGLang's Qwen 2.5 parser reads the Hermes layout."""
+    cfg = load_ppo_config(None, [*BASE, "actor_rollout_ref.rollout.name=sglang", f"{MT}.enable=true", f"{MT}.format=qwen"])
+    assert cfg.actor_rollout_ref.rollout.multi_turn.format == "qwen"
