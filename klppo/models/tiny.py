@@ -21,8 +21,11 @@ from klppo.models.rng import seeded
 
 PAD, EOS, IM_START = "<|pad|>", "<|im_end|>", "<|im_start|>"
 
-# ChatML, as Qwen2 instruct models write it; `add_generation_prompt` opens the assistant turn.
+# ChatML, as Qwen2 instruct models write it; `add_generation_prompt` opens the assistant turn. Tools
+# are shown as Qwen shows them: their schemas, one JSON per line, in a system turn before the messages.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson + '\n' }}{% endfor %}{{ '</tools><|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"

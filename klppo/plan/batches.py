@@ -24,6 +24,7 @@ from klppo.data.parquet import parquet_num_rows, read_parquet_sample
 from klppo.data.ranked import check_pair
 from klppo.data.rl_dataset import check_prompt, check_responses, encode_prompts, tokenize_responses
 from klppo.data.sampler import PromptBatches, run_length
+from klppo.data.tool_config import read_tool_config
 from klppo.errors import UserError
 
 SAMPLED_BATCHES = 64  # batches of the length sample a token-budget estimate looks at, at most
@@ -229,7 +230,7 @@ def sample_lengths(cfg: PPOConfig, tokenizer, rows: int = 256) -> LengthSample:
     columns = [data.prompt_key] + (["responses", "chosen", "rejected"] if offline else [])
     sample = read_parquet_sample(data.train_files, columns, rows)
     ids = encode_prompts(tokenizer, [check_prompt(row, data.prompt_key) for row in sample], sample, data.prompt_key,
-                         data.apply_chat_template_kwargs)
+                         prompt_template_kwargs(cfg))
     prompt_tokens, response_tokens = [], []
     for row, prompt in zip(sample, ids):
         if data.filter_overlong_prompts and len(prompt) > data.max_prompt_length:
@@ -245,6 +246,15 @@ def sample_lengths(cfg: PPOConfig, tokenizer, rows: int = 256) -> LengthSample:
                  "generation stops at (so tokens and token-budget micro-batches are upper bounds)")
     note = f"prompts: {kept} sampled from data.train_files, tokenised; {responses}"
     return LengthSample(tuple(prompt_tokens), tuple(response_tokens), num_prompts, note, bounds=False)
+
+
+def prompt_template_kwargs(cfg: PPOConfig) -> dict:
+    """What the chat template renders a prompt with: data.apply_chat_template_kwargs, and the multi-turn
+    tools' schemas, which the trainer shows the model in every prompt (read, never built)."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    if not (multi_turn.enable and multi_turn.tool_config_path):
+        return dict(cfg.data.apply_chat_template_kwargs)
+    return {**cfg.data.apply_chat_template_kwargs, "tools": [t.schema for t in read_tool_config(multi_turn.tool_config_path)]}
 
 
 def _recorded_response_tokens(row: dict, tokenizer, n: int, limit: int) -> list[int]:

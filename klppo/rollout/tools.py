@@ -15,7 +15,7 @@ user's own code, as ``custom_reward_function.path`` is) and used as verl uses it
 Each method may be a coroutine (verl's tools are ``async``): a turn runs every row's calls
 concurrently. ``response`` is text, or anything with a ``text`` attribute (verl's ToolResponse).
 
-The model asks for a tool in Hermes' format (``multi_turn.format: hermes``, Qwen's)::
+The model asks for a tool in Hermes' format (``multi_turn.format: hermes``, or ``qwen``: the same layout)::
 
     <tool_call>
     {"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}
@@ -44,13 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
+from klppo.data.tool_config import INTERACTION_CONFIG_KEY, read_config_list, read_tool_config
 from klppo.errors import UserError
 from klppo.rewards import gsm8k
 
-TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
-INTERACTION_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -141,22 +138,9 @@ NO_TOOLS = Tools({}, [])
 def load_tools(path: str | Path) -> Tools:
     """The tools a verl tool config lists, each built once for the run (a ``UserError`` naming the
     entry for a file, class or schema that is not right)."""
-    entries = _read_list(path, TOOL_CONFIG_KEY, "tools", "tool config YAML (tools: [{class_name, config, tool_schema}])")
-    by_name, schemas = {}, []
-    for i, entry in enumerate(entries):
-        where = f"{path} tools[{i}]"
-        if not isinstance(entry, dict) or "class_name" not in entry:
-            raise UserError(f"{where}: each tool needs a class_name (e.g. verl.tools.gsm8k_tool.Gsm8kTool)")
-        schema = entry.get("tool_schema") or {}
-        name = (schema.get("function") or {}).get("name") if isinstance(schema, dict) else None
-        if not name:
-            raise UserError(f"{where}: tool_schema.function.name is missing; it is the name the model calls the "
-                            "tool by")
-        if name in by_name:
-            raise UserError(f"{where}: a second tool named {name!r}; give each tool its own function name")
-        by_name[name] = tool_class(entry["class_name"], where)(entry.get("config") or {}, schema)
-        schemas.append(schema)
-    return Tools(by_name, schemas)
+    entries = read_tool_config(path)
+    by_name = {e.name: tool_class(e.class_name, e.where)(e.config, e.schema) for e in entries}
+    return Tools(by_name, [e.schema for e in entries])
 
 
 def tool_class(class_name: str, where: str, built_in: dict | None = None) -> type:
@@ -171,19 +155,6 @@ def tool_class(class_name: str, where: str, built_in: dict | None = None) -> typ
         raise UserError(f"{where}: class_name {class_name!r} cannot be imported ({error}); klppo has "
                         f"{', '.join(sorted(built_in))} built in, and imports any other from the Python path (make "
                         "its module importable)") from None
-
-
-def _read_list(path: str | Path, key: str, section: str, example: str) -> list:
-    """The ``section`` list of the YAML file at ``path`` (the config key ``key``)."""
-    path = Path(path)
-    try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise UserError(f"{key} = {str(path)!r}: cannot read it ({error}); point it at verl's {example}") from None
-    entries = config.get(section) if isinstance(config, dict) else None
-    if not isinstance(entries, list):
-        raise UserError(f"{key} = {str(path)!r} has no '{section}' list; write {section}: [...] as verl's {example} does")
-    return entries
 
 
 def _run_all(coroutines: list) -> list:
@@ -270,8 +241,8 @@ BUILT_IN_INTERACTIONS = {"verl.interactions.gsm8k_interaction.Gsm8kInteraction":
 def load_interactions(path: str | Path) -> dict[str, Any]:
     """The interactions a verl interaction config lists, by name (its ``name``, else the class's name
     without "Interaction", lower-cased, as verl names it), each built once for the run."""
-    entries = _read_list(path, INTERACTION_CONFIG_KEY, "interaction",
-                         "interaction config YAML (interaction: [{name, class_name, config}])")
+    entries = read_config_list(path, INTERACTION_CONFIG_KEY, "interaction",
+                               "interaction config YAML (interaction: [{name, class_name, config}])")
     interactions = {}
     for i, entry in enumerate(entries):
         where = f"{path} interaction[{i}]"

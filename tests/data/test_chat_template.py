@@ -75,8 +75,8 @@ def test_a_template_that_refuses_a_value_names_the_row_and_the_kwargs(tok, write
 
 
 def test_the_names_a_template_reads_are_found_in_its_jinja_code(tok, thinking_tok):
-    assert template_variables(tok) == {"messages", "add_generation_prompt"}
-    assert template_variables(thinking_tok) == {"messages", "add_generation_prompt", "enable_thinking"}
+    assert template_variables(tok) == {"tools", "messages", "add_generation_prompt"}
+    assert template_variables(thinking_tok) == {"tools", "messages", "add_generation_prompt", "enable_thinking"}
     named = copy.deepcopy(tok)
     named.chat_template = {"default": CHAT_TEMPLATE, "tool_use": "{{ tools }}{{ builtin_tools }}"}
     assert {"tools", "builtin_tools", "messages"} <= template_variables(named)

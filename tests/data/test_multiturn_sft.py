@@ -60,7 +60,8 @@ def test_a_rows_enable_thinking_and_tools_and_the_runs_kwargs_reach_the_template
     off, with_tools, default = load(write_parquet(rows), switched)
     note = switched.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     assert off.input_ids == note + default.input_ids and off.loss_mask == [False] * 2 + default.loss_mask
-    assert switched.decode(with_tools.input_ids).startswith("2<|im_start|>user")  # the two tools' count
+    # The two tools' count, then the tiny template's own rendering of their schemas.
+    assert switched.decode(with_tools.input_ids).startswith('2<|im_start|>system\n# Tools\n<tools>\n{"name": "calc"}')
     (by_kwargs,) = load(write_parquet([{"messages": TWO_TURNS}], "k.parquet"), switched,
                         template_kwargs={"enable_thinking": False})
     assert by_kwargs.input_ids == off.input_ids

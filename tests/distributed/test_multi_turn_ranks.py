@@ -22,7 +22,8 @@ def test_two_ranks_train_the_same_conversations_with_either_generation_weights(p
 
     def run(name: str, weights: str) -> list[dict]:
         overrides = ppo_overrides(tmp_path / name, **{
-            "data.train_files": data, "actor_rollout_ref.rollout.name": "hf",
+            "data.train_files": data, "data.max_prompt_length": 384,  # with the tools' schemas
+            "actor_rollout_ref.rollout.name": "hf",
             "actor_rollout_ref.rollout.generation_weights": weights, "actor_rollout_ref.rollout.response_length": 128,
             "actor_rollout_ref.rollout.multi_turn.enable": "true",
             "actor_rollout_ref.rollout.multi_turn.tool_config_path": tools,

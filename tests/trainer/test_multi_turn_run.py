@@ -113,6 +113,7 @@ def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, ta
     data = _tool_task(task_dir, tmp_path / "train.parquet")
     records = run_ppo(None, ppo_overrides(**{
         "data.train_files": data, "data.val_files": data, "data.val_max_samples": 4,
+        "data.max_prompt_length": 384,  # the tools' schemas come first in every prompt (353 tokens here)
         "actor_rollout_ref.rollout.name": "sglang", "actor_rollout_ref.rollout.response_length": 128,
         "actor_rollout_ref.rollout.multi_turn.enable": "true",
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": tools,
