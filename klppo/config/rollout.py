@@ -56,9 +56,10 @@ class MultiTurnConfig:
     # no tool, the interaction a row's extra_info.interaction_kwargs.name picks answers as the user, and
     # may end the conversation. verl.interactions.gsm8k_interaction.Gsm8kInteraction is built in.
     interaction_config_path: Optional[str] = None
-    # How tool calls are written: hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>).
-    # qwen, which verl's SGLang configs name, is the same layout (SGLang's Qwen 2.5 parser).
-    format: Literal["hermes", "qwen"] = "hermes"
+    # How tool calls are written: hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>);
+    # qwen, which verl's SGLang configs name, is the same layout (SGLang's Qwen 2.5 parser); gpt-oss
+    # (OpenAI's harmony format: a commentary message to=functions.NAME, ended by <|call|>).
+    format: Literal["hermes", "qwen", "gpt-oss"] = "hermes"
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Multi-turn rollouts with tools and simulated users (``rollout.multi_turn``; verl's tool agent loop).
 
 Each response is a conversation: the policy speaks a turn (up to and including its EOS); where the
-turn calls tools (``tools.parse_hermes_tool_calls``), their replies are rendered as the chat
-template renders ``tool`` messages and appended, and the policy speaks again. Where it calls none
+turn calls tools (``tools.TOOL_CALL_PARSERS``), their replies are rendered as the chat template
+renders ``tool`` messages (gpt-oss: as verl writes them, ``tools.gpt_oss_replies``) and appended,
+and the policy speaks again. Where it calls none
 and the row has an interaction (``multi_turn.interaction_config_path``, the row's
 ``extra_info.interaction_kwargs.name``), the interaction answers as the user, and the policy speaks
 again unless the interaction ends the conversation. A response ends when a turn gets no answer, at
@@ -31,8 +32,8 @@ from klppo.data.rl_dataset import PromptRecord
 from klppo.errors import UserError
 from klppo.rollout.batch import RolloutBatch, assemble_batch, right_pad
 from klppo.rollout.tools import (
-    NO_TOOLS, Tools, check_interaction_rows, finish_interactions, interaction_turns, parse_hermes_tool_calls,
-    run_tool_calls, start_interactions,
+    HARMONY_TOKENS, NO_TOOLS, TOOL_CALL_PARSERS, Tools, check_interaction_rows, finish_interactions, gpt_oss_replies,
+    interaction_turns, run_tool_calls, start_interactions,
 )
 
 
@@ -64,6 +65,7 @@ class MultiTurn:
     tool_response_truncate_side: str = "middle"
     template_kwargs: dict = field(default_factory=dict)  # data.apply_chat_template_kwargs
     interactions: dict = field(default_factory=dict)  # name -> interaction (verl's BaseInteraction's methods)
+    format: str = "hermes"  # how calls are written: hermes (qwen: the same) or gpt-oss (tools.TOOL_CALL_PARSERS)
 
 
 @dataclass
@@ -104,6 +106,24 @@ def check_conversation_rows(settings: Optional[MultiTurn], records: list[PromptR
     if settings.interactions:
         talking = [r for r in records if r.agent_name != "single_turn_agent"]
         check_interaction_rows(settings.interactions, [r.extra_info for r in talking], [r.where for r in talking])
+
+
+def check_tool_format(settings: Optional[MultiTurn], tokenizer, eos_ids: Sequence[int]) -> None:
+    """A gpt-oss run's tokenizer has harmony's special tokens, and a call (``<|call|>``) ends a turn."""
+    if settings is None or settings.format != "gpt-oss" or not settings.tools:
+        return
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in HARMONY_TOKENS if t not in vocab]
+    key = "actor_rollout_ref.rollout.multi_turn.format"
+    if missing:
+        raise UserError(f"{key} = gpt-oss reads OpenAI's harmony format, but the model's tokenizer has no "
+                        f"{', '.join(missing)}: it is not a gpt-oss tokenizer; set {key} to the model's own format "
+                        "(hermes for Qwen)")
+    if vocab["<|call|>"] not in eos_ids:
+        raise UserError(f"{key} = gpt-oss: a tool call ends at <|call|>, but it is not among the ids that end a turn "
+                        f"(the tokenizer's EOS and generation_config.eos_token_id: {list(eos_ids)}); add "
+                        f"{vocab['<|call|>']} to the model folder's generation_config.json eos_token_id, as "
+                        "gpt-oss's own lists it")
 
 
 def system_prefix_length(tokenizer, template_kwargs: dict) -> int:
@@ -192,7 +212,7 @@ def _calls(turn: list[int], tokenizer, settings: MultiTurn) -> list:
     """The tool calls of a turn that run (none without tools)."""
     if not settings.tools:
         return []
-    return parse_hermes_tool_calls(tokenizer.decode(turn))[: settings.max_parallel_calls]
+    return TOOL_CALL_PARSERS[settings.format](tokenizer.decode(turn))[: settings.max_parallel_calls]
 
 
 def _append_replies(calling: list, tokenizer, settings: MultiTurn, prefix: int, response_length: int) -> None:
@@ -200,10 +220,15 @@ def _append_replies(calling: list, tokenizer, settings: MultiTurn, prefix: int, 
     would not fit."""
     replies = run_tool_calls(settings.tools, [(calls, row.tools_kwargs) for row, calls in calling],
                              settings.max_tool_response_length, settings.tool_response_truncate_side)
-    for (row, _), answered in zip(calling, replies):
+    for (row, calls), answered in zip(calling, replies):
         messages = [{"role": "tool", "content": text} for text, _ in answered]
         row.messages += messages
-        _answer(row, answer_tokens(tokenizer, messages, prefix, settings.template_kwargs), response_length)
+        if settings.format == "gpt-oss":
+            text = gpt_oss_replies([m["content"] for m in messages], [call.name for call in calls])
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = answer_tokens(tokenizer, messages, prefix, settings.template_kwargs)
+        _answer(row, ids, response_length)
 
 
 def _append_user_turns(users: list[_Conversation], tokenizer, settings: MultiTurn, prefix: int,

@@ -21,6 +21,10 @@ The model asks for a tool in Hermes' format (``multi_turn.format: hermes``, or `
     {"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}
     </tool_call>
 
+or, for gpt-oss (``multi_turn.format: gpt-oss``), in OpenAI's harmony format::
+
+    <|channel|>commentary to=functions.calc_gsm8k_reward <|constrain|>json<|message|>{"answer": "72"}<|call|>
+
 The interaction config is verl's too: a list under ``interaction``, each with its ``class_name``,
 ``config`` and ``name`` (which a row's ``extra_info.interaction_kwargs.name`` picks).
 ``verl.interactions.gsm8k_interaction.Gsm8kInteraction`` is klppo's ``Gsm8kInteraction``; any
@@ -68,6 +72,44 @@ def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
         except (ValueError, KeyError, TypeError):
             continue
     return calls
+
+
+# gpt-oss (OpenAI's harmony format): a call is a message addressed to a function (``to=functions.NAME``
+# in its header), ended by <|call|>, one of the model's EOS tokens. Its reasoning (the analysis
+# channel) may mention calls that are not calls, so it is removed first (verl's GptOssToolParser).
+_HARMONY_ANALYSIS = re.compile(r"(?:<\|start\|>assistant)?<\|channel\|>analysis<\|message\|>.*?(?:<\|end\|>|\Z)",
+                               re.DOTALL)
+_HARMONY_CALL = re.compile(r"(?:<\|start\|>assistant)?((?:(?!<\|(?:start|end|message|call|return)\|>).)*)"
+                           r"<\|message\|>(.*?)<\|call\|>", re.DOTALL)
+_HARMONY_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>")
+
+
+def parse_gpt_oss_tool_calls(text: str) -> list[ToolCall]:
+    """The calls of a gpt-oss turn's text (decoded with its special tokens), in order: every message whose
+    header names ``to=functions.NAME``, its body the arguments as written (a body that is not JSON gets
+    the error as its reply, as verl answers it). A turn may open with the header itself, right after
+    the generation prompt's ``<|start|>assistant`` (verl's parser misses those)."""
+    text = _HARMONY_ANALYSIS.sub("", text)
+    calls = []
+    for header, body in _HARMONY_CALL.findall(text):
+        recipient = _HARMONY_RECIPIENT.search(header)
+        if recipient:
+            calls.append(ToolCall(recipient.group(1), body.strip()))
+    return calls
+
+
+def gpt_oss_replies(replies: list[str], names: list[str]) -> str:
+    """Tool replies as gpt-oss reads them, each from its function to the assistant on the commentary
+    channel, then the next turn's opening (verl writes them so: gpt-oss's chat template renders a tool
+    message only after the assistant message that called it)."""
+    messages = "".join(f"<|start|>functions.{name} to=assistant<|channel|>commentary<|message|>{reply}<|end|>"
+                       for reply, name in zip(replies, names))
+    return messages + "<|start|>assistant"
+
+
+TOOL_CALL_PARSERS = {"hermes": parse_hermes_tool_calls, "qwen": parse_hermes_tool_calls,
+                     "gpt-oss": parse_gpt_oss_tool_calls}
 
 
 def truncate_tool_text(text: str, max_length: int, side: str) -> str:

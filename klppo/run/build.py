@@ -9,6 +9,7 @@ function. The loop in ``ppo_trainer.py`` receives the built ``PPOParts`` and rea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -28,13 +29,14 @@ from klppo.data.sampler import PromptBatches, run_length
 from klppo.distributed import DistEnv
 from klppo.errors import UserError
 from klppo.models.attention import choose_packed_attention
-from klppo.models.load import check_same_tokenizer, check_trained_score_head, load_tokenizer
+from klppo.models.load import check_same_tokenizer, check_trained_score_head, load_tokenizer, read_generation_config
 from klppo.monitoring.memory import available_bytes
 from klppo.plan.model_shape import GOLD_ROLE
 from klppo.rewards.distill import with_ranking_rewards
 from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.hf import StaticCaches
-from klppo.rollout.multi_turn import MultiTurn, check_conversation_rows
+from klppo.rollout.batch import eos_token_ids
+from klppo.rollout.multi_turn import MultiTurn, check_conversation_rows, check_tool_format
 from klppo.rollout.tools import NO_TOOLS, load_interactions, load_tools
 from klppo.rollout.vllm import VLLMEngine, require_vllm
 from klppo.run.offload import Offloader
@@ -153,7 +155,7 @@ def build_multi_turn(cfg: PPOConfig) -> Optional[MultiTurn]:
     interactions = load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {}
     return MultiTurn(tools, mt.max_assistant_turns, mt.max_user_turns, mt.max_parallel_calls,
                      mt.max_tool_response_length, mt.tool_response_truncate_side,
-                     dict(cfg.data.apply_chat_template_kwargs), interactions)
+                     dict(cfg.data.apply_chat_template_kwargs), interactions, mt.format)
 
 
 def load_datasets(cfg: PPOConfig, tokenizer, reward_fn: Callable, log: Callable,
@@ -329,6 +331,8 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     tokenizer = load_tokenizer(actor_model.path, chat_template=actor_model.custom_chat_template,
                                tokenizer_path=actor_model.tokenizer_path)
     multi_turn = build_multi_turn(cfg)  # its tools' file is read here, before any model loads
+    generation_config = read_generation_config(Path(actor_model.path), "actor_rollout_ref.model.path")
+    check_tool_format(multi_turn, tokenizer, eos_token_ids(tokenizer, generation_config))
     train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log, multi_turn)
     batches = prompt_batches(cfg, len(train))
     total_steps = run_length(trainer.total_training_steps, trainer.total_epochs, batches.steps_per_epoch)

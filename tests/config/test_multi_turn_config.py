@@ -19,7 +19,8 @@ MT = "actor_rollout_ref.rollout.multi_turn"
      "actor_rollout_ref.rollout.ignore_eos = true never ends a turn"),
     (["actor_rollout_ref.rollout.name=hf", f"{MT}.max_assistant_turns=0"], f"{MT}.max_assistant_turns = 0 must be >= 1"),
     (["actor_rollout_ref.rollout.name=hf", f"{MT}.max_parallel_calls=0"], f"{MT}.max_parallel_calls = 0 must be >= 1"),
-    (["actor_rollout_ref.rollout.name=hf", f"{MT}.format=gpt-oss"], f"{MT}.format = 'gpt-oss' is not one of 'hermes', 'qwen'"),
+    (["actor_rollout_ref.rollout.name=hf", f"{MT}.format=llama3_json"],
+     f"{MT}.format = 'llama3_json' is not one of 'hermes', 'qwen', 'gpt-oss'"),
     (["actor_rollout_ref.rollout.name=hf", f"{MT}.function_tool_path=tools.py"],
      f"{MT}.function_tool_path = tools.py: klppo builds tools from verl's tool config YAML only"),
 ])

@@ -20,5 +20,5 @@ def rank_one_calls(text):
 
 
 hf._turn_generator = shortened(hf._turn_generator)
-multi_turn.parse_hermes_tool_calls = rank_one_calls
+multi_turn.TOOL_CALL_PARSERS["hermes"] = rank_one_calls
 sys.exit(main(sys.argv[1:]))

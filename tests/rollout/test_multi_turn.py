@@ -10,9 +10,12 @@ from transformers import AutoTokenizer
 
 from klppo.data.rl_dataset import PromptRecord
 from klppo.errors import UserError
-from klppo.rollout.multi_turn import MultiTurn, Turn, answer_tokens, multi_turn_rollout, system_prefix_length
+from klppo.rollout.multi_turn import (
+    MultiTurn, Turn, answer_tokens, check_tool_format, multi_turn_rollout, system_prefix_length,
+)
 from klppo.rollout.tools import (
-    Gsm8kTool, ToolCall, check_interaction_rows, load_interactions, load_tools, parse_hermes_tool_calls, truncate_tool_text,
+    HARMONY_TOKENS, Gsm8kTool, ToolCall, check_interaction_rows, load_interactions, load_tools, parse_gpt_oss_tool_calls,
+    parse_hermes_tool_calls, truncate_tool_text,
 )
 
 # verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as it is.
@@ -169,6 +172,69 @@ def test_hermes_calls_and_truncated_replies():
     assert truncate_tool_text("abcdefgh", 4, "right") == "(truncated)...efgh"
     assert truncate_tool_text("abcdefgh", 4, "middle") == "ab...(truncated)...gh"
     assert truncate_tool_text("abc", 4, "middle") == "abc"
+
+
+# A harmony chat template of the tiny model's (gpt-oss's own renders more, in the same tokens).
+HARMONY_TEMPLATE = ("{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}"
+                    "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def harmony(tiny_model_dir):
+    """The tiny tokenizer with gpt-oss's special tokens and a harmony chat template."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens([*HARMONY_TOKENS, "<|constrain|>", "<|return|>"], special_tokens=True)
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    return tokenizer
+
+
+def harmony_call(answer: str, name: str = "calc_gsm8k_reward") -> str:
+    return f'<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{{"answer": "{answer}"}}<|call|>'
+
+
+def test_gpt_oss_calls_are_read_from_harmony_messages_and_never_from_its_reasoning():
+    reasoning = f"<|channel|>analysis<|message|>maybe {harmony_call('1')} or not<|end|>"
+    assert parse_gpt_oss_tool_calls(harmony_call("72")) == [ToolCall("calc_gsm8k_reward", '{"answer": "72"}')]
+    # after its reasoning, a call is a new message of the assistant's; verl's parser reads only these
+    assert parse_gpt_oss_tool_calls(reasoning + "<|start|>assistant" + harmony_call("7")) == [
+        ToolCall("calc_gsm8k_reward", '{"answer": "7"}')]
+    assert parse_gpt_oss_tool_calls(reasoning) == []
+    assert parse_gpt_oss_tool_calls("<|channel|>analysis<|message|>cut short " + harmony_call("3")) == []
+    assert parse_gpt_oss_tool_calls("<|channel|>final<|message|>#### 72<|return|>") == []
+    assert parse_gpt_oss_tool_calls("<|channel|>commentary to=browser.search <|message|>{}<|call|>") == []
+    # the recipient may stand in the role's part of the header; a body that is not JSON is kept for its error reply
+    assert parse_gpt_oss_tool_calls("<|start|>assistant to=functions.f<|channel|>commentary<|message|>not json<|call|>"
+                                    ) == [ToolCall("f", "not json")]
+
+
+def test_gpt_oss_replies_are_written_as_verl_writes_them_and_the_policy_trains_on_its_turns(harmony, tools):
+    turns = [harmony.encode(harmony_call("72")), harmony.encode("<|channel|>final<|message|>#### 72<|return|>")]
+
+    def policy(rows, contexts, budgets):
+        return [Turn(turns.pop(0))]
+
+    settings = MultiTurn(tools, format="gpt-oss")
+    batch = multi_turn_rollout([record(harmony)], 1, harmony, policy, settings, response_length=200)
+    tokens = batch.response_ids[0][batch.response_attention[0]].tolist()
+    policy_tokens = batch.response_ids[0][batch.response_mask[0]].tolist()
+    reply = tokens[len(harmony.encode(harmony_call("72"))): len(tokens) - len(harmony.encode("<|channel|>final"
+                                                                                              "<|message|>#### 72<|return|>"))]
+    assert harmony.decode(reply) == ("<|start|>functions.calc_gsm8k_reward to=assistant<|channel|>commentary<|message|>"
+                                     "Current parsed answer='72' reward=1.0<|end|><|start|>assistant")
+    assert harmony.decode(policy_tokens) == harmony_call("72") + "<|channel|>final<|message|>#### 72<|return|>"
+    assert batch.num_turns.tolist() == [4]
+
+
+def test_a_gpt_oss_run_needs_harmonys_tokens_and_a_call_that_ends_a_turn(tokenizer, harmony, tools):
+    settings = MultiTurn(tools, format="gpt-oss")
+    call_id = harmony.convert_tokens_to_ids("<|call|>")
+    check_tool_format(settings, harmony, (harmony.eos_token_id, call_id))
+    check_tool_format(MultiTurn(tools), tokenizer, (tokenizer.eos_token_id,))  # hermes needs nothing of the kind
+    with pytest.raises(UserError, match=r"format = gpt-oss reads OpenAI's harmony format, but the model's tokenizer "
+                                        r"has no <\|start\|>, .*: it is not a gpt-oss tokenizer"):
+        check_tool_format(settings, tokenizer, (tokenizer.eos_token_id,))
+    with pytest.raises(UserError, match=rf"add {call_id} to the model folder's generation_config.json eos_token_id"):
+        check_tool_format(settings, harmony, (harmony.eos_token_id,))
 
 
 def test_calls_the_tools_cannot_take_are_answered_with_the_error(tokenizer, tools):

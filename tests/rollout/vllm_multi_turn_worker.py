@@ -28,7 +28,7 @@ CPU = torch.device("cpu")
 
 
 def main(model_dir: str, tools_path: str, out: str) -> None:
-    multi_turn.parse_hermes_tool_calls = lambda text: [ToolCall("calc_gsm8k_reward", json.dumps({"answer": text[-3:]}))]
+    multi_turn.TOOL_CALL_PARSERS["hermes"] = lambda text: [ToolCall("calc_gsm8k_reward", json.dumps({"answer": text[-3:]}))]
     real_turns = VLLMEngine._turns
 
     def short_turns(self, params, seeds, eos):

@@ -8,17 +8,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from klppo.algo import compute_gae_advantage_return, compute_reinforce_plus_plus_outcome_advantage
 from klppo.commands.main_ppo import run_ppo
 from klppo.data.batching import MicroBatching
+from klppo.errors import UserError
+from klppo.models.tiny import save_tokenizer
 from klppo.rollout import hf as hf_rollout_module
 from klppo.rollout import multi_turn as multi_turn_module
 from klppo.rollout.multi_turn import Turn
-from klppo.rollout.tools import ToolCall
+from klppo.rollout.tools import HARMONY_TOKENS, ToolCall
 from klppo.trainer.forwards import compute_log_prob
-from tests.rollout.test_multi_turn import GSM8K_INTERACTION_CONFIG, GSM8K_TOOL_CONFIG
+from tests.rollout.test_multi_turn import GSM8K_INTERACTION_CONFIG, GSM8K_TOOL_CONFIG, HARMONY_TEMPLATE
 
 
 def with_replies(batch, every: int = 3):
@@ -106,7 +108,7 @@ def short_turns(monkeypatch):
 def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, task_dir, tmp_path, monkeypatch,
                                                                 short_turns):
     """Nor does it write tool calls: every turn here asks the gsm8k tool about its last characters."""
-    monkeypatch.setattr(multi_turn_module, "parse_hermes_tool_calls",
+    monkeypatch.setitem(multi_turn_module.TOOL_CALL_PARSERS, "hermes",
                         lambda text: [ToolCall("calc_gsm8k_reward", json.dumps({"answer": text[-3:]}))])
     tools = tmp_path / "tools.yaml"
     tools.write_text(GSM8K_TOOL_CONFIG)
@@ -150,3 +152,41 @@ def test_a_run_with_verls_gsm8k_interaction_answers_every_wrong_turn(ppo_overrid
     assert [m["num_turns/min"] for m in steps] == [6, 6]  # the random model is never right: 3 turns, 2 answers
     logged = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
     assert all(line["output"].count("Your response is incorrect!") == 2 for line in logged)
+
+
+def _harmony_model(tiny_model_dir, out):
+    """The tiny model as a gpt-oss folder: harmony's special tokens and chat template, and <|call|> among
+    the EOS ids of its generation config, as gpt-oss's generation_config.json lists it."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens([*HARMONY_TOKENS, "<|constrain|>", "<|return|>"], special_tokens=True)
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.resize_token_embeddings(len(tokenizer))
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|call|>")]
+    model.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
+    return out
+
+
+def test_a_gpt_oss_run_answers_its_calls_in_harmonys_format(ppo_overrides, task_dir, tiny_model_dir, tmp_path,
+                                                           monkeypatch, short_turns):
+    monkeypatch.setitem(multi_turn_module.TOOL_CALL_PARSERS, "gpt-oss",
+                        lambda text: [ToolCall("calc_gsm8k_reward", json.dumps({"answer": text[-3:]}))])
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(GSM8K_TOOL_CONFIG)
+    settings = {"data.train_files": _tool_task(task_dir, tmp_path / "train.parquet"), "data.max_prompt_length": 384,
+                "actor_rollout_ref.model.path": _harmony_model(tiny_model_dir, tmp_path / "gpt-oss"),
+                "actor_rollout_ref.rollout.name": "hf", "actor_rollout_ref.rollout.response_length": 96,
+                "actor_rollout_ref.rollout.multi_turn.enable": "true",
+                "actor_rollout_ref.rollout.multi_turn.format": "gpt-oss",
+                "actor_rollout_ref.rollout.multi_turn.tool_config_path": tools,
+                "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 2,
+                "algorithm.adv_estimator": "grpo", "trainer.total_training_steps": 1,
+                "trainer.rollout_data_dir": tmp_path / "rollouts"}
+    records = run_ppo(None, ppo_overrides(**settings), print_fn=lambda *a, **k: None)
+    assert [r["num_turns/max"] for r in records if "actor/pg_loss" in r] == [4]  # 2 turns, 1 reply, the prompt
+    logged = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert all("functions.calc_gsm8k_reward to=assistant" in line["output"] for line in logged)
+    with pytest.raises(UserError, match="it is not a gpt-oss tokenizer"):  # the tiny model's own tokenizer
+        run_ppo(None, ppo_overrides(**{**settings, "actor_rollout_ref.model.path": tiny_model_dir}),
+                print_fn=lambda *a, **k: None)
