@@ -269,6 +269,46 @@ def all_gather_groups(t: torch.Tensor, pad_value: int | float, group_size: int) 
     return per_rank[::group_size].reshape(-1, *gathered.shape[1:])
 
 
+def consecutive_group(group_size: int):
+    """This rank's group of ``group_size`` consecutive ranks (a tensor-parallel engine's), as a gloo
+    process group for objects; None in one process or for groups of one. Collective: every rank
+    builds every group, in the same order."""
+    if not _active() or group_size == 1:
+        return None
+    rank, mine = dist.get_rank(), None
+    for first in range(0, dist.get_world_size(), group_size):
+        group = dist.new_group(list(range(first, first + group_size)), backend="gloo")
+        if first <= rank < first + group_size:
+            mine = group
+    return mine
+
+
+def computed_by_first_rank(group) -> Callable[[Callable[[], T]], T]:
+    """``share(compute)``: the group's first rank alone runs ``compute()``, and every member gets what it
+    returned (picklable); without a group, ``compute()`` itself. Where ``compute`` raises, every member
+    raises: the first rank its own error, the others one that names it."""
+    if group is None:
+        return lambda compute: compute()
+    first = dist.get_global_rank(group, 0)
+
+    def share(compute: Callable[[], T]) -> T:
+        failure, box = None, [None]
+        if dist.get_rank() == first:
+            try:
+                box = [(True, compute())]
+            except Exception as error:  # noqa: BLE001 (the group must hear of it, or it waits forever)
+                failure, box = error, [(False, f"{type(error).__name__}: {error}")]
+        dist.broadcast_object_list(box, src=first, group=group)
+        if failure is not None:
+            raise failure
+        done, value = box[0]
+        if not done:
+            raise RuntimeError(f"rank {first}, which computes this group's answers, failed: {value}")
+        return value
+
+    return share
+
+
 def barrier() -> None:
     """Wait for every rank (a no-op in one process)."""
     if _active():

@@ -148,12 +148,16 @@ def answer_tokens(tokenizer, messages: Sequence[dict], prefix_length: int, templ
 
 def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_turn: TurnGenerator,
                        settings: MultiTurn, response_length: int,
-                       keep_going: Callable[[bool], bool] = lambda active: active) -> RolloutBatch:
+                       keep_going: Callable[[bool], bool] = lambda active: active,
+                       share: Callable[[Callable], object] = lambda compute: compute()) -> RolloutBatch:
     """``n`` conversations per record (rows grouped by prompt, as ``hf_rollout``), on CPU.
 
     ``keep_going(any row of mine active)``: whether to generate another turn; ranks that decode a
     sharded model together (``synced_gpus``) must all call ``generate_turn`` as often, so theirs
     says whether any rank has a row left, and a rank without one decodes a stand-in row.
+    ``share(compute)``: the answers of a turn (tools' replies, users' turns), computed once for ranks
+    that hold the same conversations and must feed their engine the same tokens (a tensor-parallel
+    vLLM engine's: ``distributed.env.computed_by_first_rank``); here, by default.
     """
     rows = [_Conversation(list(r.prompt_ids), (r.extra_info or {}).get("tools_kwargs") or {}, _messages(r),
                           single_turn=r.agent_name == "single_turn_agent") for r in records for _ in range(n)]
@@ -188,9 +192,9 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
             else:
                 row.done = True
         if calling:
-            _append_replies(calling, tokenizer, settings, prefix, response_length)
+            _append_replies(calling, tokenizer, settings, prefix, response_length, share)
         if users:
-            _append_user_turns(users, tokenizer, settings, prefix, response_length)
+            _append_user_turns(users, tokenizer, settings, prefix, response_length, share)
     if settings.interactions:
         finish_interactions([row.interaction for row in talking])
     return _as_batch(records, n, rows, tokenizer.pad_token_id)
@@ -215,11 +219,12 @@ def _calls(turn: list[int], tokenizer, settings: MultiTurn) -> list:
     return TOOL_CALL_PARSERS[settings.format](tokenizer.decode(turn))[: settings.max_parallel_calls]
 
 
-def _append_replies(calling: list, tokenizer, settings: MultiTurn, prefix: int, response_length: int) -> None:
+def _append_replies(calling: list, tokenizer, settings: MultiTurn, prefix: int, response_length: int,
+                    share: Callable) -> None:
     """Run every calling row's tools at once and append each row's replies, or end the row where they
     would not fit."""
-    replies = run_tool_calls(settings.tools, [(calls, row.tools_kwargs) for row, calls in calling],
-                             settings.max_tool_response_length, settings.tool_response_truncate_side)
+    replies = share(lambda: run_tool_calls(settings.tools, [(calls, row.tools_kwargs) for row, calls in calling],
+                                           settings.max_tool_response_length, settings.tool_response_truncate_side))
     for (row, calls), answered in zip(calling, replies):
         messages = [{"role": "tool", "content": text} for text, _ in answered]
         row.messages += messages
@@ -232,10 +237,10 @@ def _append_replies(calling: list, tokenizer, settings: MultiTurn, prefix: int, 
 
 
 def _append_user_turns(users: list[_Conversation], tokenizer, settings: MultiTurn, prefix: int,
-                       response_length: int) -> None:
+                       response_length: int, share: Callable) -> None:
     """Each row's interaction answers as the user (all rows at once); a row ends where the answer would not
     fit or the interaction says the conversation is over (its answer appended first, as verl appends it)."""
-    answers = interaction_turns([(row.interaction, row.messages) for row in users])
+    answers = share(lambda: interaction_turns([(row.interaction, row.messages) for row in users]))
     for row, (over, text) in zip(users, answers):
         message = {"role": "user", "content": text}
         row.messages.append(message)

@@ -32,7 +32,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -245,14 +245,20 @@ class VLLMEngine:
     """One vLLM engine in this process: built once, fed the actor's weights, asked for responses."""
 
     def __init__(self, model_path: str, model_config, s: EngineSettings, device: torch.device, distributed: bool,
-                 free_bytes: int, generation_config=None) -> None:
+                 free_bytes: int, generation_config=None,
+                 share_answers: Callable[[Callable], object] = lambda compute: compute()) -> None:
         """``distributed``: the engine joins torchrun's ranks (the process group is already
         initialised); in one process it builds its own group of one, or takes the run's.
-        ``generation_config``: the actor's (its EOS ids end responses, ``eos_token_ids``)."""
+        ``generation_config``: the actor's (its EOS ids end responses, ``eos_token_ids``).
+        ``share_answers``: how the ranks of this engine's tensor-parallel group agree on what answers a
+        conversation's turn (``multi_turn_rollout``'s ``share``): one rank runs the tools, all take its
+        replies, so a tool whose answers vary (a search, a sandbox) cannot feed the group different
+        tokens, and runs once per group."""
         require_vllm()
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # klppo reports progress itself
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process, deterministic scheduling
         self.settings, self.device, self.generation_config = s, device, generation_config
+        self.share_answers = share_answers
         kwargs = dict(
             model=model_path, tokenizer=model_path, skip_tokenizer_init=True, dtype=VLLM_DTYPES[s.dtype],
             tensor_parallel_size=s.tensor_parallel_size, max_model_len=s.max_model_len,
@@ -369,7 +375,7 @@ class VLLMEngine:
         with process_state_kept(self.device), self.awake():
             if multi_turn is not None:
                 return multi_turn_rollout(records, n, tokenizer, self._turns(params, seeds, eos), multi_turn,
-                                          params.max_new_tokens)
+                                          params.max_new_tokens, share=self.share_answers)
             requests = [{"prompt_token_ids": list(record.prompt_ids)} for record in records for _ in range(n)]
             outputs = self.llm.generate(requests, [self._request(params, seed, params.max_new_tokens, eos)
                                                    for seed in seeds], use_tqdm=False)

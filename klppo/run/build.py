@@ -27,6 +27,7 @@ from klppo.data.rollout_log_probs import LogProbsNeed
 from klppo.data.rl_dataset import PromptRecord, load_rl_dataset
 from klppo.data.sampler import PromptBatches, run_length
 from klppo.distributed import DistEnv
+from klppo.distributed.env import computed_by_first_rank, consecutive_group
 from klppo.errors import UserError
 from klppo.models.attention import choose_packed_attention
 from klppo.models.load import check_same_tokenizer, check_trained_score_head, load_tokenizer, read_generation_config
@@ -352,9 +353,11 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     initial = trained_values(actor) if settings.actor_lora else None
     engine = None
     if settings.engine is not None:  # last: on a GPU it takes its share of the memory the models left
+        group = consecutive_group(settings.engine.tensor_parallel_size)  # collective: before the engine's own
         engine = VLLMEngine(cfg.actor_rollout_ref.model.path, actor.config, settings.engine, env.device,
                             env.world_size > 1, available_bytes(env.device),  # a group of one needs no launcher
-                            generation_config=getattr(actor, "generation_config", None))
+                            generation_config=getattr(actor, "generation_config", None),
+                            share_answers=computed_by_first_rank(group))
     return PPOParts(
         settings=settings, env=env, tokenizer=tokenizer, actor=actor, actor_optimizer=actor_optimizer,
         actor_scheduler=actor_scheduler, ref=ref, reward_models=reward_models, critic=critic,

@@ -3,7 +3,9 @@ or one per tensor-parallel pair): two ranks train as one process does, and after
 updates each engine still generates exactly what HF generate does with the actor's weights."""
 
 import json
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -81,8 +83,6 @@ def test_the_engines_log_probs_match_the_trainers_at_every_step(runs):
 
 @pytest.mark.parametrize("world, tp", [(None, 1), (2, 2)], ids=["one_process", "two_ranks_tp2"])
 def test_after_the_runs_updates_greedy_engine_responses_equal_hf_generate(world, tp, vllm_model_dir, task_dir, tmp_path):
-    import subprocess
-
     overrides = vllm_overrides(vllm_model_dir, task_dir, tmp_path / "run", world or 1,
                                **{"actor_rollout_ref.rollout.tensor_model_parallel_size": tp, "trainer.save_freq": -1,
                                   "trainer.test_freq": -1})
@@ -94,3 +94,32 @@ def test_after_the_runs_updates_greedy_engine_responses_equal_hf_generate(world,
         result = json.loads((tmp_path / f"rank_{rank}.json").read_text())
         assert result["steps"] == STEPS and result["ids"] and result["masks"], result
         assert all(d < 1e-4 for d in result["probs_diff_max"]), result
+
+
+def test_a_tensor_parallel_pairs_conversations_take_the_first_ranks_tool_replies(vllm_model_dir, task_dir, tmp_path):
+    """Both ranks of an engine must feed it the same conversation: only the first runs the tools, and both
+    append its replies (a tool whose answers vary would otherwise feed the pair different tokens)."""
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(textwrap.dedent("""\
+        tools:
+          - class_name: vllm_tp_tools_worker.RankTool
+            config: {}
+            tool_schema: {type: function, function: {name: hello, description: greets,
+                                                     parameters: {type: object, properties: {}}}}
+        """))
+    overrides = vllm_overrides(vllm_model_dir, task_dir, tmp_path / "run", 2, **{
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": 2, "data.max_prompt_length": 256,
+        "data.max_response_length": 96, "actor_rollout_ref.rollout.multi_turn.enable": "true",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path": tools,
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 2, "trainer.total_training_steps": 1,
+        "trainer.save_freq": -1, "trainer.test_freq": -1, "trainer.val_before_train": "false",
+        "trainer.rollout_data_dir": tmp_path / "rollouts"})
+    worker = Path(__file__).with_name("vllm_tp_tools_worker.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(worker), *overrides], env={**_env(), "KLPPO_TEST_CALLS": str(tmp_path)},
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+    assert len((tmp_path / "rank0.txt").read_text().splitlines()) == 8 * 2  # each of 16 conversations calls once
+    assert not (tmp_path / "rank1.txt").exists()
+    logged = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert len(logged) == 16 and all("rank 0 says hello" in line["output"] for line in logged)
