@@ -51,6 +51,9 @@ class RolloutBatch:
     # tools' replies between them); None = response_mask (a single turn).
     response_attention_mask: Optional[torch.Tensor] = None
     num_turns: Optional[torch.Tensor] = None  # (B,) long, multi-turn rollouts: turns of the conversation (verl's)
+    # (B,) multi-turn rollouts: {"turn_scores": [...], "tool_rewards": [...]}, each conversation's users' turn
+    # scores and tools' rewards (verl's tool_extra_fields, which its reward managers add to extra_info).
+    tool_extra_fields: Optional[list[dict]] = None
     # Offline data's behaviour log-probs (the ``rollout_log_probs`` column; verl's name for the
     # rollout's log-probs): (B, T) float, 0 on padding and on rows without them; None when no row has them.
     rollout_log_probs: Optional[torch.Tensor] = None
@@ -95,6 +98,16 @@ class RolloutBatch:
     def scored_as(self) -> list[str]:
         """(B,) the data source each response's reward function is called with."""
         return self.data_sources if self.reward_sources is None else self.reward_sources
+
+    @property
+    def reward_extra_infos(self) -> list[dict]:
+        """(B,) the ``extra_info`` each response's reward function gets: its row's, and for a conversation
+        what verl's reward managers add (``num_turns``, ``turn_scores``, ``tool_rewards``)."""
+        if self.num_turns is None:
+            return self.extra_infos
+        fields = self.tool_extra_fields or [{}] * len(self)
+        return [{**(info or {}), **extra, "num_turns": turns}
+                for info, extra, turns in zip(self.extra_infos, fields, self.num_turns.tolist())]
 
     @property
     def response_attention(self) -> torch.Tensor:
@@ -183,11 +196,13 @@ def assemble_batch(
     recorded_scores: Optional[torch.Tensor] = None,
     rollout_log_probs: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     turns: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    tool_extra_fields: Optional[list[dict]] = None,
 ) -> RolloutBatch:
     """Pair ``n`` responses per record (grouped by prompt) with the record's repeated prompt.
 
     ``rollout_log_probs``: the behaviour log-probs (B, T) and which rows have them (B,), or None.
-    ``turns``: a multi-turn rollout's ``response_attention_mask`` (B, T) and ``num_turns`` (B,), or None.
+    ``turns``: a multi-turn rollout's ``response_attention_mask`` (B, T) and ``num_turns`` (B,), or None;
+    ``tool_extra_fields``: its (B,) turn scores and tools' rewards.
     """
     prompt_ids, prompt_mask = collate_prompts(records, pad_token_id)
 
@@ -207,6 +222,7 @@ def assemble_batch(
         recorded_scores=recorded_scores,
         response_attention_mask=None if turns is None else turns[0],
         num_turns=None if turns is None else turns[1],
+        tool_extra_fields=tool_extra_fields,
         rollout_log_probs=None if rollout_log_probs is None else rollout_log_probs[0],
         has_rollout_log_probs=None if rollout_log_probs is None else rollout_log_probs[1],
     )

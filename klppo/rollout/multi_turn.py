@@ -79,6 +79,8 @@ class _Conversation:
     log_probs: Optional[list[float]] = field(default_factory=list)  # per token, the sampler's; None: not reported
     assistant_turns: int = 0
     user_turns: int = 0
+    tool_rewards: list[float] = field(default_factory=list)  # each call's reward, where its tool gave one
+    turn_scores: list[float] = field(default_factory=list)  # each user's turn's score, where its interaction gave one
     done: bool = False
     single_turn: bool = False  # verl's single_turn_agent: nothing answers its turn
 
@@ -89,6 +91,11 @@ class _Conversation:
     @property
     def num_turns(self) -> int:
         return self.assistant_turns + self.user_turns + 1  # verl counts the prompt as a turn
+
+    @property
+    def extra_fields(self) -> dict:
+        """What verl's agent loop hands its reward managers about the conversation (``tool_extra_fields``)."""
+        return {"turn_scores": list(self.turn_scores), "tool_rewards": list(self.tool_rewards)}
 
 
 def check_conversation_rows(settings: Optional[MultiTurn], records: list[PromptRecord]) -> None:
@@ -228,6 +235,7 @@ def _append_replies(calling: list, tokenizer, settings: MultiTurn, prefix: int, 
     for (row, calls), answered in zip(calling, replies):
         messages = [{"role": "tool", "content": text} for text, _ in answered]
         row.messages += messages
+        row.tool_rewards += [reward for _, reward in answered if reward is not None]
         if settings.format == "gpt-oss":
             text = gpt_oss_replies([m["content"] for m in messages], [call.name for call in calls])
             ids = tokenizer.encode(text, add_special_tokens=False)
@@ -241,7 +249,8 @@ def _append_user_turns(users: list[_Conversation], tokenizer, settings: MultiTur
     """Each row's interaction answers as the user (all rows at once); a row ends where the answer would not
     fit or the interaction says the conversation is over (its answer appended first, as verl appends it)."""
     answers = share(lambda: interaction_turns([(row.interaction, row.messages) for row in users]))
-    for row, (over, text) in zip(users, answers):
+    for row, (over, text, score) in zip(users, answers):
+        row.turn_scores += [] if score is None else [score]
         message = {"role": "user", "content": text}
         row.messages.append(message)
         _answer(row, answer_tokens(tokenizer, [message], prefix, settings.template_kwargs), response_length)
@@ -277,4 +286,4 @@ def _as_batch(records: list[PromptRecord], n: int, rows: list[_Conversation], pa
             values[i, : len(row.log_probs)] = torch.tensor(row.log_probs, dtype=torch.float32)
         log_probs = (values * policy, torch.ones(len(rows), dtype=torch.bool))
     return assemble_batch(records, n, pad_token_id, response_ids, policy, rollout_log_probs=log_probs,
-                          turns=(attention, turns))
+                          turns=(attention, turns), tool_extra_fields=[row.extra_fields for row in rows])

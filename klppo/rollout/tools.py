@@ -211,10 +211,10 @@ async def _maybe_await(value):
 
 
 async def call_tool(tools: Tools, call: ToolCall, tools_kwargs: dict, max_length: int, truncate_side: str
-                    ) -> tuple[str, float]:
-    """One call's reply text (cut to ``max_length`` characters) and its reward. A call the tool
-    cannot take (unknown name, arguments that are not JSON, an error inside the tool) gets the
-    error as its reply and reward 0, as verl replies, so the model sees what went wrong."""
+                    ) -> tuple[str, Optional[float]]:
+    """One call's reply text (cut to ``max_length`` characters) and its reward (None where the tool gave
+    none). A call the tool cannot take (unknown name, arguments that are not JSON, an error inside the
+    tool) gets the error as its reply and reward 0, as verl replies, so the model sees what went wrong."""
     tool, instance_id = None, None
     try:
         tool = tools.by_name[call.name]
@@ -230,14 +230,14 @@ async def call_tool(tools: Tools, call: ToolCall, tools_kwargs: dict, max_length
         if tool is not None and instance_id is not None:
             await _maybe_await(tool.release(instance_id))
     text = response if isinstance(response, str) else (getattr(response, "text", None) or "")
-    return truncate_tool_text(text, max_length, truncate_side), float(reward or 0.0)
+    return truncate_tool_text(text, max_length, truncate_side), None if reward is None else float(reward)
 
 
 def run_tool_calls(tools: Tools, calls: list[tuple[list[ToolCall], dict]], max_length: int, truncate_side: str
-                   ) -> list[list[tuple[str, float]]]:
+                   ) -> list[list[tuple[str, Optional[float]]]]:
     """Every row's calls of one turn (``(calls, tools_kwargs)`` per row), all at once; their replies per row."""
 
-    async def row(row_calls: list[ToolCall], kwargs: dict) -> list[tuple[str, float]]:
+    async def row(row_calls: list[ToolCall], kwargs: dict) -> list[tuple[str, Optional[float]]]:
         return list(await asyncio.gather(*(call_tool(tools, c, kwargs, max_length, truncate_side) for c in row_calls)))
 
     return _run_all([row(row_calls, kwargs) for row_calls, kwargs in calls])
@@ -324,13 +324,14 @@ def start_interactions(interactions: dict[str, Any], kwargs_per_row: list[dict])
     return _run_all([start(kwargs) for kwargs in kwargs_per_row])
 
 
-def interaction_turns(rows: list[tuple[tuple, list[dict]]]) -> list[tuple[bool, str]]:
-    """Each row's interaction's answer to the chat so far (all rows at once): (the conversation is over, the text)."""
+def interaction_turns(rows: list[tuple[tuple, list[dict]]]) -> list[tuple[bool, str, Optional[float]]]:
+    """Each row's interaction's answer to the chat so far (all rows at once): (the conversation is over, the
+    text, the turn's score or None)."""
 
-    async def answer(started: tuple, messages: list[dict]) -> tuple[bool, str]:
+    async def answer(started: tuple, messages: list[dict]) -> tuple[bool, str, Optional[float]]:
         interaction, instance_id, kwargs = started
-        over, text, _, _ = await _maybe_await(interaction.generate_response(instance_id, messages, **kwargs))
-        return bool(over), str(text)
+        over, text, score, _ = await _maybe_await(interaction.generate_response(instance_id, messages, **kwargs))
+        return bool(over), str(text), None if score is None else float(score)
 
     return _run_all([answer(started, messages) for started, messages in rows])
 

@@ -162,7 +162,7 @@ def compute_scores(batch: RolloutBatch, tokenizer, reward_fn: Callable, prompt_p
     texts = decode_responses(batch, tokenizer)
     places = None if prompt_places is None else [prompt_places[g] for g in batch.group_index.tolist()]
     scores, components = score_responses_with_components(reward_fn, batch.scored_as, texts, batch.ground_truths,
-                                                         batch.extra_infos, places)
+                                                         batch.reward_extra_infos, places)
     return torch.tensor(scores, dtype=torch.float32, device=batch.response_mask.device), components
 
 

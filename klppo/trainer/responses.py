@@ -41,8 +41,8 @@ import torch
 
 from klppo.data.rl_dataset import PromptRecord
 from klppo.distributed import (
-    all_gather_groups, all_gather_padded, inference_copy, inference_copy_bytes, is_sharded, load_in_place, max_over_ranks,
-    plain_copy, shard_range, tied_aliases, whole_parameters,
+    all_gather_groups, all_gather_objects, all_gather_padded, inference_copy, inference_copy_bytes, is_sharded,
+    load_in_place, max_over_ranks, plain_copy, shard_range, tied_aliases, whole_parameters,
 )
 from klppo.models.lora import add_adapters_like, has_adapters
 from klppo.monitoring.memory import available_bytes
@@ -105,7 +105,8 @@ def _hf_responses(parts: PPOParts, records: list[PromptRecord], params: Sampling
         turns = (all_gather_padded(local.response_attention_mask, 0), all_gather_padded(local.num_turns[:, None], 0)[:, 0])
     return assemble_batch(records, params.n, tokenizer.pad_token_id,
                           all_gather_padded(local.response_ids, tokenizer.pad_token_id),
-                          all_gather_padded(local.response_mask, 0), turns=turns)
+                          all_gather_padded(local.response_mask, 0), turns=turns,
+                          tool_extra_fields=gathered_rows(local.tool_extra_fields))
 
 
 def turns_together(sharded: bool) -> Optional[Callable[[bool], bool]]:
@@ -115,6 +116,14 @@ def turns_together(sharded: bool) -> Optional[Callable[[bool], bool]]:
     if not sharded:
         return None
     return lambda active: max_over_ranks({"active": float(active)})["active"] > 0
+
+
+def gathered_rows(values: Optional[list], group_size: int = 1) -> Optional[list]:
+    """Every rank's per-row ``values`` (picklable), in rank order, one copy per group of ``group_size``
+    consecutive ranks that hold the same rows; None where the ranks have none (collective otherwise)."""
+    if values is None:
+        return None
+    return [value for rank_values in all_gather_objects(values)[::group_size] for value in rank_values]
 
 
 # ---- vLLM ----
@@ -148,7 +157,8 @@ def engine_responses(parts: PPOParts, records: list[PromptRecord], params: Sampl
         turns = (all_gather_groups(local.response_attention_mask, 0, tp),
                  all_gather_groups(local.num_turns[:, None], 0, tp)[:, 0])
     return assemble_batch(records, params.n, pad, all_gather_groups(local.response_ids, pad, tp),
-                          all_gather_groups(local.response_mask, 0, tp), rollout_log_probs=log_probs, turns=turns)
+                          all_gather_groups(local.response_mask, 0, tp), rollout_log_probs=log_probs, turns=turns,
+                          tool_extra_fields=gathered_rows(local.tool_extra_fields, tp))
 
 
 def sync_engine_weights(parts: PPOParts, timer: PhaseTimer | None = None) -> None:

@@ -2,6 +2,7 @@
 keep decoding together (a rank out of turns decodes stand-ins, which leave its random stream alone)
 and train what the gathered copy's ranks train, each rank decoding alone."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from launch import ROOT, _env, assert_same_metrics
 
 from klppo.monitoring.logger import read_metrics
 from tests.rollout.test_multi_turn import GSM8K_TOOL_CONFIG
-from tests.trainer.test_multi_turn_run import _tool_task
+from tests.trainer.test_multi_turn_run import _tool_task, turns_reward, turns_score
 
 WORKER = Path(__file__).with_name("multi_turn_worker.py")
 
@@ -29,7 +30,8 @@ def test_two_ranks_train_the_same_conversations_with_either_generation_weights(p
             "actor_rollout_ref.rollout.multi_turn.tool_config_path": tools,
             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
             "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": 24,
-            "trainer.total_training_steps": 2, "trainer.n_gpus_per_node": 2})
+            "trainer.total_training_steps": 2, "trainer.n_gpus_per_node": 2,
+            "trainer.rollout_data_dir": tmp_path / name / "rollouts", **turns_reward(tmp_path)})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
                *overrides]
         done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -39,3 +41,7 @@ def test_two_ranks_train_the_same_conversations_with_either_generation_weights(p
     sharded, gathered = run("sharded", "sharded"), run("gathered", "gathered")
     assert [(r["num_turns/min"], r["num_turns/max"]) for r in sharded] == [(2, 6), (2, 6)]  # rank 0: one turn
     assert_same_metrics(sharded, gathered)
+    # each conversation is scored with its own turns and tool rewards, gathered from the rank that ran it
+    logged = [json.loads(line) for line in (tmp_path / "sharded" / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert sorted({turns_score(line["output"]) for line in logged}) == [2, 26]
+    assert all(line["score"] == turns_score(line["output"]) for line in logged)

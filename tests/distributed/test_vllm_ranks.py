@@ -12,6 +12,7 @@ import pytest
 from launch import ROOT, _env, assert_same_metrics, assert_same_weights, run_ok
 
 from klppo.monitoring.logger import read_metrics
+from tests.trainer.test_multi_turn_run import turns_reward
 
 pytestmark = pytest.mark.vllm
 
@@ -113,7 +114,7 @@ def test_a_tensor_parallel_pairs_conversations_take_the_first_ranks_tool_replies
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": tools,
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 2, "trainer.total_training_steps": 1,
         "trainer.save_freq": -1, "trainer.test_freq": -1, "trainer.val_before_train": "false",
-        "trainer.rollout_data_dir": tmp_path / "rollouts"})
+        "trainer.rollout_data_dir": tmp_path / "rollouts", **turns_reward(tmp_path)})
     worker = Path(__file__).with_name("vllm_tp_tools_worker.py")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(worker), *overrides], env={**_env(), "KLPPO_TEST_CALLS": str(tmp_path)},
@@ -123,3 +124,4 @@ def test_a_tensor_parallel_pairs_conversations_take_the_first_ranks_tool_replies
     assert not (tmp_path / "rank1.txt").exists()
     logged = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
     assert len(logged) == 16 and all("rank 0 says hello" in line["output"] for line in logged)
+    assert all(line["score"] == 4 + 10 for line in logged)  # 4 turns (one a reply), one tool reward: extra_info's

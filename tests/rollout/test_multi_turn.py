@@ -391,6 +391,23 @@ def test_tools_answer_a_call_and_the_interaction_a_turn_without_one(tokenizer, t
     assert batch.response_mask[0][batch.response_attention[0]].tolist()[-1]
 
 
+def test_reward_functions_get_what_verls_reward_managers_add_about_the_conversation(tokenizer, tools, interactions):
+    """verl hands the reward function each conversation's num_turns, its tools' rewards and its users' turn
+    scores in extra_info (tool_extra_fields); ReTool's reward reads num_turns."""
+    policy = ScriptedPolicy(tokenizer, [call("71"), "#### 71", call("72"), "#### 72"])
+    batch = multi_turn_rollout([record(tokenizer)], 1, tokenizer, policy, MultiTurn(tools, interactions=interactions),
+                               response_length=400)
+    (info,) = batch.reward_extra_infos
+    # the gsm8k tool: -0.05 for a wrong answer, 0 for a right one; the interaction: 0 wrong, 1 right (and over)
+    assert info["tool_rewards"] == [-0.05, 0.0] and info["turn_scores"] == [0.0, 1.0]
+    assert info["num_turns"] == 9  # the prompt, 4 turns of the policy, 2 replies, 2 users' turns
+    assert info["tools_kwargs"] == record(tokenizer).extra_info["tools_kwargs"]  # the row's own extra_info too
+    assert "num_turns" not in batch.extra_infos[0]  # the record's dict is left as it was
+    single = multi_turn_rollout([record(tokenizer)], 1, tokenizer, ScriptedPolicy(tokenizer, ["#### 72"]),
+                                MultiTurn(tools), response_length=400)
+    assert single.reward_extra_infos[0]["tool_rewards"] == [] and single.reward_extra_infos[0]["num_turns"] == 2
+
+
 def test_interaction_configs_name_their_interactions_as_verl_does(tmp_path, interactions):
     assert list(interactions) == ["gsm8k"]
     path = tmp_path / "unnamed.yaml"

@@ -114,6 +114,7 @@ def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, ta
     tools.write_text(GSM8K_TOOL_CONFIG)
     data = _tool_task(task_dir, tmp_path / "train.parquet")
     records = run_ppo(None, ppo_overrides(**{
+        **turns_reward(tmp_path),
         "data.train_files": data, "data.val_files": data, "data.val_max_samples": 4,
         "data.max_prompt_length": 384,  # the tools' schemas come first in every prompt (353 tokens here)
         "actor_rollout_ref.rollout.name": "sglang", "actor_rollout_ref.rollout.response_length": 128,
@@ -131,7 +132,28 @@ def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, ta
                    if k.startswith(("actor/", "critic/")) and isinstance(v, (int, float)))
     logged = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
     assert all("Current pars" in line["output"] for line in logged)  # replies are part of what is scored and logged
+    assert all(line["score"] == turns_score(line["output"]) for line in logged)
     assert any(k.startswith("val-core/") for r in records for k in r)
+
+
+# A reward that reads what verl's reward managers add to extra_info about a conversation.
+TURNS_REWARD = """\
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return extra_info["num_turns"] + 10 * len(extra_info["tool_rewards"]) + 100 * len(extra_info["turn_scores"])
+"""
+
+
+def turns_reward(folder) -> dict:
+    """The overrides that score each response with ``TURNS_REWARD``."""
+    path = folder / "turns_reward.py"
+    path.write_text(TURNS_REWARD)
+    return {"custom_reward_function.path": path, "custom_reward_function.name": "compute_score"}
+
+
+def turns_score(output: str) -> int:
+    """``TURNS_REWARD`` of a logged conversation whose every reply is the gsm8k tool's (cut to 24 characters)."""
+    calls = output.count("Current pars")
+    return 2 + 2 * calls + 10 * calls  # the prompt and the last turn, then each call's turn and reply
 
 
 def test_a_run_with_verls_gsm8k_interaction_answers_every_wrong_turn(ppo_overrides, task_dir, tmp_path, short_turns):
