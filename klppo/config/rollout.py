@@ -47,6 +47,9 @@ class MultiTurnConfig:
     # verl's tool config YAML (tools: class_name, config, tool_schema); verl.tools.gsm8k_tool.Gsm8kTool
     # is built in, any other class_name is imported. None: no tools (every response one turn).
     tool_config_path: Optional[str] = None
+    # verl's function tools (verl 0.8+): a Python file whose @function_tool functions are tools, each
+    # schema from the function's type hints and docstring. Runs without verl installed.
+    function_tool_path: Optional[str] = None
     # Calls of one turn that run (the rest are dropped, as verl drops them).
     max_parallel_calls: int = 1
     # Characters of one tool reply kept; the rest is cut at tool_response_truncate_side.

@@ -109,13 +109,15 @@ def multi_turn_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
 def multi_turn_notes(cfg: PPOConfig) -> list[str]:
     """Tools or interactions that are configured but never reached, and a loop with nothing to answer."""
     mt = cfg.actor_rollout_ref.rollout.multi_turn
-    given = [key for key in ("tool_config_path", "interaction_config_path") if getattr(mt, key) is not None]
+    given = [key for key in ("tool_config_path", "function_tool_path", "interaction_config_path")
+             if getattr(mt, key) is not None]
     if not mt.enable and given:
         verb = "has" if len(given) == 1 else "have"
         return [f"warning: {MULTI_TURN}.{' and '.join(given)} {verb} no effect while {MULTI_TURN}.enable = false: "
                 "every response is one turn; set enable=true for conversations"]
     if mt.enable and not given:
-        return [f"warning: {MULTI_TURN}.enable = true without {MULTI_TURN}.tool_config_path or interaction_config_path: "
+        return [f"warning: {MULTI_TURN}.enable = true without {MULTI_TURN}.tool_config_path, function_tool_path or "
+                "interaction_config_path: "
                 "nothing answers a turn, so every response is one turn"]
     return []
 

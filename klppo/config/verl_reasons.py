@@ -38,8 +38,6 @@ _NOT_IMPLEMENTED = "not implemented in klppo"
 
 RULES: tuple[tuple, ...] = (
     # -- changes what is trained: refused when set to anything but verl's default --
-    (("actor_rollout_ref.rollout.multi_turn.function_tool_path",), "klppo builds tools from "
-     "verl's tool config YAML only; list them in actor_rollout_ref.rollout.multi_turn.tool_config_path", REFUSE),
     (("actor_rollout_ref.rollout.multi_turn.completion_callback",), "verl 0.4's SGLang completion callback; klppo's "
      "multi-turn loop reads Hermes tool calls (multi_turn.format)", REFUSE),
     (("algorithm.rollout_correction.rollout_token_veto_threshold",), "verl 0.6-0.7's token veto, gone from verl "
@@ -93,7 +91,7 @@ RULES: tuple[tuple, ...] = (
       "actor_rollout_ref.rollout.skip_dump_dir"), _ENGINE),
     (("actor_rollout_ref.rollout.use_fire_sampling",), "FIRE sampling is " + _NOT_IMPLEMENTED),
     (("data.tool_config_path", "data.function_tool_path"), "verl's dataset reads the multi-turn tools to render "
-     "prompts; klppo renders them from actor_rollout_ref.rollout.multi_turn.tool_config_path"),
+     "prompts; klppo renders them from actor_rollout_ref.rollout.multi_turn.tool_config_path and function_tool_path"),
     (("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
       "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode"), "klppo renders each tool reply with the "
      "chat template and appends its tokens to the conversation's, never re-tokenising what the policy said"),

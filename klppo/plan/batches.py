@@ -24,7 +24,7 @@ from klppo.data.parquet import parquet_num_rows, read_parquet_sample
 from klppo.data.ranked import check_pair
 from klppo.data.rl_dataset import check_prompt, check_responses, encode_prompts, tokenize_responses
 from klppo.data.sampler import PromptBatches, run_length
-from klppo.data.tool_config import read_tool_config
+from klppo.data.tool_config import read_function_tools, read_tool_config
 from klppo.errors import UserError
 
 SAMPLED_BATCHES = 64  # batches of the length sample a token-budget estimate looks at, at most
@@ -250,11 +250,15 @@ def sample_lengths(cfg: PPOConfig, tokenizer, rows: int = 256) -> LengthSample:
 
 def prompt_template_kwargs(cfg: PPOConfig) -> dict:
     """What the chat template renders a prompt with: data.apply_chat_template_kwargs, and the multi-turn
-    tools' schemas, which the trainer shows the model in every prompt (read, never built)."""
-    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
-    if not (multi_turn.enable and multi_turn.tool_config_path):
-        return dict(cfg.data.apply_chat_template_kwargs)
-    return {**cfg.data.apply_chat_template_kwargs, "tools": [t.schema for t in read_tool_config(multi_turn.tool_config_path)]}
+    tools' schemas, which the trainer shows the model in every prompt (a tool config's are read, no tool
+    built; a function-tool file is run, as the trainer runs it, to read its functions' schemas)."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    schemas = []
+    if mt.enable and mt.tool_config_path:
+        schemas += [t.schema for t in read_tool_config(mt.tool_config_path)]
+    if mt.enable and mt.function_tool_path:
+        schemas += [t.schema for t in read_function_tools(mt.function_tool_path)]
+    return {**cfg.data.apply_chat_template_kwargs, **({"tools": schemas} if schemas else {})}
 
 
 def _recorded_response_tokens(row: dict, tokenizer, n: int, limit: int) -> list[int]:

@@ -14,6 +14,8 @@ user's own code, as ``custom_reward_function.path`` is) and used as verl uses it
 
 Each method may be a coroutine (verl's tools are ``async``): a turn runs every row's calls
 concurrently. ``response`` is text, or anything with a ``text`` attribute (verl's ToolResponse).
+verl's function tools (``multi_turn.function_tool_path``, ``data.tool_config.read_function_tools``)
+join them under the same interface (``CalledFunction``).
 
 The model asks for a tool in Hermes' format (``multi_turn.format: hermes``, or ``qwen``: the same layout)::
 
@@ -48,7 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from klppo.data.tool_config import INTERACTION_CONFIG_KEY, read_config_list, read_tool_config
+from klppo.data.tool_config import (
+    FUNCTION_TOOL_KEY, INTERACTION_CONFIG_KEY, read_config_list, read_function_tools, read_tool_config,
+)
 from klppo.errors import UserError
 from klppo.rewards import gsm8k
 
@@ -177,12 +181,59 @@ class Tools:
 NO_TOOLS = Tools({}, [])
 
 
-def load_tools(path: str | Path) -> Tools:
-    """The tools a verl tool config lists, each built once for the run (a ``UserError`` naming the
-    entry for a file, class or schema that is not right)."""
-    entries = read_tool_config(path)
+def load_tools(path: Optional[str | Path], function_tool_path: Optional[str | Path] = None) -> Tools:
+    """The tools a verl tool config lists, each built once for the run, and the functions a verl
+    function-tool file registers (``@function_tool``); a ``UserError`` naming the entry for a file, class
+    or schema that is not right, or for two tools of one name."""
+    entries = read_tool_config(path) if path else []
     by_name = {e.name: tool_class(e.class_name, e.where)(e.config, e.schema) for e in entries}
-    return Tools(by_name, [e.schema for e in entries])
+    schemas = [e.schema for e in entries]
+    for function in read_function_tools(function_tool_path) if function_tool_path else []:
+        if function.name in by_name:
+            raise UserError(f"{FUNCTION_TOOL_KEY} = {str(function_tool_path)!r}: its tool {function.name!r} has the name "
+                            f"of one in {path}; give each tool its own name")
+        by_name[function.name] = CalledFunction(function.fn)
+        schemas.append(function.schema)
+    return Tools(by_name, schemas)
+
+
+class CalledFunction:
+    """A function tool under verl's tool interface: no state (``create``/``release`` do nothing), each call
+    ``fn(**arguments)`` (in a worker thread unless it is a coroutine function), its return read as verl reads
+    it: a str, a dict (as JSON), anything with a ``text``, or ``(reply, reward[, metrics])``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def create(self, create_kwargs=None):
+        return None, None
+
+    async def execute(self, instance_id, arguments: dict):
+        if inspect.iscoroutinefunction(self.fn):
+            returned = await self.fn(**arguments)
+        else:
+            returned = await asyncio.to_thread(self.fn, **arguments)
+        reward, metrics = 0.0, {}
+        if isinstance(returned, tuple):
+            if not 1 <= len(returned) <= 3:
+                raise TypeError(f"a function tool returns (reply,), (reply, reward) or (reply, reward, metrics), not a "
+                                f"tuple of {len(returned)}")
+            returned, reward, metrics = (*returned, None, None)[:3]
+            reward = 0.0 if reward is None else float(reward)
+        return _reply_text(returned), reward, metrics or {}
+
+    def release(self, instance_id):
+        pass
+
+
+def _reply_text(value) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    if hasattr(value, "text"):  # verl's ToolResponse
+        return value.text or ""
+    return str(value)
 
 
 def tool_class(class_name: str, where: str, built_in: dict | None = None) -> type:

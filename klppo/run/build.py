@@ -38,7 +38,7 @@ from klppo.rewards.score import check_scorable, make_reward_fn
 from klppo.rollout.hf import StaticCaches
 from klppo.rollout.batch import eos_token_ids
 from klppo.rollout.multi_turn import MultiTurn, check_conversation_rows, check_tool_format
-from klppo.rollout.tools import NO_TOOLS, load_interactions, load_tools
+from klppo.rollout.tools import load_interactions, load_tools
 from klppo.rollout.vllm import VLLMEngine, require_vllm
 from klppo.run.offload import Offloader
 from klppo.run.settings import KLSettings, PPOSettings, compile_ppo, compute_dtype, uses_critic, uses_reference
@@ -152,7 +152,7 @@ def build_multi_turn(cfg: PPOConfig) -> Optional[MultiTurn]:
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
         return None
-    tools = load_tools(mt.tool_config_path) if mt.tool_config_path else NO_TOOLS
+    tools = load_tools(mt.tool_config_path, mt.function_tool_path)
     interactions = load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {}
     return MultiTurn(tools, mt.max_assistant_turns, mt.max_user_turns, mt.max_parallel_calls,
                      mt.max_tool_response_length, mt.tool_response_truncate_side,

@@ -21,8 +21,6 @@ MT = "actor_rollout_ref.rollout.multi_turn"
     (["actor_rollout_ref.rollout.name=hf", f"{MT}.max_parallel_calls=0"], f"{MT}.max_parallel_calls = 0 must be >= 1"),
     (["actor_rollout_ref.rollout.name=hf", f"{MT}.format=llama3_json"],
      f"{MT}.format = 'llama3_json' is not one of 'hermes', 'qwen', 'gpt-oss'"),
-    (["actor_rollout_ref.rollout.name=hf", f"{MT}.function_tool_path=tools.py"],
-     f"{MT}.function_tool_path = tools.py: klppo builds tools from verl's tool config YAML only"),
 ])
 def test_multi_turn_settings_that_cannot_work_are_errors_naming_the_key(changes, message):
     with pytest.raises(UserError) as info:
@@ -34,6 +32,10 @@ def test_a_run_where_nothing_answers_a_turn_says_so():
     notes: list[str] = []
     load_ppo_config(None, [*BASE, "actor_rollout_ref.rollout.name=hf", f"{MT}.enable=true"], notes=notes)
     assert any("nothing answers a turn, so every response is one turn" in n for n in notes)
+    notes.clear()
+    load_ppo_config(None, [*BASE, "actor_rollout_ref.rollout.name=hf", f"{MT}.enable=true",
+                           f"{MT}.function_tool_path=tools.py"], notes=notes)
+    assert not notes  # verl's function tools answer turns
     notes.clear()
     cfg = load_ppo_config(None, [*BASE, "actor_rollout_ref.rollout.name=sglang", f"{MT}.tool_config_path=t.yaml"],
                           notes=notes)

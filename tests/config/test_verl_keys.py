@@ -77,7 +77,7 @@ def test_every_key_without_effect_set_to_another_value_is_listed_in_one_warning(
 
 def test_every_refused_key_set_to_another_value_is_an_error_naming_it():
     refused = [k for k in not_acted_on() if reason_for(k, LEAVES)[1]]
-    assert "actor_rollout_ref.rollout.multi_turn.function_tool_path" in refused and len(refused) > 10
+    assert "data.custom_cls.path" in refused and len(refused) > 10
     message = error_of(*[f"{k}=__set__" for k in refused])
     assert all(f"{k} = __set__: " in message and "remove the key" in message for k in refused)
 

@@ -15,6 +15,7 @@ from klppo.data.batching import MicroBatching, micro_batch_plan
 from klppo.errors import UserError
 from klppo.rewards.score import make_reward_fn
 from klppo.run.build import build_multi_turn, load_datasets
+from tests.rollout.test_function_tools import FUNCTIONS
 from tests.test_example_configs import is_example_config
 from klppo.plan.batches import (
     LengthSample, batch_problems, bound_lengths, format_batches, plan_batches, sample_lengths,
@@ -286,18 +287,21 @@ def test_prompts_are_measured_as_the_run_renders_them_with_its_chat_template_kwa
 
 
 def test_multi_turn_prompts_are_measured_with_the_tools_schemas_as_the_trainer_renders_them(tmp_path, tiny_model_dir):
-    """The chat template shows every prompt the tools' schemas: the plan counts those tokens as the
-    trainer's own datasets do (``load_datasets``), without building a tool."""
+    """The chat template shows every prompt the tools' schemas (a tool config's and a function-tool
+    file's): the plan counts those tokens as the trainer's own datasets do (``load_datasets``)."""
     questions = ["What is 8 * 9?", "Tom has 3 apples and buys 4 more. How many apples does he have?"]
     path = tmp_path / "tool_rows.parquet"
     pq.write_table(pa.table({"data_source": ["openai/gsm8k"] * 2,
                              "prompt": [[{"role": "user", "content": q}] for q in questions],
                              "reward_model": [{"ground_truth": "72"}, {"ground_truth": "7"}]}), path)
     settings = (f"data.train_files={path}", f"actor_rollout_ref.model.path={tiny_model_dir}",
-                "actor_rollout_ref.rollout.name=hf", "data.max_prompt_length=1024", "data.train_batch_size=2",
+                "actor_rollout_ref.rollout.name=hf", "data.max_prompt_length=2048", "data.train_batch_size=2",
                 f"{ACTOR}.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.multi_turn.enable=true")
+    functions = tmp_path / "functions.py"
+    functions.write_text(FUNCTIONS)
     with_tools = load_ppo_config(None, [*settings, "actor_rollout_ref.rollout.multi_turn.tool_config_path="
-                                        f"{EXAMPLES / 'gsm8k_tool' / 'tools.yaml'}"])
+                                        f"{EXAMPLES / 'gsm8k_tool' / 'tools.yaml'}",
+                                        f"actor_rollout_ref.rollout.multi_turn.function_tool_path={functions}"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     train, _, _ = load_datasets(with_tools, tokenizer, make_reward_fn(None, None), lambda _: None,
                                 build_multi_turn(with_tools))
@@ -305,6 +309,7 @@ def test_multi_turn_prompts_are_measured_with_the_tools_schemas_as_the_trainer_r
     assert planned == tuple(len(r.prompt_ids) for r in train)
     without_tools = sample_lengths(load_ppo_config(None, list(settings)), tokenizer).prompt_tokens
     assert all(a > b + 20 for a, b in zip(planned, without_tools))  # the schema is dozens of tokens
+    assert "lookup" in tokenizer.decode(train[0].prompt_ids)  # the function tools' schemas too
 
 
 def test_online_responses_are_counted_at_their_bound_and_no_tokenizer_means_upper_bounds(tmp_path):
