@@ -332,8 +332,9 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     tokenizer = load_tokenizer(actor_model.path, chat_template=actor_model.custom_chat_template,
                                tokenizer_path=actor_model.tokenizer_path)
     multi_turn = build_multi_turn(cfg)  # its tools' file is read here, before any model loads
-    generation_config = read_generation_config(Path(actor_model.path), "actor_rollout_ref.model.path")
-    check_tool_format(multi_turn, tokenizer, eos_token_ids(tokenizer, generation_config))
+    if multi_turn is not None:  # its calls must end a turn: the actor's EOS ids, read before it loads
+        generation_config = read_generation_config(Path(actor_model.path), "actor_rollout_ref.model.path")
+        check_tool_format(multi_turn, tokenizer, eos_token_ids(tokenizer, generation_config))
     train, val, val_ranked = load_datasets(cfg, tokenizer, reward_fn, log, multi_turn)
     batches = prompt_batches(cfg, len(train))
     total_steps = run_length(trainer.total_training_steps, trainer.total_epochs, batches.steps_per_epoch)
