@@ -3,10 +3,10 @@
 Each response is a conversation: the policy speaks a turn (up to and including its EOS); where the
 turn calls tools (``tools.TOOL_CALL_PARSERS``), their replies are rendered as the chat template
 renders ``tool`` messages (gpt-oss: as verl writes them, ``tools.gpt_oss_replies``) and appended,
-and the policy speaks again. Where it calls none
-and the row has an interaction (``multi_turn.interaction_config_path``, the row's
-``extra_info.interaction_kwargs.name``), the interaction answers as the user, and the policy speaks
-again unless the interaction ends the conversation. A response ends when a turn gets no answer, at
+and the policy speaks again. Where it calls none and the row has an interaction
+(``multi_turn.interaction_config_path``, the row's ``extra_info.interaction_kwargs.name``), the
+interaction answers as the user, and the policy speaks again unless the interaction ends the
+conversation. A response ends when a turn gets no answer, at
 ``max_assistant_turns`` turns of the policy or ``max_user_turns`` answers (replies and users' turns),
 or when the next answer would not fit in ``response_length``; the policy's last turn is cut there.
 
