@@ -10,20 +10,21 @@ from pathlib import Path
 from launch import ROOT, _env, assert_same_metrics
 
 from klppo.monitoring.logger import read_metrics
-from tests.rollout.test_multi_turn import GSM8K_TOOL_CONFIG
-from tests.trainer.test_multi_turn_run import _tool_task, turns_reward, turns_score
+from tests.trainer.test_multi_turn_run import (
+    PROMPT_TOKENS, SHORT_GSM8K_TOOL_CONFIG, _tool_task, turns_reward, turns_score,
+)
 
 WORKER = Path(__file__).with_name("multi_turn_worker.py")
 
 
 def test_two_ranks_train_the_same_conversations_with_either_generation_weights(ppo_overrides, task_dir, tmp_path):
     tools = tmp_path / "tools.yaml"
-    tools.write_text(GSM8K_TOOL_CONFIG)
+    tools.write_text(SHORT_GSM8K_TOOL_CONFIG)
     data = _tool_task(task_dir, tmp_path / "train.parquet")
 
     def run(name: str, weights: str) -> list[dict]:
         overrides = ppo_overrides(tmp_path / name, **{
-            "data.train_files": data, "data.max_prompt_length": 384,  # with the tools' schemas
+            "data.train_files": data, "data.max_prompt_length": PROMPT_TOKENS,
             "actor_rollout_ref.rollout.name": "hf",
             "actor_rollout_ref.rollout.generation_weights": weights, "actor_rollout_ref.rollout.response_length": 128,
             "actor_rollout_ref.rollout.multi_turn.enable": "true",

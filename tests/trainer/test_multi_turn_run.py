@@ -20,7 +20,19 @@ from klppo.rollout import multi_turn as multi_turn_module
 from klppo.rollout.multi_turn import Turn
 from klppo.rollout.tools import HARMONY_TOKENS, ToolCall
 from klppo.trainer.forwards import compute_log_prob
-from tests.rollout.test_multi_turn import GSM8K_INTERACTION_CONFIG, GSM8K_TOOL_CONFIG, HARMONY_TEMPLATE
+from tests.rollout.test_multi_turn import GSM8K_INTERACTION_CONFIG, HARMONY_TEMPLATE
+
+
+# verl's gsm8k tool with a short schema: the tiny tokenizer spends ~350 tokens on verl's own (every
+# prompt carries it), which would triple these runs' forwards.
+SHORT_GSM8K_TOOL_CONFIG = """\
+tools:
+  - class_name: verl.tools.gsm8k_tool.Gsm8kTool
+    config: {type: native}
+    tool_schema: {type: function, function: {name: calc_gsm8k_reward, description: Scores an answer.,
+                  parameters: {type: object, properties: {answer: {type: string}}, required: [answer]}}}
+"""
+PROMPT_TOKENS = 256  # data.max_prompt_length for the arithmetic prompts with that schema
 
 
 def with_replies(batch, every: int = 3):
@@ -111,12 +123,12 @@ def test_a_run_calls_its_tools_and_trains_on_the_policys_turns(ppo_overrides, ta
     monkeypatch.setitem(multi_turn_module.TOOL_CALL_PARSERS, "hermes",
                         lambda text: [ToolCall("calc_gsm8k_reward", json.dumps({"answer": text[-3:]}))])
     tools = tmp_path / "tools.yaml"
-    tools.write_text(GSM8K_TOOL_CONFIG)
+    tools.write_text(SHORT_GSM8K_TOOL_CONFIG)
     data = _tool_task(task_dir, tmp_path / "train.parquet")
     records = run_ppo(None, ppo_overrides(**{
         **turns_reward(tmp_path),
         "data.train_files": data, "data.val_files": data, "data.val_max_samples": 4,
-        "data.max_prompt_length": 384,  # the tools' schemas come first in every prompt (353 tokens here)
+        "data.max_prompt_length": PROMPT_TOKENS,  # the tools' schemas come first in every prompt
         "actor_rollout_ref.rollout.name": "sglang", "actor_rollout_ref.rollout.response_length": 128,
         "actor_rollout_ref.rollout.multi_turn.enable": "true",
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": tools,
@@ -195,8 +207,8 @@ def test_a_gpt_oss_run_answers_its_calls_in_harmonys_format(ppo_overrides, task_
     monkeypatch.setitem(multi_turn_module.TOOL_CALL_PARSERS, "gpt-oss",
                         lambda text: [ToolCall("calc_gsm8k_reward", json.dumps({"answer": text[-3:]}))])
     tools = tmp_path / "tools.yaml"
-    tools.write_text(GSM8K_TOOL_CONFIG)
-    settings = {"data.train_files": _tool_task(task_dir, tmp_path / "train.parquet"), "data.max_prompt_length": 384,
+    tools.write_text(SHORT_GSM8K_TOOL_CONFIG)
+    settings = {"data.train_files": _tool_task(task_dir, tmp_path / "train.parquet"), "data.max_prompt_length": PROMPT_TOKENS,
                 "actor_rollout_ref.model.path": _harmony_model(tiny_model_dir, tmp_path / "gpt-oss"),
                 "actor_rollout_ref.rollout.name": "hf", "actor_rollout_ref.rollout.response_length": 96,
                 "actor_rollout_ref.rollout.multi_turn.enable": "true",
