@@ -12,7 +12,7 @@ import inspect
 import os
 import sys
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -120,10 +120,11 @@ def function_tool(name: Optional[str | Callable] = None, *, schema: Optional[dic
 
 def read_function_tools(path: str | Path) -> list[FunctionTool]:
     """The functions a verl function-tool file registers, in order. The file is run as verl runs it
-    (the user's own code, as custom_reward_function.path is); while it runs, ``verl.tools.function_tool``
-    and ``verl.tools.schemas`` are klppo's stand-ins (``function_tool``, ``ToolResponse``), so it needs no
-    verl installed. A file that cannot run, registers nothing, or whose schema cannot be built is a
-    ``UserError`` naming it."""
+    (the user's own code, as custom_reward_function.path is). Where verl is not installed,
+    ``verl.tools.function_tool`` and ``verl.tools.schemas`` are klppo's stand-ins while it runs
+    (``function_tool``, ``ToolResponse``); where it is, the file imports verl's own, and its tools are
+    read from verl's registry. A file that cannot run, registers nothing, or whose schema cannot be
+    built is a ``UserError`` naming it."""
     global _registered
     path = Path(path)
     if not path.is_file():
@@ -134,10 +135,12 @@ def read_function_tools(path: str | Path) -> list[FunctionTool]:
     module = importlib.util.module_from_spec(spec)
     _registered = []
     try:
-        with _verl_stand_ins():
+        registry = _verls_registry()
+        before = set(registry or ())
+        with _verl_stand_ins() if registry is None else nullcontext():
             sys.modules[module_name] = module
             spec.loader.exec_module(module)
-        tools = _registered
+        tools = _registered + [_from_verl(registry[name]) for name in registry or () if name not in before]
     except UserError:
         raise
     except Exception as error:  # noqa: BLE001 (the user's file: any error, named with its place)
@@ -153,6 +156,22 @@ def read_function_tools(path: str | Path) -> list[FunctionTool]:
         raise UserError(f"{FUNCTION_TOOL_KEY} = {str(path)!r} registers {', '.join(twice)} twice; give each tool its "
                         "own name")
     return tools
+
+
+def _verls_registry() -> Optional[dict]:
+    """verl's function-tool registry (name -> its FunctionTool), where verl is installed; else None."""
+    if importlib.util.find_spec("verl") is None:
+        return None
+    try:
+        from verl.tools.function_tool import FUNCTION_TOOL_REGISTRY
+    except ImportError:  # a verl older than its function tools (0.8)
+        return None
+    return FUNCTION_TOOL_REGISTRY
+
+
+def _from_verl(tool) -> FunctionTool:
+    """verl's own FunctionTool, its schema dumped as verl hands it to the chat template."""
+    return FunctionTool(tool.name, tool.fn, tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True))
 
 
 def _schema_of(fn: Callable, name: str) -> dict:

@@ -3,6 +3,7 @@ run as verl runs it without verl installed, each function a tool whose schema it
 docstring give."""
 
 import json
+import sys
 import textwrap
 
 import pytest
@@ -72,7 +73,6 @@ def test_the_files_functions_are_tools_with_the_schemas_verl_builds(tmp_path):
     assert tools[1].schema["function"]["name"] == "lookup"  # renamed; the schema's other parts are find's
     assert tools[1].schema["function"]["parameters"]["required"] == ["word"]
     assert tools[2].schema["function"]["description"] == "Scores an answer."
-    import sys
     assert "verl" not in sys.modules  # the stand-ins are gone once the file has run
 
 
@@ -119,3 +119,54 @@ def test_a_missing_file_or_a_name_a_yaml_tool_has_is_refused(tmp_path):
     renamed = FUNCTIONS.replace('@function_tool("lookup")', '@function_tool("calc_gsm8k_reward")')
     with pytest.raises(UserError, match="its tool 'calc_gsm8k_reward' has the name of one in"):
         load_tools(write(tmp_path, GSM8K_TOOL_CONFIG, "tools.yaml"), write(tmp_path, renamed))
+
+
+# What a file registering with verl's own decorator needs of an installed verl (0.8+): its registry
+# of FunctionTool carriers, whose pydantic schema klppo dumps as verl does.
+FAKE_VERL_FUNCTION_TOOL = textwrap.dedent('''\
+    from dataclasses import dataclass
+
+    FUNCTION_TOOL_REGISTRY = {}
+
+
+    class Schema:
+        def __init__(self, data):
+            self.data = data
+
+        def model_dump(self, exclude_unset=False, exclude_none=False):
+            return dict(self.data)
+
+
+    @dataclass
+    class FunctionTool:
+        name: str
+        fn: object
+        tool_schema: Schema
+
+
+    def function_tool(fn):
+        FUNCTION_TOOL_REGISTRY[fn.__name__] = FunctionTool(fn.__name__, fn, Schema({"type": "function", "function": {
+            "name": fn.__name__, "description": "from verl's registry"}}))
+        return fn
+    ''')
+
+
+def test_where_verl_is_installed_the_file_registers_with_verl_and_klppo_reads_its_registry(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "verl"
+    (package / "tools").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "utils.py").write_text("ANSWER = 42\n")  # the rest of verl stays importable from the file
+    (package / "tools" / "__init__.py").write_text("")
+    (package / "tools" / "function_tool.py").write_text(FAKE_VERL_FUNCTION_TOOL)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
+        monkeypatch.delitem(sys.modules, name)
+    path = write(tmp_path, "from verl.tools.function_tool import function_tool\nfrom verl.utils import ANSWER\n\n\n"
+                           "@function_tool\ndef answer() -> int:\n    return ANSWER\n")
+    try:
+        (tool,) = read_function_tools(path)
+    finally:  # the fake verl leaves with the test
+        for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
+            del sys.modules[name]
+    assert tool.name == "answer" and tool.fn() == 42
+    assert tool.schema == {"type": "function", "function": {"name": "answer", "description": "from verl's registry"}}
