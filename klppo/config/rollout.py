@@ -66,6 +66,14 @@ class MultiTurnConfig:
 
 
 @dataclass
+class AgentLoopConfig:
+    # verl's loop for rows without an agent_name column: single_turn_agent (one turn), or tool_agent
+    # (a conversation: needs multi_turn.enable). With multi_turn.enable, klppo lets such rows converse
+    # whatever this says (the key's plain meaning); verl's other agent settings configure its workers.
+    default_agent_loop: Literal["single_turn_agent", "tool_agent"] = "single_turn_agent"
+
+
+@dataclass
 class RolloutConfig:
     # Where responses come from: recorded in the data (offline), generated with Hugging Face
     # generate (hf) or with vLLM (vllm: the `klppo[vllm]` extra). verl's sglang and trtllm
@@ -160,3 +168,4 @@ class RolloutConfig:
     seed: int = 42
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)

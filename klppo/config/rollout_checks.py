@@ -91,6 +91,11 @@ def multi_turn_problems(cfg: PPOConfig) -> list[tuple[tuple[str, ...], str]]:
             out.append(((f"{MULTI_TURN}.{key}",), f"{MULTI_TURN}.{key} = {value} must be >= 1"
                         + (" (or null: no limit)" if key.endswith("_turns") else "")))
     if not mt.enable:
+        if rollout.agent.default_agent_loop == "tool_agent":
+            out.append(((f"{ROLLOUT}.agent.default_agent_loop", f"{MULTI_TURN}.enable"),
+                        f"{ROLLOUT}.agent.default_agent_loop = 'tool_agent' makes every row without an agent_name a "
+                        f"conversation with tools (as verl runs it), but {MULTI_TURN}.enable is false; set it to true "
+                        "(with multi_turn.tool_config_path)"))
         return out
     enabled = f"{MULTI_TURN}.enable"
     if rollout.name == "offline":

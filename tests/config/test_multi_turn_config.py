@@ -47,3 +47,18 @@ def test_qwen_format_of_verls_sglang_configs_reads_hermes_tool_calls():
     """verl's SGLang configs name format qwen: SGLang's Qwen 2.5 parser reads the Hermes layout."""
     cfg = load_ppo_config(None, [*BASE, "actor_rollout_ref.rollout.name=sglang", f"{MT}.enable=true", f"{MT}.format=qwen"])
     assert cfg.actor_rollout_ref.rollout.multi_turn.format == "qwen"
+
+
+@pytest.mark.parametrize("loop, message", [
+    ("tool_agent", "agent.default_agent_loop = 'tool_agent' makes every row without an agent_name a conversation with "
+                   f"tools (as verl runs it), but {MT}.enable is false"),
+    ("react_agent", "agent.default_agent_loop = 'react_agent' is not one of 'single_turn_agent', 'tool_agent'"),
+])
+def test_verls_default_agent_loop_that_klppo_would_not_run_as_verl_is_an_error(loop, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_ppo_config(None, [*BASE, "actor_rollout_ref.rollout.name=hf",
+                               f"actor_rollout_ref.rollout.agent.default_agent_loop={loop}"])
+    cfg = load_ppo_config(None, [*BASE, "actor_rollout_ref.rollout.name=hf", f"{MT}.enable=true",
+                                 f"{MT}.tool_config_path=t.yaml", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+                                 "actor_rollout_ref.rollout.agent.num_workers=4"])  # verl's worker count: no effect
+    assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "tool_agent"
