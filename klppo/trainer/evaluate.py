@@ -7,7 +7,7 @@ import dataclasses
 import math
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -182,7 +182,7 @@ def validate(
     ``generations``, when given, gets every response as text (all ranks', in record order).
     """
     sample = sample or hf_sampler(actor, tokenizer, env, env.is_distributed if sharded is None else sharded)
-    rows = []  # (data source, score, length, response text or None, reference or None, gold or None) per response
+    rows: list[ValidationRow] = []
     texts_of = []  # ((record index, sample), Generation) per response, with ``generations``
     with seeded(env.rank, env.device):
         for part, n_real in rank_parts(records, batch_size or len(records), env, group_size):
@@ -197,23 +197,42 @@ def validate(
             if generations is not None:
                 samples = [(r.index, j) for r in part for j in range(params.n)]
                 texts_of += zip(samples[:real], batch_generations(on_device, tokenizer, scores)[:real])
-            rows += [(src, score, length, text if ref else None, ref, gold) for src, score, length, text, ref, gold
-                     in zip(batch.data_sources[:real], scores[:real], lengths[:real], texts[:real], refs[:real],
-                            golds[:real])]
+            rows += [ValidationRow(src, score, length, text if ref else None, ref, gold)
+                     for src, score, length, text, ref, gold in zip(batch.data_sources[:real], scores[:real],
+                                                                    lengths[:real], texts[:real], refs[:real],
+                                                                    golds[:real])]
     rows = [row for rank_rows in all_gather_objects(rows) for row in rank_rows]
     if generations is not None:
         generations += [g for _, g in sorted((t for rank in all_gather_objects(texts_of) for t in rank),
                                              key=lambda t: t[0])]
-    metrics = per_source_means(rows, 1, f"val-core/{{}}/reward/mean@{params.n}")
-    if gold_scorer is not None:
-        metrics.update(per_source_means(rows, 5, f"val-gold/{{}}/reward/mean@{params.n}"))
-        for prefix, column in (("val-core", 1), ("val-gold", 5)):
-            metrics[f"{prefix}/reward/mean"], metrics[f"{prefix}/reward/std"] = mean_and_std([row[column] for row in rows])
-    metrics["val-aux/response_length/mean"] = sum(row[2] for row in rows) / len(rows)
-    with_ref = [(text, ref) for *_, text, ref, _ in rows if ref is not None]
+    return response_metrics(rows, params.n, gold=gold_scorer is not None)
+
+
+class ValidationRow(NamedTuple):
+    """One validation response: what its metrics read."""
+
+    data_source: str
+    score: float
+    length: int  # response tokens
+    text: Optional[str]  # the response, where its prompt carries a reference text
+    reference: Optional[str]
+    gold: Optional[float]  # trainer.gold_reward's score
+
+
+def response_metrics(rows: list[ValidationRow], n: int, gold: bool) -> dict[str, float]:
+    """``validate``'s metrics of every rank's responses: rewards per data source (and the gold reward's),
+    response length, and text similarity where prompts carry a reference."""
+    metrics = per_source_means(rows, "score", f"val-core/{{}}/reward/mean@{n}")
+    if gold:
+        metrics.update(per_source_means(rows, "gold", f"val-gold/{{}}/reward/mean@{n}"))
+        for prefix, field in (("val-core", "score"), ("val-gold", "gold")):
+            metrics[f"{prefix}/reward/mean"], metrics[f"{prefix}/reward/std"] = mean_and_std(
+                [getattr(row, field) for row in rows])
+    metrics["val-aux/response_length/mean"] = sum(row.length for row in rows) / len(rows)
+    with_ref = [row for row in rows if row.reference is not None]
     if with_ref:
-        metrics["val-aux/bleu"] = bleu([t for t, _ in with_ref], [r for _, r in with_ref])
-        metrics["val-aux/rougeL"] = rouge_l([t for t, _ in with_ref], [r for _, r in with_ref])
+        metrics["val-aux/bleu"] = bleu([row.text for row in with_ref], [row.reference for row in with_ref])
+        metrics["val-aux/rougeL"] = rouge_l([row.text for row in with_ref], [row.reference for row in with_ref])
     return metrics
 
 
@@ -223,11 +242,11 @@ def mean_and_std(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
-def per_source_means(rows: list[tuple], column: int, key: str) -> dict[str, float]:
-    """``key.format(data_source)`` -> the mean of ``row[column]`` over each data source's rows."""
+def per_source_means(rows: list[ValidationRow], field: str, key: str) -> dict[str, float]:
+    """``key.format(data_source)`` -> the mean of each row's ``field`` over each data source's rows."""
     per_source: dict[str, list[float]] = defaultdict(list)
     for row in rows:
-        per_source[row[0]].append(row[column])
+        per_source[row.data_source].append(getattr(row, field))
     return {key.format(source): sum(v) / len(v) for source, v in per_source.items()}
 
 
