@@ -354,7 +354,8 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     initial = trained_values(actor) if settings.actor_lora else None
     engine = None
     if settings.engine is not None:  # last: on a GPU it takes its share of the memory the models left
-        group = consecutive_group(settings.engine.tensor_parallel_size)  # collective: before the engine's own
+        # Conversations' answers are shared within a tensor-parallel group (collective: before the engine's own).
+        group = consecutive_group(settings.engine.tensor_parallel_size) if multi_turn is not None else None
         engine = VLLMEngine(cfg.actor_rollout_ref.model.path, actor.config, settings.engine, env.device,
                             env.world_size > 1, available_bytes(env.device),  # a group of one needs no launcher
                             generation_config=getattr(actor, "generation_config", None),
