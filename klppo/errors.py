@@ -14,7 +14,14 @@ from typing import Iterator
 
 
 class UserError(ValueError):
-    """A problem in the user's config, data or files, with a message that names the fix."""
+    """A problem in the user's config, data or files, with a message that names the fix.
+
+    ``raised_on_every_rank``: every rank of the run stops with this error at the same point
+    (``klppo.distributed.same_on_every_rank`` agreed on it), so the ranks may leave their
+    process group in step, as after a success.
+    """
+
+    raised_on_every_rank: bool = False
 
 
 def reason(exc: BaseException) -> str:

@@ -35,7 +35,7 @@ def _train(cfg, env, print_fn) -> list[dict]:
     from klppo.run.build import build_ppo
     from klppo.trainer.ppo_trainer import PPOTrainer
     from klppo.run.state import resume_target
-    from klppo.run.setup import same_on_every_rank
+    from klppo.distributed import same_on_every_rank
 
     check_memory_plan(cfg, env, print_fn)  # before any model loads; a run that cannot fit stops here
     setup_memory = PeakMemory(env.device)
@@ -62,7 +62,7 @@ def check_memory_plan(cfg, env, print_fn) -> None:
     from klppo.distributed import all_gather_objects
     from klppo.monitoring.memory import available_bytes
     from klppo.plan.check import check_at_start, plan_check_mode
-    from klppo.run.setup import same_on_every_rank
+    from klppo.distributed import same_on_every_rank
 
     if plan_check_mode(cfg) == "off":
         return

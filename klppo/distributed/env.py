@@ -116,15 +116,45 @@ def init_distributed(device: str = "auto", *, group_of_one: bool = False,
 
 
 def run_on_ranks(env: DistEnv, work: Callable[[Callable], T], print_fn: Callable = print) -> T:
-    """``work(print_fn)`` on this rank (only rank 0 prints), then leave the process group: cleanly
-    after success, at once after a failure (torchrun then stops the other ranks, no one hangs)."""
+    """``work(print_fn)`` on this rank (only rank 0 prints), then leave the process group.
+
+    In step with the other ranks (``close``) after a success, and after an error every rank
+    raised at the same point (``same_on_every_rank``): a rank that closed its connections at once
+    could cut off a peer still reading that rank's part of the collective that agreed the error.
+    At once after any other failure (``abandon``): the other ranks may never arrive, and torchrun
+    stops them when it sees this rank fail, so no one hangs.
+    """
     try:
         result = work(on_rank_zero(print_fn, env))
+    except UserError as error:
+        close(env) if error.raised_on_every_rank else abandon(env)
+        raise
     except BaseException:
         abandon(env)
         raise
     close(env)
     return result
+
+
+def same_on_every_rank(work: Callable[[], T]) -> T:
+    """``work()``; a ``UserError`` it raises on any rank is raised on every rank (one collective).
+
+    Some checks see only this rank's share: the user's reward function scores this rank's rows,
+    the resume check reads this rank's rank_R.pt. One rank alone would refuse, and the others
+    would go on into the next collective until the launcher killed them, their logs showing a
+    lost connection instead of the user's error. Agreeing first stops every rank with the same
+    error (exit status 2), as one process stops, and marks it ``raised_on_every_rank``.
+    """
+    try:
+        result, error = work(), None
+    except UserError as exc:
+        result, error = None, exc
+    messages = [m for m in all_gather_objects(None if error is None else str(error)) if m is not None]
+    if not messages:
+        return result
+    agreed = error if error is not None else UserError(messages[0])
+    agreed.raised_on_every_rank = True
+    raise agreed
 
 
 def on_rank_zero(print_fn: Callable, env: DistEnv) -> Callable:

@@ -12,7 +12,7 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable, Optional, TypeVar
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
@@ -31,7 +31,6 @@ from klppo.models.lora import LoraSpec, attach_adapters, read_adapter_config, wi
 from klppo.models.sharded_load import ConvertedWeights, WeightReader, converts_on_load, full_tensors
 from klppo.monitoring.memory import HEAP_TOP_PAD
 
-T = TypeVar("T")
 PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}  # None: no mixed precision
 
 
@@ -126,27 +125,6 @@ def check_world(n_gpus_per_node: int, nnodes: int, world_size: int) -> None:
             f"but this run has {world_size} process(es); launch with torchrun --nnodes {nnodes} --nproc_per_node "
             f"{n_gpus_per_node}, or set the two keys to the world you launch"
         )
-
-
-def same_on_every_rank(work: Callable[[], T]) -> T:
-    """``work()``; a ``UserError`` it raises on any rank is raised on every rank (one collective).
-
-    Some checks see only this rank's share: the user's reward function scores this rank's rows,
-    the resume check reads this rank's rank_R.pt. One rank alone would refuse, and the others
-    would go on into the next collective until the launcher killed them, their logs showing a
-    lost connection instead of the user's error. Agreeing first stops every rank with the same
-    error (exit status 2), as one process stops.
-    """
-    try:
-        result, error = work(), None
-    except UserError as exc:
-        result, error = None, exc
-    messages = [m for m in all_gather_objects(None if error is None else str(error)) if m is not None]
-    if error is not None:
-        raise error
-    if messages:
-        raise UserError(messages[0])
-    return result
 
 
 class Sharder:

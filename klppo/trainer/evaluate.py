@@ -32,7 +32,7 @@ from klppo.trainer.forwards import (
 from klppo.trainer.responses import (
     VALIDATION, engine_seeds, generation_decoding, generation_model, sync_engine_weights, turns_together,
 )
-from klppo.run.setup import same_on_every_rank
+from klppo.distributed import same_on_every_rank
 from klppo.safety.guards import RunGuard
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from klppo.rewards.token_scores import scores_at_last_token
 from klppo.rollout.batch import RolloutBatch
 from klppo.run.adapters import adapters_at
 from klppo.run.settings import RewardModelForward, RewardSettings
-from klppo.run.setup import same_on_every_rank
+from klppo.distributed import same_on_every_rank
 from klppo.trainer.update import Forwarded, forward_first
 
 if TYPE_CHECKING:

@@ -27,14 +27,13 @@ from klppo.config import RMConfig, SFTConfig, format_config
 from klppo.config.schema import FSDPConfig
 from klppo.config.supervised import SFTTrainerConfig
 from klppo.data.sampler import PromptBatches, run_length
-from klppo.distributed import DistEnv, load_training_state, run_on_ranks, shard_range, training_state
+from klppo.distributed import DistEnv, load_training_state, run_on_ranks, same_on_every_rank, shard_range, training_state
 from klppo.errors import UserError
 from klppo.monitoring.logger import METRICS_FILE, MetricsLogger
 from klppo.run.adapters import export_model
 from klppo.run.folder import RunFolder
 from klppo.run.setup import (
-    Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, return_freed_memory, same_on_every_rank,
-    seed_everything,
+    Sharder, build_optimizer_and_scheduler, check_run_dir, join_world, return_freed_memory, seed_everything,
 )
 
 SupervisedConfig = Union[SFTConfig, RMConfig]

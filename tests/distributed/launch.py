@@ -15,7 +15,8 @@ ROOT = Path(__file__).parents[2]
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
+    # PYTHONFAULTHANDLER: a rank that dies of a signal prints every thread's Python stack first.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONFAULTHANDLER": "1",
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 

@@ -90,3 +90,60 @@ def test_verls_critic_timeout_is_noted_as_covered_by_the_one_group():
                     notes=notes)
     assert any("critic.nccl_timeout=1800" in n for n in notes)
     assert any("timeout is actor_rollout_ref.nccl_timeout" in n for n in notes)
+
+
+@pytest.fixture
+def group_calls(monkeypatch):
+    """A stand-in two-rank process group -> the calls that leave it, in order."""
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
+    return calls
+
+
+TWO_RANKS = env_module.DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), is_distributed=True)
+
+
+def test_an_error_another_rank_raised_is_raised_here_and_every_rank_leaves_the_group_in_step(group_calls, monkeypatch):
+    # Rank 1's reward function failed; this rank's part succeeded. Leaving at once could cut rank 1
+    # off while it still reads this rank's half of the gather that agreed the error.
+    monkeypatch.setattr(env_module, "all_gather_objects", lambda obj: [obj, "rank 1's reward function raised"])
+    with pytest.raises(UserError, match="rank 1's reward function raised") as raised:
+        env_module.run_on_ranks(TWO_RANKS, lambda log: env_module.same_on_every_rank(lambda: 0.5))
+    assert raised.value.raised_on_every_rank
+    assert group_calls == ["barrier", "destroy"]
+
+
+def test_an_error_this_rank_agreed_on_keeps_its_own_type_and_leaves_in_step(group_calls, monkeypatch):
+    from klppo.checkpoint.verify import IncompatibleCheckpoint
+
+    monkeypatch.setattr(env_module, "all_gather_objects", lambda obj: [obj, None])
+
+    def refuse():
+        raise IncompatibleCheckpoint("rank_0.pt was written by 4 ranks")
+
+    with pytest.raises(IncompatibleCheckpoint, match="written by 4 ranks"):
+        env_module.run_on_ranks(TWO_RANKS, lambda log: env_module.same_on_every_rank(refuse))
+    assert group_calls == ["barrier", "destroy"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA out of memory"), UserError("a bad row on this rank alone")])
+def test_an_error_on_this_rank_alone_leaves_the_group_at_once_without_waiting(group_calls, error):
+    def fail(log):
+        raise error
+
+    with pytest.raises(type(error)):
+        env_module.run_on_ranks(TWO_RANKS, fail)
+    assert group_calls == ["destroy"]  # a barrier would hang: the other ranks are not coming
+
+
+def test_a_run_that_succeeds_leaves_the_group_after_every_rank_is_done(group_calls):
+    assert env_module.run_on_ranks(TWO_RANKS, lambda log: "done") == "done"
+    assert group_calls == ["barrier", "destroy"]
+
+
+def test_agreeing_when_no_rank_refused_returns_this_ranks_result(monkeypatch):
+    monkeypatch.setattr(env_module, "all_gather_objects", lambda obj: [obj, None])
+    assert env_module.same_on_every_rank(lambda: 7) == 7
