@@ -10,6 +10,9 @@ such key that is not a field of ``schema.py`` out of the raw config:
 - a key verl spells two ways (``optim.clip_grad`` / ``grad_clip``; 0.9.1's ``reward.*`` /
   the older ``reward_model.*``) moves to klppo's spelling, and acts;
 - verl's global micro-batch sizes become the per-device ones, as verl computes them;
+- with Ulysses sequence parallelism, verl's per-device micro-batch is a group's (each device
+  holds 1/sp of every sequence); klppo keeps whole sequences on each device, so it takes 1/sp
+  as many sequences per micro-batch: the same tokens per device, the same numbers;
 - any other key is dropped; when its value differs from verl's default it is listed, with the
   reason from ``verl_reasons.RULES``, in one summary warning, or refused as an error when
   ignoring it would change what is trained.
@@ -80,6 +83,21 @@ GLOBAL_MICRO: dict[str, str] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size": "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_micro_batch_size": "critic.ppo_micro_batch_size_per_gpu",
     "reward_model.micro_batch_size": "reward_model.micro_batch_size_per_gpu",
+}
+
+# verl's Ulysses sequence-parallel sizes (its older and newer spellings), each with the per-device
+# micro-batches it shares over a group of devices. verl's reference defaults to the actor's size.
+_ACTOR_SP = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+             "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size")
+_REF_SP = ("actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+           "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size")
+_CRITIC_SP = ("critic.ulysses_sequence_parallel_size", "critic.fsdp.ulysses_sequence_parallel_size",
+              "critic.model.fsdp_config.ulysses_sequence_parallel_size")
+ULYSSES_MICRO: dict[str, tuple[tuple[str, ...], ...]] = {  # micro-batch key -> SP keys, first found first
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (_ACTOR_SP,),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": (_ACTOR_SP,),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": (_REF_SP, _ACTOR_SP),
+    "critic.ppo_micro_batch_size_per_gpu": (_CRITIC_SP,),
 }
 
 
@@ -193,6 +211,7 @@ def split_verl_keys(
     """
     split = _Split(raw, fields, is_default, unknown, problems)
     kept = _walk(split, raw, "")
+    _whole_sequence_micro_batches(split, kept)  # before the moves: a global size is already per device
     for key, value in split.moves:
         set_dotted(kept, key, value)
     return kept, split.ignored
@@ -299,6 +318,42 @@ def _global_micro(split: _Split, key: str, value: Any) -> None:
         split.moves.append((target, value // world))
         return
     split.problems.append(Problem((key, target), why))
+
+
+def _whole_sequence_micro_batches(split: _Split, kept: dict) -> None:
+    """verl's per-device micro-batches under Ulysses groups of sp devices, as klppo's whole-sequence
+    ones: ``micro // sp`` sequences (at least one), the tokens per device of verl's groups. The SP
+    key's line in the no-effect warning names the sizes taken."""
+    resized: dict[str, list[str]] = {}
+    for micro_key, sp_key_lists in ULYSSES_MICRO.items():
+        found, micro = get_dotted(kept, micro_key)
+        sp_key, sp = _sequence_parallel_size(split.full, sp_key_lists)
+        if found and positive_int(micro) and sp > 1:
+            set_dotted(kept, micro_key, max(1, micro // sp))
+            resized.setdefault(sp_key, []).append(f"{micro_key} {micro} -> {max(1, micro // sp)}")
+    split.ignored = [(key, value, reason if key not in resized else whole_sequences_reason(value, resized[key]))
+                     for key, value, reason in split.ignored]
+
+
+def whole_sequences_reason(sp: int, resized: list[str]) -> str:
+    """Why a Ulysses size has no effect on the numbers, naming the micro-batch sizes it changed."""
+    return (f"Ulysses sequence parallelism: klppo keeps whole sequences on each device, so its micro-batches hold "
+            f"1/{sp} as many, the tokens per device of verl's groups of {sp}: {', '.join(resized)}; the numbers "
+            f"are the same")
+
+
+def _sequence_parallel_size(raw: dict, sp_key_lists: tuple[tuple[str, ...], ...]) -> tuple[str, int]:
+    """(key, size): the largest SP size set as a whole number in the first list that sets one ("", 1: none)."""
+    for keys in sp_key_lists:
+        sizes = [(value, key) for key in keys for found, value in [get_dotted(raw, key)] if found and positive_int(value)]
+        if sizes:
+            size, key = max(sizes)
+            return key, size
+    return "", 1
+
+
+def positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # ---- helpers ----

@@ -12,8 +12,8 @@ DATA = Path(__file__).parent / "data"
 REQUIRED = ["data.train_files=train.parquet", "actor_rollout_ref.model.path=models/tiny"]
 
 
-def load(*overrides: str) -> PPOConfig:
-    return load_ppo_config(None, REQUIRED + list(overrides))
+def load(*overrides: str, notes: list[str] | None = None) -> PPOConfig:
+    return load_ppo_config(None, REQUIRED + list(overrides), notes=notes)
 
 
 def errors_of(*overrides: str, path: str | None = None) -> str:
@@ -265,6 +265,50 @@ def test_verl_global_micro_batch_with_the_per_gpu_one_or_not_dividing_is_an_erro
     assert "keep actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu only" in message
     assert "critic.ppo_micro_batch_size = 6 is verl's global micro-batch, split over" in message
     assert "set critic.ppo_micro_batch_size_per_gpu (samples per device) instead" in message
+
+
+def test_verl_micro_batches_of_ulysses_groups_become_whole_sequence_ones_with_the_same_tokens_per_device():
+    # verl's examples/ppo_trainer/run_deepseek7b_llm_sp2.sh: groups of 2 devices, each holding half of every
+    # sequence of a micro-batch; klppo keeps whole sequences, so half as many fill a device as much.
+    notes = []
+    cfg = load("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+               "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64", "critic.model.path=models/tiny",
+               "critic.ulysses_sequence_parallel_size=2", "critic.ppo_micro_batch_size_per_gpu=64",
+               "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=3", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+               "data.train_batch_size=1024", "trainer.n_gpus_per_node=8", notes=notes)
+    arf = cfg.actor_rollout_ref
+    assert (arf.actor.ppo_micro_batch_size_per_gpu, arf.rollout.log_prob_micro_batch_size_per_gpu) == (16, 32)
+    assert (arf.ref.log_prob_micro_batch_size_per_gpu, cfg.critic.ppo_micro_batch_size_per_gpu) == (1, 32)  # ref: the actor's size
+    text = "\n".join(notes)
+    assert ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2: no effect in klppo (Ulysses sequence parallelism: "
+            "klppo keeps whole sequences on each device, so its micro-batches hold 1/2 as many") in text
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu 32 -> 16" in text
+    assert "critic.ppo_micro_batch_size_per_gpu 64 -> 32" in text
+
+
+def test_ulysses_sizes_of_each_role_and_spelling_size_only_that_roles_micro_batches():
+    cfg = load("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=4",
+               "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+               "critic.model.path=models/tiny", "critic.ppo_micro_batch_size_per_gpu=8")
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 2  # verl 0.9.1's spelling
+    assert cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 8  # the reference runs without groups
+    assert cfg.critic.ppo_micro_batch_size_per_gpu == 8  # the critic has its own size, unset
+
+
+def test_a_global_micro_batch_under_ulysses_is_divided_over_every_device_once():
+    # verl: 16 // (8 devices / 2) = 4 sequences per group of 2 = 2 per device, which klppo's division gives
+    cfg = load("actor_rollout_ref.actor.ppo_micro_batch_size=16", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+               "trainer.n_gpus_per_node=8")
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 2
+
+
+def test_verl_sft_micro_batch_of_a_ulysses_group_becomes_a_whole_sequence_one():
+    notes = []
+    cfg = load_sft_config(str(DATA / "gsm8k_sft.yaml"), ["data.micro_batch_size_per_gpu=8", "ulysses_sequence_parallel_size=2"],
+                          notes=notes)
+    assert cfg.data.micro_batch_size_per_gpu == 4
+    assert "ulysses_sequence_parallel_size=2: no effect in klppo (Ulysses sequence parallelism" in "\n".join(notes)
+    assert "data.micro_batch_size_per_gpu 8 -> 4" in "\n".join(notes)
 
 
 # ---- an open mapping: data.apply_chat_template_kwargs ----
