@@ -164,7 +164,8 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
     says whether any rank has a row left, and a rank without one decodes a stand-in row.
     ``share(compute)``: the answers of a turn (tools' replies, users' turns), computed once for ranks
     that hold the same conversations and must feed their engine the same tokens (a tensor-parallel
-    vLLM engine's: ``distributed.env.computed_by_first_rank``); here, by default.
+    vLLM engine's: ``distributed.env.computed_by_first_rank``); here, by default. Interactions are
+    started and finished there too, so a group's conversation is one instance of its interaction.
     """
     rows = [_Conversation(list(r.prompt_ids), (r.extra_info or {}).get("tools_kwargs") or {}, _messages(r),
                           single_turn=r.agent_name == "single_turn_agent") for r in records for _ in range(n)]
@@ -173,9 +174,11 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
     talking = [row for row in rows if not row.single_turn]
     if settings.interactions and talking:
         kwargs = [(r.extra_info or {}).get("interaction_kwargs") for r in records for _ in range(n)]
-        started = start_interactions(settings.interactions, [k for k, row in zip(kwargs, rows) if not row.single_turn])
-        for row, interaction in zip(talking, started):
-            row.interaction = interaction
+        talking_kwargs = [k for k, row in zip(kwargs, rows) if not row.single_turn]
+        # Started where the answers are computed (once per group); every member keeps the instance ids.
+        ids = share(lambda: [instance for _, instance, _ in start_interactions(settings.interactions, talking_kwargs)])
+        for row, instance, k in zip(talking, ids, talking_kwargs):
+            row.interaction = (settings.interactions[k["name"]], instance, k)
     while keep_going(any(not row.done for row in rows)):
         active = [i for i, row in enumerate(rows) if not row.done]
         if not active:  # another rank still decodes: one stand-in token, thrown away
@@ -203,7 +206,7 @@ def multi_turn_rollout(records: list[PromptRecord], n: int, tokenizer, generate_
         if users:
             _append_user_turns(users, tokenizer, settings, prefix, response_length, share)
     if settings.interactions:
-        finish_interactions([row.interaction for row in talking])
+        share(lambda: finish_interactions([row.interaction for row in talking]))
     return _as_batch(records, n, rows, tokenizer.pad_token_id)
 
 

@@ -21,6 +21,10 @@ def test_each_tensor_parallel_group_takes_its_first_ranks_answers(tiny_model_dir
     assert ["rank 0 says hello" in r["reply"] for r in reports] == [True, True, False, False]
     assert ["rank 2 says hello" in r["reply"] for r in reports] == [False, False, True, True]
     assert reports[0]["tokens"] == reports[1]["tokens"] and reports[2]["tokens"] == reports[3]["tokens"]
+    # an interaction: one instance per conversation, started, asked twice and finished on the group's first rank
+    assert [r["interactions"] for r in reports] == [[1, 2, 1], [0, 0, 0], [1, 2, 1], [0, 0, 0]]
+    assert ["rank 0 asks again" in r["user_turns"] for r in reports] == [True, True, False, False]
+    assert reports[0]["chat"] == reports[1]["chat"] and reports[2]["chat"] == reports[3]["chat"]
     # where the first rank's work fails, its whole group hears of it instead of waiting for an answer
     assert reports[0]["failure"] == "division by zero"
     assert reports[1]["failure"] == "rank 0, which computes this group's answers, failed: ZeroDivisionError: division by zero"
