@@ -59,10 +59,9 @@ def check_memory_plan(cfg, env, print_fn) -> None:
     waiting in the next collective. The plan is made against the least memory any rank has,
     and a refusal on any rank is raised on all (``same_on_every_rank``, as the resume check).
     """
-    from klppo.distributed import all_gather_objects
+    from klppo.distributed import all_gather_objects, same_on_every_rank
     from klppo.monitoring.memory import available_bytes
     from klppo.plan.check import check_at_start, plan_check_mode
-    from klppo.distributed import same_on_every_rank
 
     if plan_check_mode(cfg) == "off":
         return

@@ -329,8 +329,9 @@ def _whole_sequence_micro_batches(split: _Split, kept: dict) -> None:
         found, micro = get_dotted(kept, micro_key)
         sp_key, sp = _sequence_parallel_size(split.full, sp_key_lists)
         if found and positive_int(micro) and sp > 1:
-            set_dotted(kept, micro_key, max(1, micro // sp))
-            resized.setdefault(sp_key, []).append(f"{micro_key} {micro} -> {max(1, micro // sp)}")
+            whole = max(1, micro // sp)
+            set_dotted(kept, micro_key, whole)
+            resized.setdefault(sp_key, []).append(f"{micro_key} {micro} -> {whole}")
     split.ignored = [(key, value, reason if key not in resized else whole_sequences_reason(value, resized[key]))
                      for key, value, reason in split.ignored]
 

@@ -99,8 +99,9 @@ def _whole_sequence_micro_batch(kept: dict, raw: dict, ignored: list[tuple[str, 
     found, micro = get_dotted(kept, "data.micro_batch_size_per_gpu")
     if not (found and positive_int(micro) and positive_int(sp) and sp > 1):
         return ignored
-    set_dotted(kept, "data.micro_batch_size_per_gpu", max(1, micro // sp))
-    resized = [f"data.micro_batch_size_per_gpu {micro} -> {max(1, micro // sp)}"]
+    whole = max(1, micro // sp)
+    set_dotted(kept, "data.micro_batch_size_per_gpu", whole)
+    resized = [f"data.micro_batch_size_per_gpu {micro} -> {whole}"]
     return [(key, value, whole_sequences_reason(sp, resized) if key == "ulysses_sequence_parallel_size" else reason)
             for key, value, reason in ignored]
 
