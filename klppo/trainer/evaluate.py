@@ -187,25 +187,34 @@ def validate(
     with seeded(env.rank, env.device):
         for part, n_real in rank_parts(records, batch_size or len(records), env, group_size):
             batch = sample(part, params)
-            lengths = batch.response_attention.sum(-1).tolist()  # read on the CPU batch hf_rollout returns
-            refs = [reference_of(r) for r in part for _ in range(params.n)]
-            texts = decode_responses(batch, tokenizer) if any(refs) else [None] * len(refs)
-            places, on_device = [r.where for r in part], batch.to(env.device)
-            scores = scorer(on_device, places).sum(-1).tolist()  # (B,) host sync
-            golds = gold_scorer(on_device, places).tolist() if gold_scorer else [None] * len(scores)  # host sync
-            real = n_real * params.n
+            on_device = batch.to(env.device)
+            part_rows, scores = _scored_rows(batch, on_device, part, params.n, tokenizer, scorer, gold_scorer)
+            real = n_real * params.n  # the rest repeat records to even out the ranks' parts
+            rows += part_rows[:real]
             if generations is not None:
                 samples = [(r.index, j) for r in part for j in range(params.n)]
                 texts_of += zip(samples[:real], batch_generations(on_device, tokenizer, scores)[:real])
-            rows += [ValidationRow(src, score, length, text if ref else None, ref, gold)
-                     for src, score, length, text, ref, gold in zip(batch.data_sources[:real], scores[:real],
-                                                                    lengths[:real], texts[:real], refs[:real],
-                                                                    golds[:real])]
     rows = [row for rank_rows in all_gather_objects(rows) for row in rank_rows]
     if generations is not None:
         generations += [g for _, g in sorted((t for rank in all_gather_objects(texts_of) for t in rank),
                                              key=lambda t: t[0])]
     return response_metrics(rows, params.n, gold=gold_scorer is not None)
+
+
+def _scored_rows(batch: RolloutBatch, on_device: RolloutBatch, part: list[PromptRecord], n: int, tokenizer,
+                 scorer: Callable, gold_scorer: Callable | None) -> tuple[list[ValidationRow], list[float]]:
+    """(a row per response of ``part``'s sampled ``batch``, the scores): what the metrics read of each.
+    Lengths and texts are read on ``batch`` as the sampler returned it (on the CPU); the scorers get
+    ``on_device``, the same batch where every phase's batch lives."""
+    lengths = batch.response_attention.sum(-1).tolist()
+    refs = [reference_of(r) for r in part for _ in range(n)]
+    texts = decode_responses(batch, tokenizer) if any(refs) else [None] * len(refs)
+    places = [r.where for r in part]
+    scores = scorer(on_device, places).sum(-1).tolist()  # (B,) host sync
+    golds = gold_scorer(on_device, places).tolist() if gold_scorer else [None] * len(scores)  # host sync
+    rows = [ValidationRow(src, score, length, text if ref else None, ref, gold)
+            for src, score, length, text, ref, gold in zip(batch.data_sources, scores, lengths, texts, refs, golds)]
+    return rows, scores
 
 
 class ValidationRow(NamedTuple):
