@@ -47,6 +47,7 @@ from klppo.algo import compute_grpo_outcome_advantage
 from klppo.data.batching import MicroBatching
 from klppo.distributed import DistEnv, apply_fsdp2, build_mesh, close, init_distributed
 from klppo.models.attention import ATTENTION_NAMES, choose_packed_attention, set_packed_attention, torch_varlen_runs
+from klppo.models.load import enable_activation_checkpointing
 from klppo.models.tiny import tiny_model_config
 from klppo.monitoring.flops import max_memory_gb, mfu, model_flops, peak_flops
 from klppo.monitoring.memory import PeakMemory
@@ -174,7 +175,7 @@ def build_models(config: Qwen2Config, args, env: DistEnv):
 
 def checkpoint_blocks(model) -> None:
     """Gradient checkpointing of every decoder block, as klppo's loader turns it on (non-reentrant)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
 
 
 # ---- one iteration ----

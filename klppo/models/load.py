@@ -81,6 +81,17 @@ def _weights_fix(folder: Path) -> str:
     return "the weights are damaged or incomplete: copy the folder again, or save the model again with save_pretrained"
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant autograd), in the
+    installed transformers' spelling: ``activation_checkpointing_enable`` where it has it (5.2x),
+    whose older name ``gradient_checkpointing_enable`` warns there that it goes in v6."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _from_pretrained(auto_class, folder: Path, key: str, **kwargs) -> PreTrainedModel:
     """``auto_class.from_pretrained`` with no remote code and weights-only loading; a failure names the folder.
 
@@ -336,7 +347,7 @@ def load_causal_lm(
     read_generation_config(folder, key)  # before from_pretrained, which would misreport or skip a bad one
     model = _from_pretrained(AutoModelForCausalLM, folder, key, dtype=torch.float32)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.config.use_cache = False
     return model.to(device)
 
@@ -357,7 +368,7 @@ def load_critic(
     with seeded(seed, device):  # the head's initialisation; the run's own streams go on untouched
         critic = _from_pretrained(AutoModelForTokenClassification, folder, key, config=config, dtype=torch.float32)
     if gradient_checkpointing:
-        critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(critic)
     critic.config.use_cache = False
     return critic.to(device)
 
@@ -395,7 +406,7 @@ def load_reward_model(
     if model.config.pad_token_id is None:
         model.config.pad_token_id = first_eos_id(model.config)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.config.use_cache = False
     return model.to(device)
 
@@ -464,6 +475,6 @@ def empty_model_for(role: str, path: str, *, key: str, gradient_checkpointing: b
     if role == "reward_model" and model.config.pad_token_id is None:
         model.config.pad_token_id = first_eos_id(model.config)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.config.use_cache = False
     return model

@@ -29,6 +29,7 @@ from klppo.algo import entropy_from_logits, logprobs_from_logits, sum_pi_squared
 from klppo.errors import UserError
 from klppo.models.forward import HeadSettings, position_ids_from_mask, response_logprobs, response_token_scores
 from klppo.models.fused_head import chunked_logprobs, chunked_token_scores, fused_lm_head, head_logit_scale
+from klppo.models.load import enable_activation_checkpointing
 from klppo.models.tiny import tiny_model_config
 
 HERE = Path(__file__).parent
@@ -316,7 +317,7 @@ def test_a_models_sums_of_squared_probabilities_are_the_same_fused_or_not_packed
 def test_fused_head_works_with_gradient_checkpointing_and_split_packed_rows():
     model = _model(tied=True)
     lp, ent, grads = _scores_and_grads(model, HeadSettings(fused=False), packed=True, temperature=0.7, with_entropy=True)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
     model.train()
     lp_f, ent_f, grads_f = _scores_and_grads(model, HeadSettings(fused=True, chunk_logits=100), packed=True,
                                              temperature=0.7, with_entropy=True, max_tokens=12)

@@ -15,6 +15,7 @@ from transformers import Qwen2ForCausalLM, Qwen2ForTokenClassification
 from klppo.data.batching import MicroBatching
 from klppo.models.attention import PACKED_SDPA, use_packed_attention
 from klppo.models.forward import response_logprobs, response_values
+from klppo.models.load import enable_activation_checkpointing
 from klppo.models.fused_head import head_logit_scale
 from klppo.models.rng import seeded
 from klppo.models.tiny import tiny_model_config
@@ -64,7 +65,7 @@ def model(layers: int, cls=Qwen2ForCausalLM, checkpointing: bool = False):
         m = cls(config)
     m.config.use_cache = False
     if checkpointing:
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(m)
     assert use_packed_attention(m) == PACKED_SDPA
     return m
 

@@ -180,3 +180,25 @@ def test_a_reward_model_that_scores_ppo_must_bring_its_trained_score_head(folder
         check_trained_score_head(str(folder), "reward_model.model.path")
     load_reward_model(str(folder), key="reward_model.model.path", device=CPU).save_pretrained(tmp_path / "rm")
     check_trained_score_head(str(tmp_path / "rm"), "reward_model.model.path")
+
+
+@pytest.mark.parametrize("load", [load_causal_lm, load_critic, load_reward_model], ids=lambda f: f.__name__)
+def test_activation_checkpointing_is_turned_on_without_a_deprecation_warning(load, tiny_model_dir):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # transformers 5.2x deprecates gradient_checkpointing_enable
+        model = load(str(tiny_model_dir), key=KEY, device=CPU, gradient_checkpointing=True)
+    assert all(layer.gradient_checkpointing for layer in model.base_model.layers)  # every decoder layer recomputes
+
+
+def test_a_transformers_without_activation_checkpointing_enable_gets_the_older_spelling():
+    from klppo.models.load import enable_activation_checkpointing
+
+    class Older:  # transformers 5.17 (the GPU machine's) has only gradient_checkpointing_enable
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            self.kwargs = gradient_checkpointing_kwargs
+
+    model = Older()
+    enable_activation_checkpointing(model)
+    assert model.kwargs == {"use_reentrant": False}

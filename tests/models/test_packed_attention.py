@@ -16,6 +16,7 @@ from klppo.models.attention import (
     set_packed_attention, torch_varlen_runs,
 )
 from klppo.models.forward import response_logprobs, response_values
+from klppo.models.load import enable_activation_checkpointing
 from klppo.models.tiny import tiny_model_config
 
 LAYERS = 3
@@ -201,7 +202,7 @@ def test_the_varlen_path_runs_one_kernel_per_layer_forward_and_backward(fake_var
 
 def test_with_gradient_checkpointing_backward_recomputes_one_kernel_per_layer(fake_varlen):
     actor, _ = _models(PACKED_VARLEN)
-    actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(actor)
     actor.train()  # transformers checkpoints only in training mode (the tiny model has no dropout)
     ids, mask, width = _batch()
     response_logprobs(actor, ids, mask, width, packed=True)[0].sum().backward()
