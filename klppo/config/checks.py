@@ -19,7 +19,7 @@ from klppo.config.batch_sizes import (
     batch_size_problems, divisor_below, launch_mismatch, measures_sum_pi_squared, world_size,
 )
 from klppo.config.lora import lora_enabled, lora_problems
-from klppo.config.optimizers import optimizer_problem
+from klppo.config.optimizers import optimizer_problems
 from klppo.config.problems import Problem, check_at_least, check_positive
 from klppo.config.group_checks import filter_groups_notes, group_of_one_notes, group_problems
 from klppo.config.hydra import resolve_megatron
@@ -390,10 +390,7 @@ def _check_sampling(sampling: RolloutConfig | ValKwargsConfig, prefix: str, out:
 
 def _check_optim(optim: OptimConfig, prefix: str, out: list[Problem]) -> None:
     check_positive(out, f"{prefix}.lr", optim.lr, "learning rate such as 1e-6")
-    problem = optimizer_problem(optim.optimizer_impl, optim.optimizer)
-    if problem is not None:
-        key, message = problem
-        out.append(Problem((f"{prefix}.{key}",), f"{prefix}.{message}"))
+    out += optimizer_problems(optim.optimizer_impl, optim.optimizer, optim.override_optimizer_config, prefix)
     if optim.weight_decay < 0:
         out.append(Problem((f"{prefix}.weight_decay",), f"{prefix}.weight_decay = {optim.weight_decay!r} must be >= 0"))
     if len(optim.betas) != 2 or any(not 0 <= b < 1 for b in optim.betas):

@@ -2,12 +2,15 @@
 names the file, the place in it and the fix (never a traceback).
 
 Beyond what PyYAML refuses, a key written twice in one mapping is an error here: PyYAML keeps
-the last one silently, so a user editing the first copy would see no effect.
+the last one silently, so a user editing the first copy would see no effect. Numbers are read as
+verl reads them (OmegaConf's loader, Hydra's overrides): ``1e-6`` is a float, where YAML 1.1
+reads a string for want of a decimal point. ``yaml_value`` reads an override's value the same way.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import yaml
@@ -37,6 +40,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
+# A mantissa without a decimal point and an exponent (1e-6, -2E+3): a float for OmegaConf and Hydra.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+
+
+def yaml_value(text: str) -> Any:
+    """One value written in YAML (an override's, an interpolation's default), read as a config file's."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 def read_yaml(path: str) -> dict:

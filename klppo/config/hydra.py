@@ -18,6 +18,7 @@ import json
 import os
 from typing import Optional
 
+from klppo.config.optimizers import untaken_arguments
 from klppo.config.problems import Problem
 from klppo.errors import UserError
 
@@ -118,8 +119,24 @@ def resolve_megatron(cfg, notes: list[str]) -> None:
     megatron = [key for key, section in sections.items() if section.strategy == "megatron"]
     if not megatron:
         return
+    dropped = []
     for key in megatron:
         sections[key].strategy = "fsdp2"
+        dropped += _without_megatron_optimizer_settings(sections[key], key)
     notes.append(f"warning: {', '.join(f'{key}.strategy' for key in megatron)} = 'megatron': training with FSDP2 "
                  "instead, since klppo has no Megatron-LM engine (each decoder block sharded over all ranks); "
-                 "Megatron's parallelism settings (tensor, pipeline, expert) have no effect")
+                 "Megatron's parallelism settings (tensor, pipeline, expert) have no effect"
+                 + (f", nor do its optimizer's settings {', '.join(dropped)}" if dropped else ""))
+
+
+def _without_megatron_optimizer_settings(section, key: str) -> list[str]:
+    """verl's Megatron engine hands ``optim.override_optimizer_config`` to Megatron's optimizer
+    (``optimizer_offload_fraction``, ``use_precision_aware_optimizer``, ...): the keys the torch
+    optimiser klppo builds does not take are dropped (-> their dotted names); the rest act."""
+    optim = getattr(section, "optim", None)
+    if optim is None:
+        return []
+    untaken, _ = untaken_arguments(optim.optimizer_impl, optim.optimizer, optim.override_optimizer_config)
+    for name in untaken:
+        del optim.override_optimizer_config[name]
+    return [f"{key}.optim.override_optimizer_config.{name}" for name in untaken]

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from klppo.config.files import yaml_value
 from klppo.config.problems import Problem
 
 _DOTTED = re.compile(r"\.*[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]*)*")
@@ -101,7 +102,7 @@ class Interpolator:
         if "${" in text:
             return self.expand(text, key, stack)
         try:
-            return yaml.safe_load(text) if text else None
+            return yaml_value(text) if text else None
         except yaml.YAMLError:
             return text
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from typing import Optional
+
+from klppo.config.problems import Problem
 
 TORCH_OPTIM = "torch.optim"
 # torch.optim's classes that an optimiser step of klppo's cannot drive.
@@ -72,6 +75,37 @@ def optimizer_problem(impl: str, name: str) -> Optional[tuple[str, str]]:
     except OptimizerNotFound as error:
         return error.key, str(error)
     return None
+
+
+def optimizer_problems(impl: str, name: str, override: Optional[dict], prefix: str) -> list[Problem]:
+    """What is wrong with an ``optim`` section's optimiser (``prefix``: the section's key): a class that
+    cannot be found or cannot train, arguments it does not take."""
+    out = []
+    problem = optimizer_problem(impl, name)
+    if problem is not None:
+        key, message = problem
+        out.append(Problem((f"{prefix}.{key}",), f"{prefix}.{message}"))
+    untaken, taken = untaken_arguments(impl, name, override)
+    if untaken:
+        key = f"{prefix}.override_optimizer_config"
+        out.append(Problem(tuple(f"{key}.{n}" for n in untaken), f"{key}: {impl}.{name} takes no argument "
+                           f"{', '.join(repr(n) for n in untaken)}; remove it (it takes {', '.join(taken)})"))
+    return out
+
+
+def untaken_arguments(impl: str, name: str, override: Optional[dict]) -> tuple[list[str], list[str]]:
+    """(the keys of ``override`` the optimiser's constructor does not take, the ones it does take), both
+    empty where its class cannot be found (``optimizer_problem`` says why) or takes any keyword."""
+    if not override:
+        return [], []
+    try:
+        parameters = inspect.signature(optimizer_class(impl, name).__init__).parameters
+    except (OptimizerNotFound, TypeError, ValueError):
+        return [], []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return [], []
+    taken = [n for n, p in parameters.items() if n not in ("self", "params") and p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    return [key for key in override if key not in taken], taken
 
 
 def optimizer_state_floats(impl: str, name: str, override: Optional[dict]) -> float:

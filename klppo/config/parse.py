@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal, Sequence, TypeVar, Union, get_args, g
 import yaml
 
 from klppo.config.checks import check_ppo, check_rm, check_sft, resolve_ppo, resolve_sft
-from klppo.config.files import read_yaml
+from klppo.config.files import read_yaml, yaml_value
 from klppo.config.hydra import hydra_sections
 from klppo.config.interpolate import INVALID, DefaultTest, Interpolator, Invalid
 from klppo.config.problems import Problem
@@ -179,7 +179,7 @@ def _parse_override(text: str, problems: list[Problem]) -> tuple[str, Any, bool]
     if delete:
         return key, None, True
     try:
-        value = yaml.safe_load(value_text) if value_text.strip() else ""  # hydra: `key=` is ''
+        value = yaml_value(value_text) if value_text.strip() else ""  # hydra: `key=` is ''
     except yaml.YAMLError:
         problems.append(Problem((key,), f"override {text!r}: the value is not valid YAML; quote it or write a list as [a,b]"))
         return None

@@ -311,6 +311,39 @@ def test_verl_sft_micro_batch_of_a_ulysses_group_becomes_a_whole_sequence_one():
     assert "data.micro_batch_size_per_gpu 8 -> 4" in "\n".join(notes)
 
 
+def test_numbers_with_an_exponent_and_no_point_are_floats_as_in_verl_in_files_and_overrides(tmp_path):
+    # YAML 1.1 reads 1e-6 as a string; OmegaConf and Hydra, so verl, read a float. Typed fields coerced it
+    # anyway; the open mappings handed a string on (to the optimiser, to the user's reward function).
+    path = write(tmp_path, "custom_reward_function:\n  reward_kwargs: {threshold: 1e-3, scale: -2E+1, tag: 1e-3x}\n")
+    cfg = load_ppo_config(path, REQUIRED + ["+actor_rollout_ref.actor.optim.override_optimizer_config.eps=1e-6",
+                                            "actor_rollout_ref.actor.optim.lr=5e-7"])
+    assert cfg.custom_reward_function.reward_kwargs == {"threshold": 1e-3, "scale": -20.0, "tag": "1e-3x"}
+    assert cfg.actor_rollout_ref.actor.optim.override_optimizer_config == {"eps": 1e-6}
+    assert cfg.actor_rollout_ref.actor.optim.lr == 5e-7
+
+
+def test_an_optimizer_argument_the_optimizer_does_not_take_is_an_error_naming_what_it_takes():
+    message = errors_of("+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_offload_fraction=1.",
+                        "+actor_rollout_ref.actor.optim.override_optimizer_config.eps=1e-6")
+    assert ("actor_rollout_ref.actor.optim.override_optimizer_config: torch.optim.AdamW takes no argument "
+            "'optimizer_offload_fraction'; remove it (it takes lr, betas, eps, weight_decay, amsgrad") in message
+    assert "'eps'" not in message
+
+
+def test_megatrons_optimizer_settings_have_no_effect_when_megatron_trains_with_fsdp2():
+    # verl's deepseek671b/qwen3-235b megatron scripts: these go to Megatron's optimizer, which klppo does not have
+    notes = []
+    cfg = load("actor_rollout_ref.actor.strategy=megatron",
+               "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_offload_fraction=1.",
+               "+actor_rollout_ref.actor.optim.override_optimizer_config.use_precision_aware_optimizer=True",
+               "+actor_rollout_ref.actor.optim.override_optimizer_config.eps=1e-6", notes=notes)
+    assert cfg.actor_rollout_ref.actor.optim.override_optimizer_config == {"eps": 1e-6}  # AdamW's own acts
+    (warning,) = [n for n in notes if "'megatron': training with FSDP2" in n]
+    assert warning.endswith("nor do its optimizer's settings actor_rollout_ref.actor.optim.override_optimizer_config."
+                            "optimizer_offload_fraction, actor_rollout_ref.actor.optim.override_optimizer_config."
+                            "use_precision_aware_optimizer")
+
+
 # ---- an open mapping: data.apply_chat_template_kwargs ----
 
 
