@@ -62,7 +62,7 @@ def optimizer_class(impl: str, name: str) -> type:
     return cls
 
 
-def optimizer_problem(impl: str, name: str) -> Optional[tuple[str, str]]:
+def _class_problem(impl: str, name: str) -> Optional[tuple[str, str]]:
     """(the key, what is wrong) with an ``optim`` section's optimiser, or None. torch.optim's own classes are
     known by name, so validating a config imports no torch."""
     if impl == TORCH_OPTIM and name in _STATE_FLOATS:
@@ -81,7 +81,7 @@ def optimizer_problems(impl: str, name: str, override: Optional[dict], prefix: s
     """What is wrong with an ``optim`` section's optimiser (``prefix``: the section's key): a class that
     cannot be found or cannot train, arguments it does not take."""
     out = []
-    problem = optimizer_problem(impl, name)
+    problem = _class_problem(impl, name)
     if problem is not None:
         key, message = problem
         out.append(Problem((f"{prefix}.{key}",), f"{prefix}.{message}"))
@@ -95,7 +95,7 @@ def optimizer_problems(impl: str, name: str, override: Optional[dict], prefix: s
 
 def untaken_arguments(impl: str, name: str, override: Optional[dict]) -> tuple[list[str], list[str]]:
     """(the keys of ``override`` the optimiser's constructor does not take, the ones it does take), both
-    empty where its class cannot be found (``optimizer_problem`` says why) or takes any keyword."""
+    empty where its class cannot be found (``_class_problem`` says why) or takes any keyword."""
     if not override:
         return [], []
     try:

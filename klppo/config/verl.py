@@ -321,26 +321,30 @@ def _global_micro(split: _Split, key: str, value: Any) -> None:
 
 
 def _whole_sequence_micro_batches(split: _Split, kept: dict) -> None:
-    """verl's per-device micro-batches under Ulysses groups of sp devices, as klppo's whole-sequence
-    ones: ``micro // sp`` sequences (at least one), the tokens per device of verl's groups. The SP
-    key's line in the no-effect warning names the sizes taken."""
+    """verl's per-device micro-batches under Ulysses groups, as klppo's whole-sequence ones."""
+    sizes = [(micro_key, *_sequence_parallel_size(split.full, sp_key_lists))
+             for micro_key, sp_key_lists in ULYSSES_MICRO.items()]
+    split.ignored = whole_sequence_micro_batches(kept, sizes, split.ignored)
+
+
+def whole_sequence_micro_batches(kept: dict, sizes: list[tuple[str, str, Any]], ignored: list[tuple[str, Any, str]]
+                                 ) -> list[tuple[str, Any, str]]:
+    """Each (micro-batch key, its SP key, the SP size) of ``sizes`` where the size is over 1: verl's
+    micro-batch of a group of sp devices, each holding 1/sp of every sequence, becomes ``micro // sp``
+    whole sequences in ``kept`` (at least one), the tokens per device of verl's groups. -> ``ignored``,
+    where each SP key's line names the sizes it took."""
     resized: dict[str, list[str]] = {}
-    for micro_key, sp_key_lists in ULYSSES_MICRO.items():
+    for micro_key, sp_key, sp in sizes:
         found, micro = get_dotted(kept, micro_key)
-        sp_key, sp = _sequence_parallel_size(split.full, sp_key_lists)
-        if found and positive_int(micro) and sp > 1:
+        if found and positive_int(micro) and positive_int(sp) and sp > 1:
             whole = max(1, micro // sp)
             set_dotted(kept, micro_key, whole)
             resized.setdefault(sp_key, []).append(f"{micro_key} {micro} -> {whole}")
-    split.ignored = [(key, value, reason if key not in resized else whole_sequences_reason(value, resized[key]))
-                     for key, value, reason in split.ignored]
-
-
-def whole_sequences_reason(sp: int, resized: list[str]) -> str:
-    """Why a Ulysses size has no effect on the numbers, naming the micro-batch sizes it changed."""
-    return (f"Ulysses sequence parallelism: klppo keeps whole sequences on each device, so its micro-batches hold "
-            f"1/{sp} as many, the tokens per device of verl's groups of {sp}: {', '.join(resized)}; the numbers "
-            f"are the same")
+    return [(key, value, reason if key not in resized else
+             f"Ulysses sequence parallelism: klppo keeps whole sequences on each device, so its micro-batches hold "
+             f"1/{value} as many, the tokens per device of verl's groups of {value}: {', '.join(resized[key])}; "
+             f"the numbers are the same")
+            for key, value, reason in ignored]
 
 
 def _sequence_parallel_size(raw: dict, sp_key_lists: tuple[tuple[str, ...], ...]) -> tuple[str, int]:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from klppo.config.interpolate import get_dotted, set_dotted
 from klppo.config.problems import Problem
-from klppo.config.verl import positive_int, show, whole_sequences_reason
+from klppo.config.verl import show, whole_sequence_micro_batches
 
 # Every leaf of verl's SFT tree (sft_trainer.yaml with its optim/fsdp group, verl b178a3cd5) -> its default.
 VERL_SFT_DEFAULTS: dict[str, Any] = {
@@ -92,18 +92,10 @@ def split_verl_sft_keys(raw: dict, fields: Mapping[str, str], problems: list[Pro
 
 def _whole_sequence_micro_batch(kept: dict, raw: dict, ignored: list[tuple[str, Any, str]]
                                 ) -> list[tuple[str, Any, str]]:
-    """verl's micro-batch under Ulysses groups of sp devices is a group's (each device holds 1/sp of
-    every sequence); klppo keeps whole sequences, so it takes ``micro // sp`` of them (at least
-    one): the tokens per device of verl's groups. -> ``ignored``, naming the size taken."""
+    """verl's micro-batch under Ulysses groups, as a whole-sequence one (as for PPO's)."""
     _, sp = get_dotted(raw, "ulysses_sequence_parallel_size")
-    found, micro = get_dotted(kept, "data.micro_batch_size_per_gpu")
-    if not (found and positive_int(micro) and positive_int(sp) and sp > 1):
-        return ignored
-    whole = max(1, micro // sp)
-    set_dotted(kept, "data.micro_batch_size_per_gpu", whole)
-    resized = [f"data.micro_batch_size_per_gpu {micro} -> {whole}"]
-    return [(key, value, whole_sequences_reason(sp, resized) if key == "ulysses_sequence_parallel_size" else reason)
-            for key, value, reason in ignored]
+    return whole_sequence_micro_batches(kept, [("data.micro_batch_size_per_gpu", "ulysses_sequence_parallel_size", sp)],
+                                        ignored)
 
 
 def _walk(node: dict, prefix: str, full: dict, fields: Mapping[str, str], problems: list[Problem],
