@@ -1,16 +1,19 @@
 """The batch-size rules of a PPO config on a given number of ranks: their one home.
 
 verl's units: ``data.train_batch_size`` and ``ppo_mini_batch_size`` count prompts, and each
-prompt brings ``rollout.n`` samples; each of W ranks trains on ``ppo_mini_batch_size * n / W``
-samples of every mini-batch (verl normalises the mini-batch so in its FSDP workers), split
-into micro-batches of ``ppo_micro_batch_size_per_gpu`` samples or, with ``use_dynamic_bsz``, into
-as few as fit ``ppo_max_token_len_per_gpu`` tokens (the micro size is then ignored).
+prompt brings ``rollout.n`` samples; each of W ranks trains on ``ppo_mini_batch_size * n // W``
+samples of every mini-batch (verl normalises the mini-batch so in its FSDP workers, flooring
+it where it does not split evenly), split into micro-batches of ``ppo_micro_batch_size_per_gpu``
+samples or, with ``use_dynamic_bsz``, into as few as fit ``ppo_max_token_len_per_gpu`` tokens
+(the micro size is then ignored). A rank's share of the step that its mini-batches do not
+divide ends in a smaller mini-batch, as verl's ``split`` leaves it; both uneven cases train as
+verl trains them, with a warning (``mini_batch_notes``).
 
 A combination that cannot train is refused here with its fix: a rank's share below one sample,
-a share that does not split evenly, a micro-batch larger than the share or not dividing it
-(verl asserts that; left alone a larger micro-batch is where verl's users get zero
-accumulation steps and a NaN gradient norm), a token budget below one sequence, mini-batches
-that do not divide the step. Config validation asks with ``trainer.n_gpus_per_node x
+a mini-batch larger than the step (verl asserts both), a micro-batch larger than the share or
+not dividing it (verl asserts that; left alone a larger micro-batch is where verl's users get
+zero accumulation steps and a NaN gradient norm), a token budget below one sequence. Config
+validation asks with ``trainer.n_gpus_per_node x
 trainer.nnodes`` ranks (the world ``join_world`` later insists on), ``compile_ppo`` with the
 world it runs in, ``klppo plan`` with the world it is asked about. Each rule returns
 ``(keys, message)`` pairs, as ``engine_problems`` does.
@@ -212,11 +215,18 @@ def update_sizes(cfg: PPOConfig) -> list[UpdateSizes]:
     return roles
 
 
-def shard_chunk_rows(cfg: PPOConfig) -> int:
+def mini_batch_rows(role: UpdateSizes, n: int, world: int) -> int:
+    """A rank's rows of each of ``role``'s mini-batches: ``ppo_mini_batch_size * n / world``, floored
+    where it does not split evenly (verl's workers: 64 prompts x 5 over 24 ranks train 13 each)."""
+    return role.mini_batch_size * n // world
+
+
+def shard_chunk_rows(cfg: PPOConfig, world: int) -> int:
     """Global rows the trainer deals to the ranks at a time: the gcd of the actor's and critic's
-    mini-batch rows, so each rank's k-th mini-batch is its share of the global k-th one."""
+    mini-batches over all ranks (``world x mini_batch_rows``), so each rank's k-th mini-batch is
+    its share of the global k-th one."""
     n = cfg.actor_rollout_ref.rollout.n
-    return math.gcd(*(role.mini_batch_size * n for role in update_sizes(cfg)))
+    return math.gcd(*(world * mini_batch_rows(role, n, world) for role in update_sizes(cfg)))
 
 
 def divisor_below(n: int, limit: int) -> int:
@@ -263,27 +273,27 @@ def batch_size_problems(cfg: PPOConfig, world: int) -> Found:
 
 
 def _update_problems(role: UpdateSizes, prompts: int, n: int, world: int) -> Found:
-    """A mini-batch (prompts) divides the step's prompts and splits over the ranks; a fixed
-    micro-batch (samples) fits a rank's share and divides it."""
+    """A mini-batch (prompts) within the step that leaves every rank a sample; a fixed
+    micro-batch (samples) that fits a rank's share and divides it."""
     out: Found = []
     mini, micro = role.mini_batch_size, role.micro_batch_size_per_gpu
     if role.own_mini:
         _positive(out, role.mini_key, mini, "number of prompts")
-        if mini > 0 and prompts > 0 and prompts % mini:
-            out.append(((role.mini_key, "data.train_batch_size"), f"{role.mini_key} = {mini} must divide "
-                        f"data.train_batch_size = {prompts} (prompts per step); set it to a divisor such as "
-                        f"{divisor_below(prompts, mini)}"))
+        if mini > prompts > 0:
+            out.append(((role.mini_key, "data.train_batch_size"), f"{role.mini_key} = {mini} is larger than "
+                        f"data.train_batch_size = {prompts} (prompts per step); set it to {prompts} or less"))
     if not role.use_dynamic_bsz:
         _positive(out, role.micro_key, micro, "number of samples")
     if mini <= 0 or n < 1 or world < 1:
         return out
-    if (mini * n) % world:
+    if mini * n < world:
         return out + ([_share_problem(role, prompts, n, world)] if role.own_mini else [])
-    share = mini * n // world
+    share = mini_batch_rows(role, n, world)
     if role.use_dynamic_bsz or micro is None or micro <= 0 or share % micro == 0:
         return out
+    floored = " floored" if (mini * n) % world else ""
     of_share = (f"a rank's share of the mini-batch ({role.mini_key} {mini} x {ROLLOUT}.n {n} / {_ranks(world)} = "
-                f"{share} samples)")
+                f"{share} samples{floored})")
     keys = (role.micro_key, role.mini_key, f"{ROLLOUT}.n", "trainer.n_gpus_per_node", "trainer.nnodes")
     if micro > share:
         return out + [(keys, f"{role.micro_key} = {micro} is larger than {of_share}: set it to {share} or less "
@@ -292,22 +302,50 @@ def _update_problems(role: UpdateSizes, prompts: int, n: int, world: int) -> Fou
                          f"{divisor_below(share, micro)}")]
 
 
-def _share_problem(role: UpdateSizes, prompts: int, n: int, world: int) -> tuple[tuple[str, ...], str]:
-    """A mini-batch's samples that leave a rank less than one, or do not split evenly."""
-    mini, samples = role.mini_batch_size, role.mini_batch_size * n
+def _even_mini_batch(prompts: int, n: int, world: int, mini: int) -> int:
+    """The mini-batch size nearest above ``mini`` (else the largest) that divides ``prompts`` and
+    whose samples split evenly over ``world`` ranks (or ``world / gcd(n, world)`` where none does)."""
     step = world // math.gcd(n, world)  # mini-batch sizes whose samples split evenly: multiples of step
     fits = [m for m in range(step, prompts + 1, step) if prompts % m == 0]
-    hint = min([m for m in fits if m >= mini] or fits[-1:] or [step])
+    return min([m for m in fits if m >= mini] or fits[-1:] or [step])
+
+
+def _share_problem(role: UpdateSizes, prompts: int, n: int, world: int) -> tuple[tuple[str, ...], str]:
+    """A mini-batch's samples that leave a rank less than one."""
+    mini, samples = role.mini_batch_size, role.mini_batch_size * n
+    step = world // math.gcd(n, world)
     keys = (role.mini_key, f"{ROLLOUT}.n", "trainer.n_gpus_per_node", "trainer.nnodes")
-    what = (f"leave each of the {_ranks(world)} less than one sample" if samples < world
-            else f"do not split evenly over the {_ranks(world)}")
-    fix = f"set {role.mini_key} to a multiple of {step} such as {hint}"
-    if not fits:
+    fix = f"set {role.mini_key} to a multiple of {step} such as {_even_mini_batch(prompts, n, world, mini)}"
+    if not any(prompts % m == 0 for m in range(step, prompts + 1, step)):
         fix += " (and data.train_batch_size to a multiple of it)"
-    return keys, (f"{role.mini_key} = {mini} x {ROLLOUT}.n {n} = {samples} samples per mini-batch {what} "
-                  f"(trainer.n_gpus_per_node x trainer.nnodes); {fix}, or run on fewer ranks")
+    return keys, (f"{role.mini_key} = {mini} x {ROLLOUT}.n {n} = {samples} samples per mini-batch leave each of "
+                  f"the {_ranks(world)} less than one sample (trainer.n_gpus_per_node x trainer.nnodes); {fix}, "
+                  "or run on fewer ranks")
 
 
+def mini_batch_notes(cfg: PPOConfig, world: int) -> list[str]:
+    """A warning for each mini-batch size that trains in uneven parts, as verl trains it: samples
+    that do not split evenly over the ranks (each rank takes the floor, so a mini-batch is
+    smaller than asked), or mini-batches that do not divide the step (the last is smaller).
+    Combinations ``batch_size_problems`` refuses get none."""
+    prompts, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
+    if world < 1 or n < 1 or prompts <= 0 or prompts % world:
+        return []
+    notes = []
+    for role in update_sizes(cfg):
+        mini = role.mini_batch_size
+        if not role.own_mini or mini <= 0 or mini > prompts or mini * n < world:
+            continue
+        size, samples = world * mini_batch_rows(role, n, world), prompts * n
+        full, last = divmod(samples, size)
+        if size == mini * n and not last:
+            continue
+        parts = f"{full} mini-batch{'es' if full > 1 else ''} of {size} samples" + (f" and one of {last}" if last else "")
+        uneven = (f" ({mini} x {ROLLOUT}.n {n} = {mini * n} samples do not split evenly over the {_ranks(world)}: "
+                  f"each takes {size // world}, as verl's workers floor it)" if size != mini * n else "")
+        notes.append(f"warning: {role.mini_key} = {mini} trains a step of {samples} samples as {parts}{uneven}, "
+                     f"as verl does; {_even_mini_batch(prompts, n, world, mini)} would make them equal")
+    return notes
 def token_budget_problems(cfg: PPOConfig) -> Found:
     """A token budget in use must hold the longest possible sequence (prompt + response)."""
     arf, out = cfg.actor_rollout_ref, []

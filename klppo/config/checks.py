@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from klppo.config.batch_sizes import (
-    batch_size_problems, divisor_below, launch_mismatch, measures_sum_pi_squared, world_size,
+    batch_size_problems, divisor_below, launch_mismatch, measures_sum_pi_squared, mini_batch_notes, world_size,
 )
 from klppo.config.lora import lora_enabled, lora_problems
 from klppo.config.optimizers import optimizer_problems
@@ -80,6 +80,7 @@ def resolve_ppo(cfg: PPOConfig, notes: Optional[list[str]] = None) -> None:
     if critic.ppo_epochs is None:
         critic.ppo_epochs = actor.ppo_epochs
     _follow_actor_budgets(cfg)
+    notes += mini_batch_notes(cfg, world_size(cfg))
     if critic.model.path is None:
         critic.model.path = arf.model.path
     rm_rollout = cfg.reward_model.rollout

@@ -17,7 +17,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from klppo.config.batch_sizes import UpdateSizes, batch_size_problems, shard_chunk_rows, update_sizes, uses_reference
+from klppo.config.batch_sizes import (
+    UpdateSizes, batch_size_problems, mini_batch_rows, shard_chunk_rows, update_sizes, uses_reference,
+)
 from klppo.config.schema import PPOConfig
 from klppo.data.batching import MicroBatching, micro_batch_plan, rank_shards
 from klppo.data.parquet import parquet_num_rows, read_parquet_sample
@@ -56,8 +58,8 @@ class RoleBatches:
 
     name: str  # actor | critic
     mini_batch_prompts: int  # ppo_mini_batch_size
-    mini_batch_samples: int  # over all ranks: ppo_mini_batch_size x rollout.n
-    mini_batches_per_step: int  # data.train_batch_size / ppo_mini_batch_size
+    mini_batch_samples: int  # over all ranks: ppo_mini_batch_size x rollout.n (floored to a multiple of the ranks)
+    mini_batches_per_step: int  # data.train_batch_size / ppo_mini_batch_size (the last may be smaller)
     ppo_epochs: int
     optimizer_steps_per_ppo_step: int  # ppo_epochs x mini_batches_per_step
     share_samples: int  # one rank's samples of each mini-batch: mini_batch_samples / ranks
@@ -123,7 +125,7 @@ def plan_batches(cfg: PPOConfig, world_size: int, lengths: LengthSample) -> Batc
         raise UserError("\n".join(problems))
     data, arf, trainer = cfg.data, cfg.actor_rollout_ref, cfg.trainer
     n, prompts = arf.rollout.n, data.train_batch_size
-    layout = _Layout(world_size, shard_chunk_rows(cfg), trainer.balance_batch)
+    layout = _Layout(world_size, shard_chunk_rows(cfg, world_size), trainer.balance_batch)
     seqs = lengths.sequence_tokens
     actor, *critic = [_role(role, prompts, n, seqs, layout) for role in update_sizes(cfg)]
     samples = prompts * n
@@ -152,9 +154,9 @@ class _Layout:
 
 
 def _role(role: UpdateSizes, prompts: int, n: int, seqs: list[int], layout: _Layout) -> RoleBatches:
-    mini_samples = role.mini_batch_size * n
-    share = mini_samples // layout.world
-    mini_batches = prompts // role.mini_batch_size
+    share = mini_batch_rows(role, n, layout.world)
+    mini_samples = share * layout.world
+    mini_batches = math.ceil(prompts * n / mini_samples)
     if role.use_dynamic_bsz:
         split = MicroBatching(max_tokens=role.max_token_len_per_gpu, budget_key=role.budget_key)
         counts = _budget_counts(seqs, mini_samples, split, layout)

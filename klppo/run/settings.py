@@ -17,8 +17,8 @@ import torch
 
 from klppo.config import PPOConfig
 from klppo.config.batch_sizes import (
-    batch_size_problems, measures_sum_pi_squared, on_policy_update, shard_chunk_rows, update_forwards_first,
-    update_sizes, uses_critic, uses_reference,
+    batch_size_problems, measures_sum_pi_squared, mini_batch_rows, on_policy_update, shard_chunk_rows,
+    update_forwards_first, update_sizes, uses_critic, uses_reference,
 )
 from klppo.config.group_checks import GROUP_ESTIMATORS
 from klppo.config.rollout_correction import rollout_correction_active
@@ -73,7 +73,7 @@ class CovSettings:
 
 @dataclass(frozen=True)
 class ActorUpdateSettings:
-    mini_batch_rows: int  # this rank's rows per mini-batch: ppo_mini_batch_size * rollout.n / ranks
+    mini_batch_rows: int  # this rank's rows per mini-batch: ppo_mini_batch_size * rollout.n // ranks
     micro: MicroBatching  # how a mini-batch splits (ppo_micro_batch_size_per_gpu or a token budget)
     ppo_epochs: int
     clip_ratio_low: float
@@ -261,7 +261,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
     """The frozen settings of a validated PPO config on ``world_size`` ranks."""
     arf, trainer = cfg.actor_rollout_ref, cfg.trainer
     check_batch_sizes(cfg, world_size)
-    rows = {role.prefix: role.mini_batch_size * arf.rollout.n // world_size for role in update_sizes(cfg)}
+    rows = {role.prefix: mini_batch_rows(role, arf.rollout.n, world_size) for role in update_sizes(cfg)}
     actor = _actor(cfg, rows["actor_rollout_ref.actor"], world_size)
     critic = _critic(cfg, rows["critic"]) if uses_critic(cfg) else None
     rm, algo, kl = cfg.reward_model, cfg.algorithm, cfg.algorithm.kl_ctrl
@@ -283,7 +283,7 @@ def compile_ppo(cfg: PPOConfig, world_size: int) -> PPOSettings:
         ref_in_actor=uses_reference(cfg) and lora_enabled(arf.model),
         reward=RewardSettings(rm.rank_responses, RankingSettings(rm.ranking.method, rm.ranking.scale, rm.ranking.center),
                               overlong_penalty(cfg)),
-        guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=shard_chunk_rows(cfg), balance_batch=trainer.balance_batch,
+        guard=_guard(cfg), critic_warmup=trainer.critic_warmup, shard_chunk_rows=shard_chunk_rows(cfg, world_size), balance_batch=trainer.balance_batch,
         save_freq=trainer.save_freq, test_freq=trainer.test_freq, val_before_train=trainer.val_before_train,
         val_only=trainer.val_only,
         max_ckpt_to_keep=trainer.max_actor_ckpt_to_keep, resume_mode=trainer.resume_mode,

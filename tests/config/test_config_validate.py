@@ -86,12 +86,40 @@ def test_sft_needs_train_files_and_partial_pretrain():
 # ---- batch sizes ----
 
 
-def test_mini_batch_not_dividing_the_batch_is_an_error_with_a_divisor_to_use():
-    problems = problems_of("data.train_batch_size=96", f"{ACTOR}.ppo_mini_batch_size=40")
-    # The critic's mini-batch size is the actor's copy: reported once, on the actor.
-    assert problems == [
-        f"{ACTOR}.ppo_mini_batch_size = 40 must divide data.train_batch_size = 96 (prompts per step); "
-        "set it to a divisor such as 32"
+def mini_batch_warnings(*overrides: str) -> list[str]:
+    notes: list[str] = []
+    load_ppo_config(None, REQUIRED + list(overrides), notes=notes)
+    return [n for n in notes if "ppo_mini_batch_size" in n]
+
+
+def test_mini_batch_not_dividing_the_batch_trains_as_verl_does_with_a_warning():
+    # verl's split leaves a smaller last mini-batch: 96 prompts in 40s are 40, 40 and 16.
+    assert mini_batch_warnings("data.train_batch_size=96", f"{ACTOR}.ppo_mini_batch_size=40") == [
+        f"warning: {ACTOR}.ppo_mini_batch_size = 40 trains a step of 96 samples as 2 mini-batches of 40 samples "
+        "and one of 16, as verl does; 48 would make them equal"
+    ]  # the critic's copy of the actor's size is not reported twice
+
+
+def test_mini_batch_samples_not_splitting_over_the_ranks_are_floored_as_verl_floors_them():
+    # 64 prompts x 5 over 24 ranks: 13 samples each, 312 per mini-batch; 192 x 5 = 960 = 3 x 312 + 24.
+    warnings = mini_batch_warnings("data.train_batch_size=192", f"{ACTOR}.ppo_mini_batch_size=64",
+                                   "actor_rollout_ref.rollout.n=5", "trainer.n_gpus_per_node=8", "trainer.nnodes=3")
+    assert warnings == [
+        f"warning: {ACTOR}.ppo_mini_batch_size = 64 trains a step of 960 samples as 3 mini-batches of 312 samples "
+        "and one of 24 (64 x actor_rollout_ref.rollout.n 5 = 320 samples do not split evenly over the 24 ranks: "
+        "each takes 13, as verl's workers floor it), as verl does; 96 would make them equal"
+    ]
+
+
+def test_even_mini_batches_bring_no_warning():
+    assert mini_batch_warnings("data.train_batch_size=96", f"{ACTOR}.ppo_mini_batch_size=32",
+                               "trainer.n_gpus_per_node=4") == []
+
+
+def test_a_mini_batch_larger_than_the_step_is_an_error():
+    assert problems_of("data.train_batch_size=32", f"{ACTOR}.ppo_mini_batch_size=64") == [
+        f"{ACTOR}.ppo_mini_batch_size = 64 is larger than data.train_batch_size = 32 (prompts per step); "
+        "set it to 32 or less"
     ]
 
 
@@ -113,9 +141,10 @@ def test_micro_batch_dividing_mini_batch_times_n_is_accepted():
 
 
 def test_critic_batch_sizes_are_checked_with_gae_only():
-    bad = ["critic.ppo_mini_batch_size=100", "critic.ppo_micro_batch_size_per_gpu=0"]
+    bad = ["critic.ppo_mini_batch_size=2000", "critic.ppo_micro_batch_size_per_gpu=0"]
     problems = problems_of(*bad)
-    assert any(p.startswith("critic.ppo_mini_batch_size = 100 must divide data.train_batch_size = 1024") for p in problems)
+    assert any(p.startswith("critic.ppo_mini_batch_size = 2000 is larger than data.train_batch_size = 1024")
+               for p in problems)
     assert any(p.startswith("critic.ppo_micro_batch_size_per_gpu = 0 must be > 0") for p in problems)
     load("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", *bad)
 

@@ -217,3 +217,22 @@ def test_dynamic_sampling_keeps_the_same_groups_on_two_ranks_as_in_one_process(e
     assert max(r["training/filter_groups/gen_batches"] for r in two) > 1
     assert_same_metrics(one, two)
     assert_same_weights(tmp_path / "one" / "actor_hf", tmp_path / "two" / "actor_hf")
+
+
+def test_uneven_mini_batches_train_on_two_ranks_as_verl_splits_them(exact_overrides, tmp_path):
+    """Mini-batches that do not split evenly train as verl's workers train them, and two ranks
+    agree with one process: 3 samples per mini-batch over 2 ranks are floored to 1 each, so two
+    ranks train as one process with mini-batches of 2; 8 prompts x 2 in mini-batches of 3 prompts
+    are 6, 6 and 4 samples, on one rank and on two."""
+    steps = {"trainer.total_training_steps": 2}
+    floored = {**steps, "actor_rollout_ref.rollout.n": 1, "actor_rollout_ref.actor.ppo_mini_batch_size": 3}
+    run_ok(exact_overrides(tmp_path / "floored", 2, **floored), 2)
+    run_ok(exact_overrides(tmp_path / "even", 1, **{**floored, "actor_rollout_ref.actor.ppo_mini_batch_size": 2}), None)
+    assert_same_metrics(read_metrics(tmp_path / "even"), read_metrics(tmp_path / "floored"))
+    assert_same_weights(tmp_path / "even" / "actor_hf", tmp_path / "floored" / "actor_hf")
+
+    last_smaller = {**steps, "actor_rollout_ref.actor.ppo_mini_batch_size": 3}
+    run_ok(exact_overrides(tmp_path / "one", 1, **last_smaller), None)
+    run_ok(exact_overrides(tmp_path / "two", 2, **last_smaller), 2)
+    assert_same_metrics(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two"))
+    assert_same_weights(tmp_path / "one" / "actor_hf", tmp_path / "two" / "actor_hf")

@@ -89,6 +89,21 @@ def test_a_critic_with_its_own_mini_batch_and_epochs_has_its_own_counts():
     assert plan.steps_per_epoch == 10 and plan.total_steps == 30 * 10  # 640 / 64, default total_epochs 30
 
 
+def test_uneven_mini_batches_are_planned_as_verl_trains_them():
+    # 192 prompts x n 5 = 960 samples, 40 per rank on 24 ranks. A mini-batch of 64 prompts is 320
+    # samples, 13.3 per rank: each rank takes 13 (verl floors it), 312 in all, and its 40 rows
+    # make mini-batches of 13, 13, 13 and 1: 4 optimiser steps, the last of 24 samples.
+    cfg = config("data.train_batch_size=192", "actor_rollout_ref.rollout.n=5", f"{ACTOR}.ppo_mini_batch_size=64",
+                 "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=8", "trainer.nnodes=3")
+    plan = plan_batches(cfg, 24, equal_lengths(5, 10, 10, 1000))
+    a = plan.actor
+    assert (a.mini_batches_per_step, a.mini_batch_samples, a.share_samples, a.optimizer_steps_per_ppo_step) == (4, 312, 13, 4)
+    # 96 prompts in mini-batches of 40 on one rank: 40, 40 and 16.
+    plan = plan_batches(config("data.train_batch_size=96", f"{ACTOR}.ppo_mini_batch_size=40"), 1,
+                        equal_lengths(1, 10, 10, 1000))
+    assert (plan.actor.mini_batches_per_step, plan.actor.share_samples) == (3, 40)
+
+
 def test_no_micro_batch_size_runs_a_ranks_whole_share_at_once():
     plan = plan_batches(config("data.train_batch_size=8", f"{ACTOR}.ppo_mini_batch_size=8"), 1, equal_lengths(1, 1, 1, 8))
     assert (plan.actor.micro_batch_rows, plan.actor.micro_batches_per_mini_batch) == (8, 1)
@@ -165,10 +180,6 @@ DEGENERATE = {
                                f"{ACTOR}.ppo_mini_batch_size = 2 x actor_rollout_ref.rollout.n 1 = 2 samples per "
                                "mini-batch leave each of the 4 ranks less than one sample",
                                f"set {ACTOR}.ppo_mini_batch_size to a multiple of 4 such as 4"),
-    # mini 4 x n 1 over 3 ranks: 4 / 3 samples; multiples of 3 dividing 12: 3, 6, 12; the first >= 4 is 6.
-    "share not even": (["data.train_batch_size=12", f"{ACTOR}.ppo_mini_batch_size=4"], 3,
-                       "4 samples per mini-batch do not split evenly over the 3 ranks (trainer.n_gpus_per_node x "
-                       f"trainer.nnodes); set {ACTOR}.ppo_mini_batch_size to a multiple of 3 such as 6"),
     # mini 16 x n 1 / 4 ranks = 4 samples, fewer than the micro-batch of 8.
     "micro larger than share": (["data.train_batch_size=16", f"{ACTOR}.ppo_mini_batch_size=16",
                                  f"{ACTOR}.ppo_micro_batch_size_per_gpu=8"], 4,
@@ -190,10 +201,10 @@ DEGENERATE = {
                                    f"{ACTOR}.use_dynamic_bsz=true", f"{ACTOR}.ppo_max_token_len_per_gpu=500"], 1,
                                   f"{ACTOR}.ppo_max_token_len_per_gpu = 500 is smaller than the longest sequence",
                                   "raise it to at least 512"),
-    # 96 prompts in mini-batches of 40, on any number of ranks; the largest divisor of 96 up to 40 is 32.
-    "mini not dividing the step": (["data.train_batch_size=96", f"{ACTOR}.ppo_mini_batch_size=40"], 1,
-                                   f"{ACTOR}.ppo_mini_batch_size = 40 must divide data.train_batch_size = 96 "
-                                   "(prompts per step); set it to a divisor such as 32"),
+    # 64 prompts in a step of 32, on any number of ranks (verl asserts it too).
+    "mini larger than the step": (["data.train_batch_size=32", f"{ACTOR}.ppo_mini_batch_size=64"], 1,
+                                  f"{ACTOR}.ppo_mini_batch_size = 64 is larger than data.train_batch_size = 32 "
+                                  "(prompts per step); set it to 32 or less"),
 }
 
 

@@ -75,10 +75,18 @@ def test_settings_are_frozen():
         s.actor.ppo_epochs = 3
 
 
-def test_batches_that_do_not_split_over_the_ranks_are_refused_with_the_key():
-    with pytest.raises(UserError, match=r"actor_rollout_ref.actor.ppo_mini_batch_size = 4 x actor_rollout_ref.rollout.n 1 = 4 samples per "
-                       r"mini-batch do not split evenly over the 3 ranks .* a multiple of 3 such as 6"):
-        compile_ppo(_config(**{"actor_rollout_ref.rollout.n": 1, "data.train_batch_size": 12}), world_size=3)
+def test_a_mini_batch_that_leaves_a_rank_no_sample_is_refused_with_the_key():
+    with pytest.raises(UserError, match=r"actor_rollout_ref.actor.ppo_mini_batch_size = 2 x actor_rollout_ref.rollout.n 1 = 2 samples per "
+                       r"mini-batch leave each of the 4 ranks less than one sample .* a multiple of 4 such as 4"):
+        compile_ppo(_config(**{"actor_rollout_ref.rollout.n": 1, "data.train_batch_size": 12,
+                               "actor_rollout_ref.actor.ppo_mini_batch_size": 2}), world_size=4)
+
+
+def test_uneven_mini_batches_are_floored_per_rank_and_dealt_in_whole_global_mini_batches():
+    # 4 samples per mini-batch over 3 ranks: 1 each (verl floors 4 / 3), so 3 per global mini-batch.
+    s = compile_ppo(_config(**{"actor_rollout_ref.rollout.n": 1, "data.train_batch_size": 12,
+                               "actor_rollout_ref.actor.ppo_mini_batch_size": 4}), world_size=3)
+    assert (s.actor.mini_batch_rows, s.shard_chunk_rows) == (1, 3)
 
 
 @pytest.mark.parametrize("name", READS_SETTINGS_ONLY)
