@@ -32,11 +32,12 @@ def run_ppo(config_path: str | None, overrides: list[str], print_fn=print) -> li
 
 def _train(cfg, env, print_fn) -> list[dict]:
     from klppo.monitoring.memory import PeakMemory
-    from klppo.run.build import build_ppo
+    from klppo.run.build import build_ppo, resolve_packing
     from klppo.trainer.ppo_trainer import PPOTrainer
     from klppo.run.state import resume_target
     from klppo.distributed import same_on_every_rank
 
+    resolve_packing(cfg, print_fn)  # so that the memory plan counts the rows the run will have
     check_memory_plan(cfg, env, print_fn)  # before any model loads; a run that cannot fit stops here
     setup_memory = PeakMemory(env.device)
     setup_memory.reset()

@@ -84,6 +84,52 @@ class SlidingWindow:
     size: int
 
 
+# ---- which models can pack ----
+
+# transformers' cache layer types of layers that carry a state from each token to the next
+# (convolutions, state-space models, linear attention): in a packed row, from one sequence into the next.
+STATEFUL_LAYER_TYPES = frozenset({"conv", "linear_attention", "hybrid", "hybrid_sliding"})
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's type as transformers' caches read it (``full_attention``, ``sliding_attention``,
+    ``linear_attention``, ``conv``, ...), from the config alone."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        return list(get_layer_types_and_kwargs(config)[0])
+    except (ImportError, AttributeError, TypeError):  # a transformers or a config without per-layer types
+        return list(getattr(config, "layer_types", None) or [])
+
+
+def packing_problem(config) -> str | None:
+    """Why a model of ``config`` cannot keep the sequences of a packed row apart, or None.
+
+    klppo's packed rows rely on two things: every layer that mixes tokens is attention, and that
+    attention runs through transformers' attention interface (``_supports_attention_backend``),
+    where the implementation chosen here sees each sequence's bounds. A model with stateful
+    layers (Mamba, convolutions, linear attention: Jamba, Bamba, Falcon-H1, LFM2, Qwen3.5) would
+    carry a state from one sequence into the next; one with its own attention code (BLOOM's
+    ALiBi, MPT, XGLM) would let every token attend to the sequences before its own. transformers
+    marks the classes whose attention takes the interface; the few that take it unmarked
+    (StableLM, Falcon) are counted out with the rest.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    stateful = sorted(set(layer_types(config)) & STATEFUL_LAYER_TYPES)
+    if stateful:
+        return (f"its {' and '.join(stateful)} layers carry a state from each token to the next, across "
+                "the sequences of a packed row")
+    try:
+        backbone = MODEL_MAPPING[type(config)]
+    except KeyError:
+        return f"transformers has no backbone class for model type '{config.model_type}'"
+    if not getattr(backbone, "_supports_attention_backend", False):
+        return (f"{backbone.__name__} does not declare transformers' attention interface "
+                "(_supports_attention_backend), through which klppo keeps the sequences of a packed row apart")
+    return None
+
+
 # ---- the choice ----
 
 
@@ -189,11 +235,23 @@ def torch_varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 # ---- the attention functions ----
 
 
-def _packed_row(query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs: dict) -> bool:
-    """A packed row as klppo's forwards pass it: one row, no mask, no cache, and its sequences in
-    ``cu_seq_lens_q`` (transformers' flash convention; a row without them is one sequence)."""
-    return (attention_mask is None and query.shape[0] == 1 and query.shape[2] == key.shape[2]
-            and kwargs.get("cu_seq_lens_q") is not None and kwargs.get("max_length_q") is not None)
+def _packed_row_sequences(query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs: dict
+                          ) -> tuple[torch.Tensor, int] | None:
+    """(cu_seqlens, longest) of a packed row as klppo's forwards pass it (one row, no mask, no
+    cache), or None for any other row. The sequences come from ``cu_seq_lens_q`` and
+    ``max_length_q`` (transformers' flash convention), or, where a model's layers do not hand
+    those on to its attention (StableLM's), from the position ids (a host sync per layer)."""
+    if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        return None
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("max_length_q") is not None:
+        return kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
+    if kwargs.get("position_ids") is None:
+        return None
+    bounds = _segment_bounds(kwargs["position_ids"].reshape(-1))
+    if len(bounds) <= 2:  # one sequence: nothing is packed
+        return None
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    return torch.tensor(bounds, dtype=torch.int32, device=query.device), longest
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, n: int, window: int | None = None) -> torch.Tensor:
@@ -232,26 +290,27 @@ def packed_varlen_attention(module, query, key, value, attention_mask, dropout=0
     never picks this for an fp32 run.
     """
     attention_mask, window = _unmasked(attention_mask)
-    if not _packed_row(query, key, attention_mask, kwargs):
+    sequences = _packed_row_sequences(query, key, attention_mask, kwargs)
+    if sequences is None:
         if window is not None:  # rows of one sequence each, no padding (``_packed_sdpa_mask``)
             return _causal_sdpa(module, query, key, value, window, dropout, scaling), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     assert getattr(module, "is_causal", True), "packed rows are for causal models"
-    cu_seqlens = kwargs["cu_seq_lens_q"]
+    cu_seqlens, max_len = sequences  # max_len: an int from klppo's forwards (a tensor would sync per layer)
     if query.dtype not in VARLEN_DTYPES or dropout or (window is not None and not varlen_takes_windows()):
         mask = block_causal_mask(cu_seqlens, query.shape[2], window)[None, None]  # (1, 1, N, N)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (N, H or Hkv, D)
-    max_len = kwargs["max_length_q"]  # an int from klppo's forwards (a tensor here would be a host sync per layer)
-    out = torch_varlen_causal(q, k, v, cu_seqlens.to(torch.int32), int(max_len), scaling, window)
+    out = torch_varlen_causal(q, k, v, cu_seqlens.to(torch.int32), max_len, scaling, window)
     return out.unsqueeze(0), None  # (1, N, H, D)
 
 
 def _segment_bounds(position_ids: torch.Tensor) -> list[int]:
-    """Start of each packed sequence in one row of position ids, then the row length."""
-    steps = torch.diff(position_ids, prepend=position_ids[:1] - 1)
-    return (steps != 1).nonzero().flatten().tolist() + [position_ids.shape[0]]  # host-device sync
+    """Start of each packed sequence in one row of position ids (the first at 0, each next where
+    the positions do not go on by one), then the row length."""
+    starts = (torch.diff(position_ids) != 1).nonzero().flatten() + 1
+    return [0] + starts.tolist() + [position_ids.shape[0]]  # host-device sync
 
 
 def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -34,6 +34,7 @@ from transformers import (
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from klppo.errors import UserError, reading, reason
+from klppo.models.attention import packing_problem
 from klppo.models.heads import model_class
 from klppo.models.rng import seeded
 
@@ -177,6 +178,12 @@ def _model_config(folder: Path, key: str):
                         "runs code from a model folder; use a model whose architecture transformers ships")
     with reading(path, f"{key}: the model config", fix):
         return AutoConfig.from_pretrained(folder, **_SAFE)
+
+
+def packing_problem_of(path: str, key: str) -> str | None:
+    """Why the model of folder ``path`` (set by ``key``) cannot keep the sequences of a packed row
+    apart (``klppo.models.attention.packing_problem``), or None; read from its config.json alone."""
+    return packing_problem(_model_config(check_model_folder(path, key), key))
 
 
 def load_tokenizer(path: str, key: str = "actor_rollout_ref.model.path", chat_template: str | None = None,

@@ -30,7 +30,9 @@ from klppo.distributed import DistEnv
 from klppo.distributed.env import computed_by_first_rank, consecutive_group
 from klppo.errors import UserError
 from klppo.models.attention import choose_packed_attention
-from klppo.models.load import check_same_tokenizer, check_trained_score_head, load_tokenizer, read_generation_config
+from klppo.models.load import (
+    check_same_tokenizer, check_trained_score_head, load_tokenizer, packing_problem_of, read_generation_config,
+)
 from klppo.monitoring.memory import available_bytes
 from klppo.plan.model_shape import GOLD_ROLE
 from klppo.rewards.distill import with_ranking_rewards
@@ -310,6 +312,37 @@ def _load_critic(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder, atte
                       packed=critic_cfg.use_remove_padding, attention=attention)
 
 
+def packed_model_paths(cfg: PPOConfig) -> list[tuple[str, object, dict[str, str]]]:
+    """(section key, section, {path key: folder}) of each model section that packs its rows
+    (``use_remove_padding``): the actor and reference, the critic, the reward models and the gold one."""
+    arf, rm, out = cfg.actor_rollout_ref, cfg.reward_model, []
+    out.append(("actor_rollout_ref.model", arf.model, {"actor_rollout_ref.model.path": arf.model.path}))
+    if uses_critic(cfg):
+        out.append(("critic.model", cfg.critic.model, {"critic.model.path": cfg.critic.model.path}))
+    paths = {"reward_model.model.path": rm.model.path} if rm.enable else {}
+    paths.update({f"reward_model.model.extra_paths[{i}]": p for i, p in enumerate(rm.model.extra_paths) if rm.enable})
+    if cfg.trainer.gold_reward.model_path:
+        paths["trainer.gold_reward.model_path"] = cfg.trainer.gold_reward.model_path
+    if paths:
+        out.append(("reward_model.model", rm.model, paths))
+    return [(key, section, paths) for key, section, paths in out if section.use_remove_padding]
+
+
+def resolve_packing(cfg: PPOConfig, log: Callable = print) -> None:
+    """Turn a section's ``use_remove_padding`` off, in place and with a warning, where one of its
+    models cannot keep the sequences of a packed row apart (``packing_problem``): its forwards run
+    padded rows, the numbers packing would have given had it been exact. Left on, every token
+    would see the sequences packed before its own (wrong log-probs, values and scores, silently)."""
+    for section_key, section, paths in packed_model_paths(cfg):
+        for key, path in paths.items():
+            problem = packing_problem_of(path, key)
+            if problem is not None:
+                section.use_remove_padding = False
+                log(f"warning: {section_key}.use_remove_padding has no effect with {key} = {path}: {problem}; "
+                    "its forwards run padded rows instead (the same numbers, more compute)")
+                break
+
+
 def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None) -> PPOParts:
     """Compile the settings, load data and models, build optimisers, schedules, KL controller and
     reward function.
@@ -319,6 +352,7 @@ def build_ppo(cfg: PPOConfig, log: Callable = print, env: DistEnv | None = None)
     the same batches; rank r samples from its own random stream (seed + r).
     """
     env = env or start_processes(cfg)
+    resolve_packing(cfg, log)  # before the settings read it
     settings = compile_ppo(cfg, env.world_size)
     if settings.engine is not None:
         require_vllm()  # before any model loads

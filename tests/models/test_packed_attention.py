@@ -429,3 +429,51 @@ def test_every_model_a_run_builds_gets_the_one_attention_chosen_for_the_run(
         assert len(chosen) == 1  # chosen once per run
     finally:
         close(env)
+
+
+# ---- (e) layers that hand their attention the position ids only ----
+
+
+def _row(lengths: tuple[int, ...], heads: int = 4, kv_heads: int = 2, dim: int = 8):
+    """A packed row's query (1, H, N, D), keys and values (1, Hkv, N, D) and position ids (1, N)."""
+    g = torch.Generator().manual_seed(sum(lengths))
+    n = sum(lengths)
+    q, k, v = (torch.randn(1, h, n, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    positions = torch.cat([torch.arange(length) for length in lengths])[None]
+    return q, k, v, positions
+
+
+def _each_sequence_alone(q, k, v, lengths) -> torch.Tensor:
+    """(1, N, H, D): causal attention over each sequence by itself, key/value heads repeated."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    out, start = [], 0
+    for length in lengths:
+        piece = (t[:, :, start : start + length] for t in (q, k, v))
+        out.append(F.scaled_dot_product_attention(*piece, is_causal=True, scale=0.5).transpose(1, 2))
+        start += length
+    return torch.cat(out, dim=1)
+
+
+class _Attention(torch.nn.Module):
+    """What transformers' sdpa reads from an attention module."""
+
+    is_causal, num_key_value_groups = True, 2
+
+
+@pytest.mark.parametrize("lengths", [(5, 3), (4, 6, 2), (1, 7, 3, 5)])
+@pytest.mark.parametrize("implementation", [PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC])
+def test_a_packed_row_whose_layers_pass_only_position_ids_keeps_each_sequence_to_itself(
+        implementation, lengths, monkeypatch):
+    """StableLM's and Falcon's decoder layers drop the keyword arguments that carry the sequences'
+    bounds (``cu_seq_lens_q``, klppo's row bounds) and hand on the position ids only: the
+    sequences are read from them. Two sequences once ran as one, attending across their border."""
+    fake = _install_fake_varlen(monkeypatch, "2.12+")
+    q, k, v, positions = _row(lengths)
+    function = {PACKED_SDPA: attention.packed_sdpa_attention, PACKED_VARLEN: attention.packed_varlen_attention,
+                PACKED_DETERMINISTIC: attention.deterministic_sdpa_attention}[implementation]
+    out, _ = function(_Attention(), q, k, v, None, scaling=0.5, position_ids=positions)
+    torch.testing.assert_close(out, _each_sequence_alone(q, k, v, lengths), atol=1e-5, rtol=1e-5)
+    assert fake.calls == (1 if implementation == PACKED_VARLEN else 0)  # one kernel call for the row
+    monkeypatch.setattr(attention, "VARLEN_DTYPES", (BF16, FP16))  # fp32 on the varlen path: one masked call
+    out, _ = function(_Attention(), q, k, v, None, scaling=0.5, position_ids=positions)
+    torch.testing.assert_close(out, _each_sequence_alone(q, k, v, lengths), atol=1e-5, rtol=1e-5)
