@@ -12,9 +12,10 @@ The candidates (``packed_attention_for`` picks one; benchmarks/README.md has the
   ``enable_gqa``, without which the key/value heads are expanded here (``torch_varlen_causal``).
 - ``flash_attention_2`` (CUDA, bf16/fp16, the ``flash_attn`` package): transformers' own; it
   reads the same ``cu_seq_lens_*`` / ``max_length_*`` keyword arguments and runs varlen kernels.
-- ``sdpa``: transformers' sdpa, which finds the packed sequences in the position ids and
-  builds one (N, N) block-diagonal causal mask per forward: one sdpa call per layer, but N^2
-  work where the sequences need the sum of their squared lengths.
+- ``PACKED_MASKED``: one sdpa call per layer with an (N, N) block-diagonal causal mask built
+  from the row's sequences as the attention receives them: N^2 work where the sequences need the
+  sum of their squared lengths. transformers' own ``sdpa`` builds the same mask from the position
+  ids it gets, which not every model hands it (OPT's packed tokens attended across sequences).
 - ``PACKED_SDPA``: sdpa run causally on each sequence of the row, a Python loop. Free on CPU
   and the fastest there (2-3x the masked sdpa on 16 sequences of 64-512 tokens); on an H200 it
   left the GPU waiting on Python (32,800 sdpa calls = 55 s of host time in 2 steps), so CUDA
@@ -61,16 +62,17 @@ from transformers.masking_utils import sdpa_mask
 PACKED_SDPA = "klppo_packed_sdpa"
 PACKED_VARLEN = "klppo_packed_varlen"
 PACKED_DETERMINISTIC = "klppo_packed_deterministic"
+PACKED_MASKED = "klppo_packed_masked"
 # The keyword argument that hands PACKED_SDPA each row's sequence bounds once per forward.
 ROW_BOUNDS = "klppo_row_bounds"
 # What each choice is called on the command line of the benchmarks (benchmarks/gpu_check.py --attn).
-ATTENTION_NAMES = {"varlen": PACKED_VARLEN, "flash_attention_2": "flash_attention_2", "sdpa_mask": "sdpa",
+ATTENTION_NAMES = {"varlen": PACKED_VARLEN, "flash_attention_2": "flash_attention_2", "sdpa_mask": PACKED_MASKED,
                    "sdpa_loop": PACKED_SDPA}
 # The dtypes varlen kernels take (torch's and flash-attn's alike).
 VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 # Measured on CPU (benchmarks/packed_attention.py): the per-sequence loop beats one masked sdpa call.
 CPU_PACKED_ATTENTION = PACKED_SDPA
-OUR_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC)
+OUR_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC, PACKED_MASKED)
 # The implementations that read each row's sequence bounds from ROW_BOUNDS.
 ROW_BOUNDS_IMPLEMENTATIONS = (PACKED_SDPA, PACKED_DETERMINISTIC)
 
@@ -140,7 +142,7 @@ def packed_attention_for(device_type: str, compute_dtypes: Iterable[torch.dtype 
     ``compute_dtypes``: what each model's forward runs in (None: float32); the varlen kernels
     take bf16/fp16 only, so they are chosen only when every model computes in one of those.
     ``torch_varlen``: this torch has ``varlen_attn`` and its flash kernels (``torch_varlen_runs``).
-    CUDA: torch's varlen > flash-attn's varlen > one masked sdpa call per layer; under
+    CUDA: torch's varlen > flash-attn's varlen > one masked sdpa call per layer (``PACKED_MASKED``); under
     ``deterministic`` algorithms ``PACKED_DETERMINISTIC`` instead; elsewhere the fastest measured
     there (``CPU_PACKED_ATTENTION``, deterministic on CPU as it is).
     """
@@ -153,7 +155,7 @@ def packed_attention_for(device_type: str, compute_dtypes: Iterable[torch.dtype 
         return PACKED_VARLEN
     if flash_installed and half:
         return "flash_attention_2"
-    return "sdpa"
+    return PACKED_MASKED
 
 
 def torch_varlen_runs(device_type: str) -> bool:
@@ -285,10 +287,25 @@ def packed_varlen_attention(module, query, key, value, attention_mask, dropout=0
     """torch's varlen kernel over a packed row (``cu_seq_lens_q``, ``max_length_q``); plain sdpa otherwise.
 
     query (1, H, N, D), key/value (1, Hkv, N, D) -> (1, N, H, D). Where the kernel cannot run
-    (fp32, dropout, or a sliding window on torch 2.10) a packed row gets one sdpa call with
-    ``block_causal_mask`` instead: exact, still one kernel per layer; ``packed_attention_for``
+    (fp32, dropout, or a sliding window on torch 2.10) a packed row gets ``packed_masked_attention``'s
+    one masked sdpa call instead: exact, still one kernel per layer; ``packed_attention_for``
     never picks this for an fp32 run.
     """
+    return _one_call_per_packed_row(module, query, key, value, attention_mask, dropout, scaling, kwargs, kernel=True)
+
+
+def packed_masked_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """One sdpa call over a packed row with ``block_causal_mask`` built here from the row's
+    sequences; plain sdpa otherwise. transformers' own sdpa would find the sequences in the
+    position ids while it builds the mask, which not every model hands it (OPT does not: its packed
+    tokens attended across sequences); here they come from what the attention receives."""
+    return _one_call_per_packed_row(module, query, key, value, attention_mask, dropout, scaling, kwargs, kernel=False)
+
+
+def _one_call_per_packed_row(module, query, key, value, attention_mask, dropout, scaling, kwargs: dict, *,
+                             kernel: bool):
+    """A packed row in one call: torch's varlen kernel where ``kernel`` and it can run, else sdpa
+    with the row's block-diagonal causal mask; any other row as transformers' sdpa runs it."""
     attention_mask, window = _unmasked(attention_mask)
     sequences = _packed_row_sequences(query, key, attention_mask, kwargs)
     if sequences is None:
@@ -298,7 +315,8 @@ def packed_varlen_attention(module, query, key, value, attention_mask, dropout=0
                                       **kwargs)
     assert getattr(module, "is_causal", True), "packed rows are for causal models"
     cu_seqlens, max_len = sequences  # max_len: an int from klppo's forwards (a tensor would sync per layer)
-    if query.dtype not in VARLEN_DTYPES or dropout or (window is not None and not varlen_takes_windows()):
+    if (not kernel or query.dtype not in VARLEN_DTYPES or dropout
+            or (window is not None and not varlen_takes_windows())):
         mask = block_causal_mask(cu_seqlens, query.shape[2], window)[None, None]  # (1, 1, N, N)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (N, H or Hkv, D)
@@ -378,6 +396,6 @@ def _packed_sdpa_mask(*args, **kwargs):
 
 
 for _name, _function in ((PACKED_SDPA, packed_sdpa_attention), (PACKED_VARLEN, packed_varlen_attention),
-                         (PACKED_DETERMINISTIC, deterministic_sdpa_attention)):
+                         (PACKED_DETERMINISTIC, deterministic_sdpa_attention), (PACKED_MASKED, packed_masked_attention)):
     AttentionInterface.register(_name, _function)
     AttentionMaskInterface.register(_name, _packed_sdpa_mask)

@@ -12,8 +12,8 @@ from transformers.masking_utils import sdpa_mask
 
 from klppo.models import attention
 from klppo.models.attention import (
-    PACKED_DETERMINISTIC, PACKED_SDPA, PACKED_VARLEN, block_causal_mask, choose_packed_attention, packed_attention_for,
-    set_packed_attention, torch_varlen_runs,
+    PACKED_DETERMINISTIC, PACKED_MASKED, PACKED_SDPA, PACKED_VARLEN, block_causal_mask, choose_packed_attention,
+    packed_attention_for, set_packed_attention, torch_varlen_runs,
 )
 from klppo.models.forward import response_logprobs, response_values
 from klppo.models.load import enable_activation_checkpointing
@@ -30,9 +30,9 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
     ("cuda", [BF16], True, True, PACKED_VARLEN),  # torch's own kernel first: no extra package
     ("cuda", [FP16, BF16], True, False, PACKED_VARLEN),
     ("cuda", [BF16], False, True, "flash_attention_2"),  # torch < 2.10 (or no flash in its build)
-    ("cuda", [BF16], False, False, "sdpa"),  # one masked sdpa call per layer
-    ("cuda", [BF16, None], True, True, "sdpa"),  # one model in fp32: varlen kernels take bf16/fp16 only
-    ("cuda", [FP32], True, True, "sdpa"),
+    ("cuda", [BF16], False, False, PACKED_MASKED),  # one masked sdpa call per layer
+    ("cuda", [BF16, None], True, True, PACKED_MASKED),  # one model in fp32: varlen kernels take bf16/fp16 only
+    ("cuda", [FP32], True, True, PACKED_MASKED),
     ("cpu", [BF16], True, True, PACKED_SDPA),  # measured fastest on CPU (benchmarks/README.md)
     ("cpu", [None], False, False, PACKED_SDPA),
 ])
@@ -52,10 +52,10 @@ def _cuda_host(monkeypatch, *, capability=(9, 0), flash_kernels=True, flash_attn
 
 @pytest.mark.parametrize("host, has_varlen, expected", [
     (dict(), True, PACKED_VARLEN),
-    (dict(), False, "sdpa"),  # torch < 2.10
+    (dict(), False, PACKED_MASKED),  # torch < 2.10
     (dict(flash_attn=True), False, "flash_attention_2"),
     (dict(flash_kernels=False, flash_attn=True), True, "flash_attention_2"),  # torch built without flash
-    (dict(capability=(7, 5)), True, "sdpa"),  # flash kernels need compute capability 8.0+
+    (dict(capability=(7, 5)), True, PACKED_MASKED),  # flash kernels need compute capability 8.0+
 ])
 def test_on_a_cuda_host_the_choice_follows_torch_and_the_installed_packages(monkeypatch, host, has_varlen, expected):
     _cuda_host(monkeypatch, **host)
@@ -239,7 +239,7 @@ def _assert_close_grads(grads, expected):
         torch.testing.assert_close(a, b, atol=2e-5 * scale, rtol=1e-4)
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC])
+@pytest.mark.parametrize("implementation", ["sdpa", PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC, PACKED_MASKED])
 def test_packed_rows_score_and_differentiate_as_the_padded_path(implementation, fake_varlen):
     # PACKED_VARLEN through the fake kernel; "sdpa" is transformers' block-diagonal mask, one call a layer
     padded, padded_grads = _scores_and_grads("sdpa", packed=False)
@@ -319,7 +319,7 @@ def _logprobs_and_grads(model, packed: bool):
     return (log_probs.detach(), entropy.detach()), [p.grad for p in model.parameters() if p.grad is not None]
 
 
-@pytest.mark.parametrize("implementation", [PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC])
+@pytest.mark.parametrize("implementation", [PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC, PACKED_MASKED])
 @pytest.mark.parametrize("kind", list(SLIDING_MODELS))
 def test_sliding_window_layers_score_and_differentiate_packed_rows_as_the_padded_path_without_a_row_mask(
         kind, implementation, monkeypatch):
@@ -461,7 +461,7 @@ class _Attention(torch.nn.Module):
 
 
 @pytest.mark.parametrize("lengths", [(5, 3), (4, 6, 2), (1, 7, 3, 5)])
-@pytest.mark.parametrize("implementation", [PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC])
+@pytest.mark.parametrize("implementation", [PACKED_SDPA, PACKED_VARLEN, PACKED_DETERMINISTIC, PACKED_MASKED])
 def test_a_packed_row_whose_layers_pass_only_position_ids_keeps_each_sequence_to_itself(
         implementation, lengths, monkeypatch):
     """StableLM's and Falcon's decoder layers drop the keyword arguments that carry the sequences'
@@ -470,7 +470,8 @@ def test_a_packed_row_whose_layers_pass_only_position_ids_keeps_each_sequence_to
     fake = _install_fake_varlen(monkeypatch, "2.12+")
     q, k, v, positions = _row(lengths)
     function = {PACKED_SDPA: attention.packed_sdpa_attention, PACKED_VARLEN: attention.packed_varlen_attention,
-                PACKED_DETERMINISTIC: attention.deterministic_sdpa_attention}[implementation]
+                PACKED_DETERMINISTIC: attention.deterministic_sdpa_attention,
+                PACKED_MASKED: attention.packed_masked_attention}[implementation]
     out, _ = function(_Attention(), q, k, v, None, scaling=0.5, position_ids=positions)
     torch.testing.assert_close(out, _each_sequence_alone(q, k, v, lengths), atol=1e-5, rtol=1e-5)
     assert fake.calls == (1 if implementation == PACKED_VARLEN else 0)  # one kernel call for the row

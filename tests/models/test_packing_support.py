@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from klppo.commands.main_ppo import run_ppo
-from klppo.models.attention import PACKED_SDPA, packing_problem, set_packed_attention
+from klppo.models.attention import PACKED_MASKED, PACKED_SDPA, packing_problem, set_packed_attention
 from klppo.models.forward import response_logprobs
 
 SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -30,12 +30,12 @@ COUNTED_OUT = {  # model type -> its config's own keys, and what keeps it from p
 }
 
 
-def _model(kind: str, keys: dict):
+def _model(kind: str, keys: dict, implementation: str = PACKED_SDPA):
     config = AutoConfig.for_model(kind, **{**SIZES, **keys})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
-    return config, set_packed_attention(model, PACKED_SDPA) and model
+    return config, set_packed_attention(model, implementation) and model
 
 
 def _batch():
@@ -54,11 +54,19 @@ def _packed_against_padded(model) -> float:
     return (packed - padded).abs().max().item()
 
 
+@pytest.mark.parametrize("implementation", [PACKED_SDPA, PACKED_MASKED])  # CPU's choice, and CUDA's last resort
 @pytest.mark.parametrize("kind", list(PACKS))
-def test_every_type_klppo_packs_scores_a_packed_row_as_its_padded_rows(kind):
-    config, model = _model(kind, PACKS[kind])
+def test_every_type_klppo_packs_scores_a_packed_row_as_its_padded_rows(kind, implementation):
+    config, model = _model(kind, PACKS[kind], implementation)
     assert packing_problem(config) is None
     assert _packed_against_padded(model) < 1e-4  # fp32 rounding of log-probs up to ~20 (large weights)
+
+
+def test_transformers_own_sdpa_mask_lets_opts_packed_tokens_attend_across_sequences():
+    """Why CUDA's last resort builds its mask itself (PACKED_MASKED): transformers' sdpa finds the
+    sequences in the position ids its mask function gets, and OPT's model does not hand them on."""
+    assert _packed_against_padded(_model("opt", PACKS["opt"], "sdpa")[1]) > 1e-2
+    assert _packed_against_padded(_model("opt", PACKS["opt"], PACKED_MASKED)[1]) < 1e-4
 
 
 @pytest.mark.parametrize("kind", list(COUNTED_OUT))
