@@ -316,9 +316,15 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, folder: Path, key: s
 
 
 def _causal_lm_config(folder: Path, key: str):
+    """The config of a folder whose model is a causal LM: one transformers' ``AutoModelForCausalLM``
+    builds (``...ForCausalLM``, GPT-2's ``GPT2LMHeadModel``, Gemma 3's ``...ForConditionalGeneration``),
+    not a critic or reward model saved with a head of its own."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     config = _model_config(folder, key)
     architectures = config.architectures or []
-    if architectures and not any(name.endswith("ForCausalLM") for name in architectures):
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if architectures and not any(name.endswith("ForCausalLM") or name in causal for name in architectures):
         raise UserError(
             f"{key}: '{folder}' holds a {architectures[0]}, not a causal language model (...ForCausalLM)"
         )

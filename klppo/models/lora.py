@@ -46,6 +46,16 @@ TASK_TYPES = {"ForCausalLM": "CAUSAL_LM", "ForSequenceClassification": "SEQ_CLS"
 Modules = Union[str, tuple[str, ...], None]
 
 
+def _task_type(class_name: str) -> str | None:
+    """peft's task type of a Hugging Face class: by its suffix, or CAUSAL_LM for a causal LM named
+    otherwise (GPT-2's ``GPT2LMHeadModel``: the classes ``AutoModelForCausalLM`` builds)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return "CAUSAL_LM"
+    return next((task for suffix, task in TASK_TYPES.items() if class_name.endswith(suffix)), None)
+
+
 @dataclass(frozen=True)
 class LoraSpec:
     """The adapters of one model, from its config section (verl's keys)."""
@@ -363,7 +373,7 @@ def save_adapter(out: Path, model: torch.nn.Module, state: dict[str, torch.Tenso
 
     layers, heads = lora_layers(model), trained_heads(model)
     first = next(iter(layers.values()))
-    task = next((task for suffix, task in TASK_TYPES.items() if type(model).__name__.endswith(suffix)), None)
+    task = _task_type(type(model).__name__)
     config = LoraConfig(r=first.r[ADAPTER], lora_alpha=first.lora_alpha[ADAPTER], lora_dropout=0.0, bias="none",
                         target_modules=sorted(layers), task_type=task, base_model_name_or_path=base_path,
                         fan_in_fan_out=all(layer.fan_in_fan_out for layer in layers.values()),  # as peft saves GPT-2's

@@ -85,3 +85,17 @@ def test_a_saved_adapter_file_with_tensors_the_model_would_not_use_is_refused_na
     with pytest.raises(UserError, match=rf"{KEY}.lora_adapter_path: '{path}' holds tensors this model would not use "
                                         r"\(base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias\)"):
         loaded_with(tiny_model_dir, tmp_path / "adapter")
+
+
+def test_a_saved_gpt2_adapter_names_peft_s_causal_lm_task_as_a_ForCausalLM_adapter_does(tmp_path):
+    """peft picks PeftModelForCausalLM by the adapter's task type; GPT-2's class is GPT2LMHeadModel."""
+    import json
+
+    from klppo.models.lora import save_adapter
+
+    model = tiny_gpt2()
+    attach_adapters(model, LoraSpec(KEY, rank=4, alpha=8, target_modules="all-linear"), seed=0, train_head=False)
+    save_adapter(tmp_path / "adapter", model, model.state_dict(), "gpt2")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
+    reloaded = PeftModel.from_pretrained(tiny_gpt2(), str(tmp_path / "adapter"))
+    assert type(reloaded).__name__ == "PeftModelForCausalLM"

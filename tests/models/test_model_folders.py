@@ -182,6 +182,22 @@ def test_a_reward_model_that_scores_ppo_must_bring_its_trained_score_head(folder
     check_trained_score_head(str(tmp_path / "rm"), "reward_model.model.path")
 
 
+def test_a_critic_or_reward_model_folder_is_refused_as_the_actor(folder, tmp_path):
+    load_critic(str(folder), key="critic.model.path", device=CPU).save_pretrained(tmp_path / "critic")
+    with pytest.raises(UserError, match=r"holds a Qwen2ForTokenClassification, not a causal language model"):
+        load_causal_lm(str(tmp_path / "critic"), key=KEY, device=CPU)
+
+
+def test_causal_lms_not_named_for_causal_lm_load_as_the_actor(tiny_model_dir, tmp_path):
+    """GPT-2 saves itself as GPT2LMHeadModel: transformers' AutoModelForCausalLM names the classes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt2", vocab_size=64, n_embd=32, n_layer=2, n_head=4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+    assert json.loads((tmp_path / "gpt2" / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    assert type(load_causal_lm(str(tmp_path / "gpt2"), key=KEY, device=CPU)).__name__ == "GPT2LMHeadModel"
+
+
 @pytest.mark.parametrize("load", [load_causal_lm, load_critic, load_reward_model], ids=lambda f: f.__name__)
 def test_activation_checkpointing_is_turned_on_without_a_deprecation_warning(load, tiny_model_dir):
     import warnings
