@@ -29,6 +29,7 @@ import json
 import math
 import re
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -149,8 +150,8 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec, *, train_head: bool) ->
                         target_modules=_in_backbone(spec.target_modules, model, _targets_key(spec)),
                         exclude_modules=_in_backbone(spec.exclude_modules, model, _targets_key(spec, "exclude")))
     try:
-        with warnings.catch_warnings():  # peft sets fan_in_fan_out per layer by its type, and says so each time
-            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
+        with warnings.catch_warnings(), _config_hidden(backbone):
+            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")  # said per layer otherwise
             inject_adapter_in_model(config, backbone, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     except ValueError as exc:
         raise UserError(f"{_targets_key(spec)} = {spec.target_modules!r} (exclude_modules = "
@@ -161,6 +162,21 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec, *, train_head: bool) ->
     backbone_prefix = f"{model.base_model_prefix}."
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name) or (train_head and not name.startswith(backbone_prefix)))
+
+
+@contextmanager
+def _config_hidden(backbone: torch.nn.Module):
+    """The backbone without its ``config`` while peft injects adapters. For an MoE model peft reads
+    the config to load adapters trained on transformers 4, and re-aims every target named like a
+    version-4 expert projection (``gate_proj``, ``up_proj``, ``down_proj``: Qwen2-MoE's and
+    DeepSeek-V3's shared experts and dense layers too) at version 5's fused expert weights, which
+    klppo does not adapt. The targets klppo resolved are the ones meant."""
+    config = backbone.__dict__.pop("config", None)
+    try:
+        yield
+    finally:
+        if config is not None:
+            backbone.config = config
 
 
 def _targets_key(spec: LoraSpec, which: str = "target") -> str:
@@ -177,6 +193,16 @@ def _linear_names(backbone: torch.nn.Module) -> list[str]:
 
     return sorted({name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name, m in backbone.named_modules()
                    if isinstance(m, (torch.nn.Linear, Conv1D)) and ".lora_" not in f".{name}"})
+
+
+def _linear_modules(backbone: torch.nn.Module) -> list[str]:
+    """``all-linear``: the full names of the backbone's linear layers (``nn.Linear``, GPT-2's
+    ``Conv1D``). peft's own ``all-linear`` also takes what it can wrap otherwise: the fused experts
+    of transformers 5's MoE layers (3-D weights) and their routers, which klppo does not adapt;
+    those stay frozen, as the embeddings do."""
+    from transformers.pytorch_utils import Conv1D
+
+    return [name for name, m in backbone.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
 
 
 def _refuse_non_linear(model: torch.nn.Module, spec: LoraSpec) -> None:
@@ -208,7 +234,9 @@ def _in_backbone(modules: Modules, model: torch.nn.Module, key: str):
     prefix = f"{model.base_model_prefix}."
     if isinstance(modules, tuple):
         return [name.removeprefix(prefix) for name in modules]
-    if modules is None or modules == "all-linear":
+    if modules == "all-linear":
+        return _linear_modules(model.get_submodule(model.base_model_prefix))
+    if modules is None:
         return modules
     try:
         pattern = re.compile(modules)

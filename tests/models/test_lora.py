@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from klppo.errors import UserError
-from klppo.models.lora import LoraSpec, attach_adapters, is_adapter, read_adapter_config
+from klppo.models.lora import LoraSpec, attach_adapters, is_adapter, lora_layers, read_adapter_config
 
 KEY = "actor_rollout_ref.model"
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
@@ -99,3 +99,31 @@ def test_a_saved_gpt2_adapter_names_peft_s_causal_lm_task_as_a_ForCausalLM_adapt
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
     reloaded = PeftModel.from_pretrained(tiny_gpt2(), str(tmp_path / "adapter"))
     assert type(reloaded).__name__ == "PeftModelForCausalLM"
+
+
+@pytest.mark.parametrize("kind, keys", [
+    ("deepseek_v3", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, kv_lora_rank=8,
+                         q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1,
+                         n_group=1, topk_group=1)),  # a dense first layer, and shared experts
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+])
+def test_all_linear_adapts_an_moe_models_linear_layers_and_leaves_its_fused_experts_frozen(kind, keys):
+    """transformers 5 fuses each MoE layer's experts into 3-D weights and makes its router a module of
+    its own: neither is a linear layer. peft would re-aim DeepSeek-V3's dense and shared-expert
+    projections (named as version 4's experts were) at the fused weights; klppo adapts the linear layers."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(kind, vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=2, **keys)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    linear = sorted(name for name, m in model.model.named_modules() if isinstance(m, torch.nn.Linear))
+    attach_adapters(model, LoraSpec(KEY, rank=4, alpha=8, target_modules="all-linear"), seed=0, train_head=False)
+    adapted = sorted(name.removeprefix("model.") for name in lora_layers(model))
+    assert adapted == linear and any(".self_attn." in name for name in adapted)
+    assert not [name for name in adapted if name.endswith((".experts", ".gate"))]
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(is_adapter(name) for name in trained)
+    model(IDS).logits.sum().backward()
+    assert all(p.grad is not None for name, p in model.named_parameters() if p.requires_grad)
