@@ -295,8 +295,8 @@ def ppo_yaml_unknown_estimator(ws):
 
 
 @case("ppo_mini_batch_size")
-def ppo_yaml_mini_batch_not_dividing(ws):
-    return ws.ppo(None, {"actor_rollout_ref.actor.ppo_mini_batch_size": 3})
+def ppo_yaml_mini_batch_larger_than_the_step(ws):
+    return ws.ppo(None, {"actor_rollout_ref.actor.ppo_mini_batch_size": 4096})
 
 
 @case("trainer.resume_mode")
