@@ -184,6 +184,24 @@ def fsdp_sections(cfg: PPOConfig) -> dict[str, FSDPConfig]:
     return sections
 
 
+def fsdp_size_problems(cfg: PPOConfig, world: int) -> Found:
+    """Each model's ``fsdp_size``: -1, or a number of ranks per shard group. One at least the world
+    shards over every rank, as verl's ``create_device_mesh`` does (an example script's 32 on the 8
+    GPUs at hand); a smaller one must divide the world, since the groups replicate each other."""
+    out: Found = []
+    for prefix, fsdp in fsdp_sections(cfg).items():
+        size, key = fsdp.fsdp_size, f"{prefix}.fsdp_size"
+        if size != -1 and size < 1:
+            out.append(((key,), f"{key} = {size}: use -1 (shard over every rank) or a number of ranks that divides "
+                                "the world"))
+        elif 1 <= size < world and world % size:
+            out.append(((key, "trainer.n_gpus_per_node", "trainer.nnodes"),
+                        f"{key} = {size} does not divide the {_ranks(world)} (trainer.n_gpus_per_node x "
+                        f"trainer.nnodes): shard groups of {size} cannot cover them; use a divisor such as "
+                        f"{divisor_below(world, size)}, or -1 to shard over every rank"))
+    return out
+
+
 def launch_mismatch(n_gpus_per_node: int, nnodes: int, launched: int) -> Optional[str]:
     """Why a run launched as ``launched`` processes does not match the world its config names, with the
     launch command that matches and the keys that match the launch; None when they agree.

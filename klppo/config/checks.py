@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from klppo.config.batch_sizes import (
-    batch_size_problems, divisor_below, launch_mismatch, measures_sum_pi_squared, mini_batch_notes, world_size,
+    batch_size_problems, divisor_below, fsdp_size_problems, launch_mismatch, measures_sum_pi_squared, mini_batch_notes,
+    world_size,
 )
 from klppo.config.lora import lora_enabled, lora_problems
 from klppo.config.optimizers import optimizer_problems
@@ -199,12 +200,7 @@ def check_ppo(cfg: PPOConfig, launched: Optional[int] = None) -> list[Problem]:
     out += reward_problems(cfg)
     _check_critic_warmup(cfg, out)
     check_positive(out, f"{ARF}.nccl_timeout", cfg.actor_rollout_ref.nccl_timeout, "number of seconds")
-    for prefix, fsdp in ((f"{ACTOR}.fsdp_config", cfg.actor_rollout_ref.actor.fsdp_config),
-                         (f"{ARF}.ref.fsdp_config", cfg.actor_rollout_ref.ref.fsdp_config),
-                         ("critic.model.fsdp_config", cfg.critic.model.fsdp_config)):
-        if fsdp.fsdp_size != -1 and fsdp.fsdp_size < 1:
-            out.append(Problem((f"{prefix}.fsdp_size",), f"{prefix}.fsdp_size = {fsdp.fsdp_size}: use -1 (shard over "
-                               "every rank) or a number of ranks that divides the world"))
+    out += [Problem(keys, message) for keys, message in fsdp_size_problems(cfg, world_size(cfg))]
     _refuse_fp16_training(out, f"{ACTOR}.fsdp_config", cfg.actor_rollout_ref.actor.fsdp_config)
     _check_lora(out, cfg.actor_rollout_ref.model, f"{ARF}.model")
     if cfg.algorithm.adv_estimator == "gae":  # the other estimators train no critic

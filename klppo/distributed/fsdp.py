@@ -21,10 +21,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 def build_mesh(world_size: int, fsdp_size: int = -1, device_type: str = "cpu") -> DeviceMesh:
     """A 1-D ("fsdp",) mesh over all ranks, or a 2-D HSDP ("replicate", "shard") mesh.
 
-    ``fsdp_size`` (verl's ``actor.fsdp_config.fsdp_size``): -1 or ``world_size`` shards over
-    every rank; a smaller divisor shards within groups of that size and replicates across them.
+    ``fsdp_size`` (verl's ``actor.fsdp_config.fsdp_size``): -1, or ``world_size`` or more (as
+    verl's ``create_device_mesh`` reads it), shards over every rank; a smaller divisor shards
+    within groups of that size and replicates across them.
     """
-    if fsdp_size in (-1, world_size):
+    if fsdp_size == -1 or fsdp_size >= world_size:
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
     if fsdp_size < 1 or world_size % fsdp_size:
         raise ValueError(

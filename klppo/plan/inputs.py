@@ -97,8 +97,9 @@ class PlanSettings:
 
 
 def shard_count(fsdp: FSDPConfig, world_size: int) -> int:
-    """Ranks a model's parameters are split over: fsdp_size (HSDP) where it divides the world, else all."""
-    if fsdp.fsdp_size > 0 and world_size % fsdp.fsdp_size == 0:
+    """Ranks a model's parameters are split over: fsdp_size (HSDP) where it divides the world, else all
+    (-1, or a size at least the world: ``distributed.fsdp.build_mesh``)."""
+    if 0 < fsdp.fsdp_size < world_size and world_size % fsdp.fsdp_size == 0:
         return fsdp.fsdp_size
     return world_size
 

@@ -276,6 +276,14 @@ def test_fsdp_options_and_multi_process_worlds_are_accepted():
          "trainer.n_gpus_per_node=8", "trainer.nnodes=2")
 
 
+def test_an_fsdp_size_of_the_world_or_more_shards_over_every_rank_as_in_verl_and_one_not_dividing_it_is_refused():
+    load(f"{ACTOR}.fsdp_config.fsdp_size=32", "trainer.n_gpus_per_node=8")  # an example's 4 nodes, run on 8 GPUs
+    assert problems_of("critic.model.fsdp_config.fsdp_size=3", "trainer.n_gpus_per_node=8") == [
+        "critic.model.fsdp_config.fsdp_size = 3 does not divide the 8 ranks (trainer.n_gpus_per_node x trainer.nnodes): "
+        "shard groups of 3 cannot cover them; use a divisor such as 2, or -1 to shard over every rank"
+    ]
+
+
 def test_a_reward_model_needs_its_path_and_ranking_needs_groups():
     problems = problems_of("reward_model.enable=true")
     assert len(problems) == 1 and "reward_model.model.path" in problems[0]

@@ -112,7 +112,9 @@ def test_bf16_online_run_with_validation_on_two_ranks(ppo_overrides, task_dir, t
 
 
 def test_one_process_with_fsdp_options_shards_over_a_group_of_one(ppo_overrides, tmp_path):
+    # fsdp_size 32 on one rank: at least the world, so every rank's shard group is the world (verl's reading)
     run_ok(ppo_overrides(**{"actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16",
+                            "actor_rollout_ref.actor.fsdp_config.fsdp_size": 32,
                             "trainer.total_training_steps": 1}), None)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]
 
