@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -266,6 +267,20 @@ def block_causal_mask(cu_seqlens: torch.Tensor, n: int, window: int | None = Non
     return mask & (back < window) if window is not None else mask
 
 
+# Each packed row's (1, 1, N, N) masks, by the row's ``cu_seqlens`` tensor (held weakly: a mask lives
+# as long as its row's bounds, which klppo's forwards pass to every layer as the same tensor).
+_ROW_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _row_mask(cu_seqlens: torch.Tensor, n: int, window: int | None) -> torch.Tensor:
+    """``block_causal_mask`` of a packed row, built once per forward (as transformers builds its own
+    mask once) where its layers share the row's bounds, instead of N^2 work in every layer."""
+    masks = _ROW_MASKS.setdefault(cu_seqlens, {})
+    if (n, window) not in masks:
+        masks[(n, window)] = block_causal_mask(cu_seqlens, n, window)[None, None]
+    return masks[(n, window)]
+
+
 def _unmasked(attention_mask) -> tuple[torch.Tensor | None, int | None]:
     """(the mask, the window): a ``SlidingWindow`` is no mask, but a window."""
     if isinstance(attention_mask, SlidingWindow):
@@ -317,7 +332,7 @@ def _one_call_per_packed_row(module, query, key, value, attention_mask, dropout,
     cu_seqlens, max_len = sequences  # max_len: an int from klppo's forwards (a tensor would sync per layer)
     if (not kernel or query.dtype not in VARLEN_DTYPES or dropout
             or (window is not None and not varlen_takes_windows())):
-        mask = block_causal_mask(cu_seqlens, query.shape[2], window)[None, None]  # (1, 1, N, N)
+        mask = _row_mask(cu_seqlens, query.shape[2], window)  # (1, 1, N, N)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (N, H or Hkv, D)
     out = torch_varlen_causal(q, k, v, cu_seqlens.to(torch.int32), max_len, scaling, window)

@@ -478,3 +478,20 @@ def test_a_packed_row_whose_layers_pass_only_position_ids_keeps_each_sequence_to
     monkeypatch.setattr(attention, "VARLEN_DTYPES", (BF16, FP16))  # fp32 on the varlen path: one masked call
     out, _ = function(_Attention(), q, k, v, None, scaling=0.5, position_ids=positions)
     torch.testing.assert_close(out, _each_sequence_alone(q, k, v, lengths), atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_rows_mask_is_built_once_per_forward_and_freed_with_the_row(monkeypatch):
+    """PACKED_MASKED (and fp32 rows on the varlen path): every layer gets the row's bounds as the
+    same tensor, so its (N, N) mask is built once per forward, as transformers builds its own."""
+    import gc
+
+    built = []
+    real = attention.block_causal_mask
+    monkeypatch.setattr(attention, "block_causal_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    actor, critic = _models(PACKED_MASKED)
+    ids, mask, width = _batch()
+    response_logprobs(actor, ids, mask, width, packed=True)[0].sum().backward()
+    response_values(critic, ids, mask, width, packed=True)
+    assert len(built) == 2  # one per model forward, not one per layer (LAYERS = 3)
+    gc.collect()
+    assert len(attention._ROW_MASKS) == 0  # nothing held once the rows are gone
