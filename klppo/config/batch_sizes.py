@@ -320,21 +320,25 @@ def _update_problems(role: UpdateSizes, prompts: int, n: int, world: int) -> Fou
                          f"{divisor_below(share, micro)}")]
 
 
-def _even_mini_batch(prompts: int, n: int, world: int, mini: int) -> int:
-    """The mini-batch size nearest above ``mini`` (else the largest) that divides ``prompts`` and
-    whose samples split evenly over ``world`` ranks (or ``world / gcd(n, world)`` where none does)."""
-    step = world // math.gcd(n, world)  # mini-batch sizes whose samples split evenly: multiples of step
-    fits = [m for m in range(step, prompts + 1, step) if prompts % m == 0]
-    return min([m for m in fits if m >= mini] or fits[-1:] or [step])
+def _even_mini_batches(prompts: int, n: int, world: int) -> tuple[int, list[int]]:
+    """(step, sizes): mini-batch sizes whose samples split evenly over ``world`` ranks are the
+    multiples of ``step``; ``sizes`` are those that also divide the step's ``prompts``."""
+    step = world // math.gcd(n, world)
+    return step, [m for m in range(step, prompts + 1, step) if prompts % m == 0]
+
+
+def _nearest_even(mini: int, step: int, sizes: list[int]) -> int:
+    """The even size nearest above ``mini`` (else the largest; ``step`` where none divides the step)."""
+    return min([m for m in sizes if m >= mini] or sizes[-1:] or [step])
 
 
 def _share_problem(role: UpdateSizes, prompts: int, n: int, world: int) -> tuple[tuple[str, ...], str]:
     """A mini-batch's samples that leave a rank less than one."""
     mini, samples = role.mini_batch_size, role.mini_batch_size * n
-    step = world // math.gcd(n, world)
+    step, sizes = _even_mini_batches(prompts, n, world)
     keys = (role.mini_key, f"{ROLLOUT}.n", "trainer.n_gpus_per_node", "trainer.nnodes")
-    fix = f"set {role.mini_key} to a multiple of {step} such as {_even_mini_batch(prompts, n, world, mini)}"
-    if not any(prompts % m == 0 for m in range(step, prompts + 1, step)):
+    fix = f"set {role.mini_key} to a multiple of {step} such as {_nearest_even(mini, step, sizes)}"
+    if not sizes:
         fix += " (and data.train_batch_size to a multiple of it)"
     return keys, (f"{role.mini_key} = {mini} x {ROLLOUT}.n {n} = {samples} samples per mini-batch leave each of "
                   f"the {_ranks(world)} less than one sample (trainer.n_gpus_per_node x trainer.nnodes); {fix}, "
@@ -361,9 +365,12 @@ def mini_batch_notes(cfg: PPOConfig, world: int) -> list[str]:
         parts = f"{full} mini-batch{'es' if full > 1 else ''} of {size} samples" + (f" and one of {last}" if last else "")
         uneven = (f" ({mini} x {ROLLOUT}.n {n} = {mini * n} samples do not split evenly over the {_ranks(world)}: "
                   f"each takes {size // world}, as verl's workers floor it)" if size != mini * n else "")
+        even = _nearest_even(mini, *_even_mini_batches(prompts, n, world))
         notes.append(f"warning: {role.mini_key} = {mini} trains a step of {samples} samples as {parts}{uneven}, "
-                     f"as verl does; {_even_mini_batch(prompts, n, world, mini)} would make them equal")
+                     f"as verl does; {even} would make them equal")
     return notes
+
+
 def token_budget_problems(cfg: PPOConfig) -> Found:
     """A token budget in use must hold the longest possible sequence (prompt + response)."""
     arf, out = cfg.actor_rollout_ref, []
