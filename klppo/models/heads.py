@@ -18,6 +18,15 @@ def _mapped(auto_class, config_class: type):
         return None
 
 
+def is_causal_lm_class(name: str) -> bool:
+    """Whether a Hugging Face class name is a causal LM's: a ``...ForCausalLM``, or one of the classes
+    ``AutoModelForCausalLM`` builds under another name (GPT-2's ``GPT2LMHeadModel``, Gemma 3's
+    ``Gemma3ForConditionalGeneration``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return name.endswith("ForCausalLM") or name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
 # The one-output heads of a critic and a reward model: the auto class, transformers' generic head, the class name's end.
 _HEADS = {AutoModelForTokenClassification: (GenericForTokenClassification, "ForTokenClassification"),
           AutoModelForSequenceClassification: (GenericForSequenceClassification, "ForSequenceClassification")}

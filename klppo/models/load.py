@@ -35,7 +35,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from klppo.errors import UserError, reading, reason
 from klppo.models.attention import packing_problem
-from klppo.models.heads import model_class
+from klppo.models.heads import is_causal_lm_class, model_class
 from klppo.models.rng import seeded
 
 # The weight files from_pretrained reads (transformers' names), the safe format first.
@@ -316,15 +316,11 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, folder: Path, key: s
 
 
 def _causal_lm_config(folder: Path, key: str):
-    """The config of a folder whose model is a causal LM: one transformers' ``AutoModelForCausalLM``
-    builds (``...ForCausalLM``, GPT-2's ``GPT2LMHeadModel``, Gemma 3's ``...ForConditionalGeneration``),
-    not a critic or reward model saved with a head of its own."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
+    """The config of a folder whose model is a causal LM (``is_causal_lm_class``), not a critic or
+    reward model saved with a head of its own."""
     config = _model_config(folder, key)
     architectures = config.architectures or []
-    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if architectures and not any(name.endswith("ForCausalLM") or name in causal for name in architectures):
+    if architectures and not any(is_causal_lm_class(name) for name in architectures):
         raise UserError(
             f"{key}: '{folder}' holds a {architectures[0]}, not a causal language model (...ForCausalLM)"
         )

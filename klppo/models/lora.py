@@ -37,6 +37,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from klppo.errors import UserError, reading
+from klppo.models.heads import is_causal_lm_class
 
 ADAPTER = "default"  # peft's name of the (only) adapter
 PEFT_PREFIX = "base_model.model."  # what peft's saved adapter files put before every parameter name
@@ -48,11 +49,9 @@ Modules = Union[str, tuple[str, ...], None]
 
 
 def _task_type(class_name: str) -> str | None:
-    """peft's task type of a Hugging Face class: by its suffix, or CAUSAL_LM for a causal LM named
-    otherwise (GPT-2's ``GPT2LMHeadModel``: the classes ``AutoModelForCausalLM`` builds)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+    """peft's task type of a Hugging Face class: CAUSAL_LM for a causal LM (``is_causal_lm_class``:
+    GPT-2's ``GPT2LMHeadModel`` too), else by the name's end."""
+    if is_causal_lm_class(class_name):
         return "CAUSAL_LM"
     return next((task for suffix, task in TASK_TYPES.items() if class_name.endswith(suffix)), None)
 
