@@ -312,7 +312,7 @@ def _load_critic(cfg: PPOConfig, tokenizer, env: DistEnv, sharder: Sharder, atte
                       packed=critic_cfg.use_remove_padding, attention=attention)
 
 
-def packed_model_paths(cfg: PPOConfig) -> list[tuple[str, object, dict[str, str]]]:
+def _packed_model_paths(cfg: PPOConfig) -> list[tuple[str, object, dict[str, str]]]:
     """(section key, section, {path key: folder}) of each model section that packs its rows
     (``use_remove_padding``): the actor and reference, the critic, the reward models and the gold one."""
     arf, rm, out = cfg.actor_rollout_ref, cfg.reward_model, []
@@ -333,7 +333,7 @@ def resolve_packing(cfg: PPOConfig, log: Callable = print) -> None:
     models cannot keep the sequences of a packed row apart (``packing_problem``): its forwards run
     padded rows, the numbers packing would have given had it been exact. Left on, every token
     would see the sequences packed before its own (wrong log-probs, values and scores, silently)."""
-    for section_key, section, paths in packed_model_paths(cfg):
+    for section_key, section, paths in _packed_model_paths(cfg):
         for key, path in paths.items():
             problem = packing_problem_of(path, key)
             if problem is not None:
